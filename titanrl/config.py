@@ -1,0 +1,329 @@
+"""Typed run configuration, validated before any actor starts.
+
+Every field has a docstring saying why it exists. `apply_overrides` takes CLI-style
+`section.key=value` strings; `validate` checks types, paths and callables and raises
+`ConfigError` naming the field and what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the field and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Which policy to start from."""
+
+    checkpoint: str = ""
+    """HF checkpoint directory (config.json, safetensors, tokenizer) of the initial policy."""
+    dtype: str = "float32"
+    """Parameter dtype for trainer and generator: float32 or bfloat16 (float32 is faster on AVX2 CPUs)."""
+
+
+@dataclass
+class DataConfig:
+    """Prompts to train and evaluate on."""
+
+    train_file: str = ""
+    """JSON-lines file of training rows; each row has `prompt_field` plus any fields the reward needs."""
+    eval_file: str = ""
+    """JSON-lines file of held-out rows for eval accuracy; empty disables eval."""
+    prompt_field: str = "prompt"
+    """Row key holding the prompt text."""
+    shuffle_seed: int = 0
+    """Seed of the per-epoch shuffle of the training rows."""
+
+
+@dataclass
+class RolloutConfig:
+    """How completions are generated."""
+
+    num_workers: int = 1
+    """Rollout worker actors, each owning one vLLM engine."""
+    prompts_per_step: int = 32
+    """Prompts per optimizer step; each yields `group_size` completions."""
+    group_size: int = 8
+    """Completions per prompt; GRPO compares them to each other."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer scores tokens under the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 keeps the exact softmax the trainer recomputes."""
+    max_new_tokens: int = 32
+    """Token limit per completion."""
+    max_model_len: int = 512
+    """Longest prompt + completion the engine accepts."""
+    max_num_seqs: int = 256
+    """Sequences the engine batches at once; should cover prompts_per_step * group_size."""
+    kv_cache_gib: float = 1.0
+    """KV-cache memory per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    vllm_multiprocess: bool = False
+    """Run vLLM's engine core in its own process (slower start on CPU, isolates crashes)."""
+    threads_per_worker: int = 1
+    """Intra-op threads of each worker; 1 is robust on a busy 2-core machine."""
+
+
+@dataclass
+class TrainConfig:
+    """The GRPO optimization."""
+
+    steps: int = 100
+    """Optimizer steps (one per rollout batch)."""
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; <= 0 disables clipping."""
+    clip_eps: float = 0.2
+    """PPO clip range below 1 (and above, unless clip_eps_high is set)."""
+    clip_eps_high: float | None = None
+    """Upper clip range (DAPO's clip-higher); None means clip_eps."""
+    scale_advantages_by_std: bool = True
+    """Divide group-centered rewards by the group std (GRPO); False gives Dr.GRPO-style centering."""
+    micro_batch_size: int = 64
+    """Sequences per forward/backward; gradients accumulate to one step per batch."""
+    max_staleness: int = 0
+    """Oldest policy version the trainer accepts, in steps behind; 0 is synchronous on-policy."""
+    threads: int = 1
+    """Intra-op threads of the trainer process."""
+
+
+@dataclass
+class EvalConfig:
+    """Held-out greedy accuracy."""
+
+    every_steps: int = 10
+    """Evaluate before step 1, every this many steps, and after the last; 0 disables."""
+    max_prompts: int = 200
+    """Evaluate on at most this many rows of the eval file."""
+    max_new_tokens: int = 0
+    """Token limit for eval completions; 0 means rollout.max_new_tokens."""
+    correct_threshold: float = 1.0
+    """A greedy completion counts as correct when its summed reward is at least this."""
+
+
+@dataclass
+class OutputConfig:
+    """What lands in the run directory."""
+
+    dir: str = ""
+    """Run directory for metrics, TensorBoard events, plots, rollouts, checkpoints; empty: runs/<timestamp>.
+    It must not already hold a run (nothing written before is ever overwritten)."""
+    save_every_steps: int = 0
+    """Export an HF checkpoint every this many steps; 0 saves only the final policy."""
+    rollouts_per_step: int = 4
+    """Sample groups per step written to rollouts.jsonl."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar on stderr."""
+    tensorboard: bool = True
+    """Write TensorBoard event files next to metrics.jsonl."""
+
+
+RewardFn = Callable[..., float]
+
+
+@dataclass
+class RunConfig:
+    """A whole GRPO run: `titanrl.train(RunConfig(...))`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Initial policy."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Train and eval prompts."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation settings."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimizer and loss settings."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
+    output: OutputConfig = field(default_factory=OutputConfig)
+    """Run directory contents."""
+    rewards: list[Any] = field(default_factory=list)
+    """Reward callables `(prompt, completion, **row_fields) -> float` (or 'module:function' strings); summed."""
+    seed: int = 0
+    """Seed of sampling and of anything random in the trainer."""
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
+    """Applies `section.key=value` strings (leading dashes allowed) to a copy of `config`."""
+    config = dataclasses.replace(config)
+    for section in dataclasses.fields(config):
+        value = getattr(config, section.name)
+        if dataclasses.is_dataclass(value):
+            setattr(config, section.name, dataclasses.replace(value))
+    for raw in overrides:
+        item = raw.lstrip("-")
+        if "=" not in item:
+            raise ConfigError(f"override {raw!r} must look like --section.key=value")
+        dotted, text = item.split("=", 1)
+        parent, leaf, hint = _resolve(config, dotted)
+        setattr(parent, leaf, _parse_value(text, hint, dotted))
+    return config
+
+
+def _resolve(config: Any, dotted: str) -> tuple[Any, str, Any]:
+    obj: Any = config
+    parts = dotted.split(".")
+    for depth, name in enumerate(parts):
+        names = [f.name for f in dataclasses.fields(obj)]
+        if name not in names:
+            where = ".".join(parts[:depth]) or "the config"
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"; did you mean {'.'.join(parts[:depth] + close)!r}?" if close else ""
+            raise ConfigError(f"unknown config key {dotted!r}: {where} has no field {name!r}{hint}")
+        if depth == len(parts) - 1:
+            return obj, name, typing.get_type_hints(type(obj))[name]
+        obj = getattr(obj, name)
+        if not dataclasses.is_dataclass(obj):
+            raise ConfigError(f"unknown config key {dotted!r}: {'.'.join(parts[: depth + 1])} is not a section")
+    raise AssertionError("unreachable")
+
+
+def _parse_value(text: str, hint: Any, dotted: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if text.lower() in ("none", "null") and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    try:
+        if hint is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if hint in (int, float, str):
+            return hint(text)
+        if origin is tuple:
+            return tuple(a(x) for a, x in zip(args, text.strip("()").split(","), strict=True))
+        if origin is list:
+            return [x for x in text.split(",") if x]
+    except ValueError:
+        pass
+    raise ConfigError(f"{dotted}={text!r} is not a valid {_type_name(hint)}")
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _check_type(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_check_type(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is tuple:
+        return isinstance(value, tuple) and len(value) == len(args) and all(map(_check_type, value, args))
+    if origin is list:
+        return isinstance(value, list)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True
+
+
+def _check_types(obj: Any, prefix: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, name = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_types(value, f"{name}.")
+        elif not _check_type(value, hints[f.name]):
+            raise ConfigError(
+                f"{name} must be {_type_name(hints[f.name])}, got {type(value).__name__} {value!r}"
+            )
+
+
+def resolve_reward(spec: Any, index: int) -> RewardFn:
+    """Turns a callable or a 'module:function' string into a reward callable."""
+    if isinstance(spec, str):
+        import importlib
+
+        module_name, _, attr = spec.partition(":")
+        try:
+            spec = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ConfigError(f"rewards[{index}]={spec!r} cannot be imported ({e}); use 'package.module:function'") from e
+    if not callable(spec):
+        raise ConfigError(
+            f"rewards[{index}] must be callable as reward(prompt, completion, **row_fields) -> float, "
+            f"got {type(spec).__name__} {spec!r}"
+        )
+    return spec
+
+
+def _positive(config: RunConfig, *dotted: str) -> None:
+    for d in dotted:
+        section, name = d.split(".")
+        value = getattr(getattr(config, section), name)
+        if value <= 0:
+            raise ConfigError(f"{d} must be > 0, got {value}")
+
+
+def validate(config: RunConfig) -> None:
+    """Raises ConfigError for anything that would fail later, before any actor starts."""
+    if not isinstance(config, RunConfig):
+        raise ConfigError(f"expected a titanrl.RunConfig, got {type(config).__name__}")
+    _check_types(config, "")
+    _positive(
+        config,
+        "rollout.num_workers", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
+        "rollout.max_model_len", "rollout.max_num_seqs", "rollout.kv_cache_gib", "rollout.threads_per_worker",
+        "train.steps", "train.lr", "train.micro_batch_size", "train.threads",
+    )
+    if config.rollout.group_size < 2:
+        raise ConfigError("rollout.group_size must be >= 2: GRPO compares completions of the same prompt")
+    if config.rollout.temperature <= 0:
+        raise ConfigError("rollout.temperature must be > 0 for training rollouts (eval is always greedy)")
+    if not 0 < config.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p}")
+    if config.train.max_staleness < 0:
+        raise ConfigError(f"train.max_staleness must be >= 0, got {config.train.max_staleness}")
+    if config.model.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {config.model.dtype!r}")
+    if not config.model.checkpoint:
+        raise ConfigError("model.checkpoint is empty: set it to an HF checkpoint directory")
+    from titanrl.models.hf_checkpoint import CheckpointError, read_config
+
+    try:
+        read_config(config.model.checkpoint)
+    except CheckpointError as e:
+        raise ConfigError(f"model.checkpoint: {e}") from e
+    for name in ("train_file", "eval_file"):
+        path = getattr(config.data, name)
+        if name == "train_file" and not path:
+            raise ConfigError("data.train_file is empty: set it to a JSON-lines file of prompts")
+        if path and not Path(path).is_file():
+            raise ConfigError(f"data.{name}: file {path!r} does not exist")
+    if not config.rewards:
+        raise ConfigError("rewards is empty: give at least one reward(prompt, completion, **row_fields) -> float")
+    for i, spec in enumerate(config.rewards):
+        resolve_reward(spec, i)

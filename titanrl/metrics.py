@@ -1,0 +1,79 @@
+"""Run-directory logging: metrics.jsonl, TensorBoard events, rollouts.jsonl, the final plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLogger:
+    """Appends one JSON object per step and flushes it, so a crash loses at most one line."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a")
+        self._rollouts = open(self.run_dir / "rollouts.jsonl", "a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def log(self, record: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._metrics.write(json.dumps(clean) + "\n")
+        self._metrics.flush()
+        os.fsync(self._metrics.fileno())
+        if self._tb is not None:
+            step = int(record["step"])
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def log_rollouts(self, step: int, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            self._rollouts.write(json.dumps({"step": step, **row}) + "\n")
+        self._rollouts.flush()
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._rollouts.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_run(run_dir: str | Path) -> Path:
+    """Draws reward mean and eval accuracy against step into `run_dir/progress.png`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    train = [(r["step"], r["reward/mean"]) for r in records if r.get("reward/mean") is not None]
+    evals = [(r["step"], r["eval/accuracy"]) for r in records if r.get("eval/accuracy") is not None]
+    if train:
+        ax.plot(*zip(*train), label="train reward (mean)", color="tab:blue", alpha=0.8)
+    if evals:
+        ax.plot(*zip(*evals), label="eval accuracy (greedy)", color="tab:orange", marker="o")
+    ax.set_xlabel("step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(Path(run_dir).name)
+    out = Path(run_dir) / "progress.png"
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,276 @@
+"""Qwen3-family dense decoder in plain PyTorch.
+
+This single definition serves the trainer, the native engine and vLLM (through
+`titanrl.rollout.vllm_model`, which swaps in vLLM's paged-KV attention as the
+attention backend). Module and parameter names are exactly Hugging Face's, so an
+HF state dict loads with no renaming.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HF_ARCHITECTURE = "Qwen3ForCausalLM"
+
+
+@dataclass
+class Qwen3Config:
+    """Architecture hyper-parameters, named as in an HF `config.json`."""
+
+    vocab_size: int = 512
+    """Number of token ids the embedding and LM head cover."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    intermediate_size: int = 384
+    """Width of the SwiGLU MLP's hidden layer."""
+    num_hidden_layers: int = 2
+    """Number of decoder blocks."""
+    num_attention_heads: int = 4
+    """Query heads per attention layer."""
+    num_key_value_heads: int = 2
+    """Key/value heads; fewer than query heads means grouped-query attention."""
+    head_dim: int = 32
+    """Per-head width; vLLM's CPU attention supports 32 and 64 (not 16)."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon inside every RMSNorm, including the per-head q/k norms."""
+    rope_theta: float = 1_000_000.0
+    """Base of the rotary-embedding frequencies."""
+    max_position_embeddings: int = 2048
+    """Longest sequence (prompt + completion) the model is configured for."""
+    tie_word_embeddings: bool = True
+    """Share one matrix between the input embedding and the LM head."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence id recorded in config.json (not prepended by the model)."""
+    eos_token_id: int | None = None
+    """End-of-sequence id recorded in config.json; generation stops on it."""
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Qwen3Config.{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> Qwen3Config:
+        """Reads the fields we use from an HF `config.json` dict; ignores the rest."""
+        archs = hf.get("architectures") or [HF_ARCHITECTURE]
+        if archs[0] != HF_ARCHITECTURE:
+            raise ValueError(
+                f"unsupported architecture {archs[0]!r} in config.json: TitanRL's qwen3 model "
+                f"loads {HF_ARCHITECTURE!r} checkpoints"
+            )
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in hf.items() if k in known}
+        # transformers >= 5 nests rope_theta under rope_parameters.
+        rope = hf.get("rope_parameters") or {}
+        if "rope_theta" in rope:
+            kwargs["rope_theta"] = rope["rope_theta"]
+        if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+            raise ValueError("only default (unscaled) rotary embeddings are supported")
+        if kwargs.get("head_dim") is None and "hidden_size" in hf:
+            kwargs["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
+        if isinstance(kwargs.get("eos_token_id"), list):
+            kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
+        return cls(**kwargs)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """An HF `config.json` dict that transformers' Qwen3ForCausalLM loads."""
+        d = asdict(self)
+        d.update(
+            architectures=[HF_ARCHITECTURE],
+            model_type="qwen3",
+            hidden_act="silu",
+            attention_bias=False,
+            attention_dropout=0.0,
+            use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            torch_dtype="float32",
+        )
+        return d
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as Qwen3 does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for explicit positions (vLLM's positions are not always 0..T-1).
+
+    Frequencies are recomputed per call in float32 rather than kept in a buffer, so
+    meta-device construction and dtype casts of the model can never corrupt them.
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, positions_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions_BT.device)
+        inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
+        freqs_BTF = positions_BT[..., None].float() * inv_freq
+        emb_BTD = torch.cat((freqs_BTF, freqs_BTF), dim=-1)
+        return emb_BTD.cos().to(dtype), emb_BTD.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x_BTHD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BTD[:, :, None, :], sin_BTD[:, :, None, :]
+    return x_BTHD * cos + _rotate_half(x_BTHD) * sin
+
+
+class CausalSDPA(nn.Module):
+    """Default attention backend: causal softmax attention over one padded batch.
+
+    Right padding is safe: a real token never attends to the pad tokens after it.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_groups = num_heads // num_kv_heads
+        self.scale = head_dim**-0.5
+
+    def forward(self, q_BTHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTKD, v_BTKD))
+        if self.num_groups > 1:
+            k = k.repeat_interleave(self.num_groups, dim=1)
+            v = v.repeat_interleave(self.num_groups, dim=1)
+        out_BHTD = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return out_BHTD.transpose(1, 2)
+
+
+AttentionBackendFactory = Callable[[int], nn.Module]
+"""Builds the attention backend for decoder layer `i`; called as backend(q, k, v)."""
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with per-head q/k RMSNorm and rotary embeddings."""
+
+    def __init__(self, config: Qwen3Config, backend: nn.Module) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.backend = backend
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q = self.q_norm(self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out_BTHD = self.backend(q, k, v)
+        return self.o_proj(out_BTHD.reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward block."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: Qwen3Config, attention_backend: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, attention_backend)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Backbone(nn.Module):
+    """Embeddings, decoder layers and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: Qwen3Config, attention_backend: AttentionBackendFactory) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, attention_backend(i)) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3 decoder with an LM head; `forward` maps token ids [B, T] to logits [B, T, V]."""
+
+    def __init__(self, config: Qwen3Config, attention_backend: AttentionBackendFactory | None = None) -> None:
+        super().__init__()
+        self.config = config
+        if attention_backend is None:
+
+            def attention_backend(layer_idx: int) -> nn.Module:
+                return CausalSDPA(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+
+        self.model = Qwen3Backbone(config, attention_backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Fresh normal(0, std) weights and unit norms; deterministic for a given seed."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def hidden_states(self, input_ids_BT: torch.Tensor, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states [B, T, hidden]."""
+        if positions_BT is None:
+            positions_BT = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
+        h = self.model.embed_tokens(input_ids_BT)
+        cos, sin = self.model.rotary_emb(positions_BT, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids_BT: torch.Tensor, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        return self.compute_logits(self.hidden_states(input_ids_BT, positions_BT))

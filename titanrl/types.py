@@ -1,0 +1,71 @@
+"""Data that moves between rollout workers, the buffer and the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PolicyVersion = int
+"""Number of optimizer steps behind a set of weights; 0 is the initial checkpoint."""
+
+
+@dataclass
+class Sample:
+    """One completion of one prompt, with everything GRPO needs to train on it."""
+
+    prompt: str
+    """The prompt text as given to the generator."""
+    completion: str
+    """Decoded completion text (what the reward saw)."""
+    prompt_ids: list[int]
+    """Prompt token ids exactly as the generator consumed them."""
+    completion_ids: list[int]
+    """Generated token ids, eos included when generation stopped on it."""
+    gen_logprobs: list[float]
+    """Generator's log-probability of each completion token under its sampling distribution."""
+    reward: float
+    """Scalar reward from the reward function(s)."""
+    group_id: int
+    """Index of the prompt group this sample belongs to; GRPO normalizes within a group."""
+    policy_version: PolicyVersion
+    """Version of the weights that generated every token of this completion."""
+    fields: dict[str, Any] = field(default_factory=dict)
+    """The dataset row's other fields (e.g. the reference answer), passed to rewards."""
+    finished: bool = True
+    """False when generation hit the token limit instead of eos."""
+
+    def __post_init__(self) -> None:
+        if len(self.completion_ids) != len(self.gen_logprobs):
+            raise ValueError(
+                f"sample has {len(self.completion_ids)} completion tokens but {len(self.gen_logprobs)} logprobs"
+            )
+
+
+@dataclass
+class Group:
+    """All `group_size` completions of one prompt."""
+
+    samples: list[Sample]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+    @property
+    def policy_version(self) -> PolicyVersion:
+        """The oldest version among the samples (what staleness is measured by)."""
+        return min(s.policy_version for s in self.samples)
+
+
+@dataclass
+class RolloutBatch:
+    """What one worker returns for one generation request."""
+
+    groups: list[Group]
+    """Complete prompt groups."""
+    gen_tokens: int
+    """Completion tokens generated (for throughput)."""
+    gen_seconds: float
+    """Wall time spent generating and scoring."""
+    policy_version: PolicyVersion
+    """Version of the worker's weights during this request."""
