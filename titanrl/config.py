@@ -305,18 +305,37 @@ def validate(config: RunConfig) -> None:
         raise ConfigError("rollout.temperature must be > 0 for training rollouts (eval is always greedy)")
     if not 0 < config.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p}")
+    for name in ("clip_eps", "clip_eps_high"):
+        value = getattr(config.train, name)
+        if value is not None and not 0 < value < 1:
+            raise ConfigError(f"train.{name} must be in (0, 1), got {value}")
+    for dotted in ("train.warmup_steps", "eval.every_steps", "eval.max_new_tokens", "output.save_every_steps",
+                   "output.rollouts_per_step"):
+        section, name = dotted.split(".")
+        if getattr(getattr(config, section), name) < 0:
+            raise ConfigError(f"{dotted} must be >= 0, got {getattr(getattr(config, section), name)}")
+    if config.rollout.max_new_tokens >= config.rollout.max_model_len:
+        raise ConfigError(
+            f"rollout.max_new_tokens ({config.rollout.max_new_tokens}) must be < rollout.max_model_len "
+            f"({config.rollout.max_model_len}) to leave room for the prompt"
+        )
     if config.train.max_staleness < 0:
         raise ConfigError(f"train.max_staleness must be >= 0, got {config.train.max_staleness}")
     if config.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {config.model.dtype!r}")
     if not config.model.checkpoint:
         raise ConfigError("model.checkpoint is empty: set it to an HF checkpoint directory")
-    from titanrl.models.hf_checkpoint import CheckpointError, read_config
+    from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, read_config
 
     try:
         read_config(config.model.checkpoint)
     except CheckpointError as e:
         raise ConfigError(f"model.checkpoint: {e}") from e
+    ckpt = Path(config.model.checkpoint)
+    if not (ckpt / SINGLE_FILE).is_file() and not (ckpt / INDEX_FILE).is_file():
+        raise ConfigError(f"model.checkpoint: {str(ckpt)!r} has no {SINGLE_FILE} or {INDEX_FILE}")
+    if not (ckpt / "tokenizer.json").is_file() and not (ckpt / "tokenizer_config.json").is_file():
+        raise ConfigError(f"model.checkpoint: {str(ckpt)!r} has no tokenizer files (tokenizer.json)")
     for name in ("train_file", "eval_file"):
         path = getattr(config.data, name)
         if name == "train_file" and not path:

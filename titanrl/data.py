@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 
-class DatasetError(ValueError):
+from titanrl.config import ConfigError
+
+
+class DatasetError(ConfigError):
     """A dataset file cannot be used; the message names the file and line."""
 
 
@@ -25,6 +28,9 @@ def load_rows(path: str | Path, prompt_field: str = "prompt") -> list[dict[str, 
                 raise DatasetError(f"{path}:{lineno} is not valid JSON ({e})") from e
             if not isinstance(row, dict) or not isinstance(row.get(prompt_field), str):
                 raise DatasetError(f"{path}:{lineno} needs a string field {prompt_field!r} (data.prompt_field)")
+            if not row[prompt_field]:
+                # Without a BOS token an empty prompt leaves nothing to predict the first token from.
+                raise DatasetError(f"{path}:{lineno} has an empty {prompt_field!r}")
             rows.append(row)
     if not rows:
         raise DatasetError(f"{path} has no rows")

@@ -48,13 +48,18 @@ def prepare_run_dir(path: str) -> Path:
     return run_dir
 
 
+def _say(message: str) -> None:
+    print(f"[titanrl] {message}", file=sys.stderr, flush=True)
+
+
 def _config_record(config: RunConfig) -> dict[str, Any]:
     record = dataclasses.asdict(dataclasses.replace(config, rewards=[]))
     record["rewards"] = [r if isinstance(r, str) else f"{r.__module__}:{r.__qualname__}" for r in config.rewards]
     return record
 
 
-def _init_ray(config: RunConfig) -> None:
+def init_ray(num_cpus: int | None = None) -> None:
+    """Starts a local Ray instance for TitanRL's actors, unless one is already running."""
     import ray
 
     if ray.is_initialized():
@@ -64,11 +69,16 @@ def _init_ray(config: RunConfig) -> None:
     ray.init(
         # Keep Ray's own traffic on loopback: a single-machine run needs no other address.
         _node_ip_address="127.0.0.1",
-        num_cpus=max(os.cpu_count() or 1, 1 + config.rollout.num_workers),
+        num_cpus=num_cpus or os.cpu_count() or 1,
         include_dashboard=False,
         logging_level="WARNING",
         log_to_driver=True,
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+        runtime_env={"env_vars": {
+            "PYTHONPATH": pythonpath,
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        }},
     )
 
 
@@ -119,7 +129,8 @@ def train(config: RunConfig) -> RunResult:
     from titanrl.rollout.worker import RolloutWorker
     from titanrl.trainer.trainer import GRPOTrainer
 
-    _init_ray(config)
+    _say(f"run directory {run_dir}; starting Ray")
+    init_ray()
     _ship_rewards_by_value(config.rewards)
     rc, tc = config.rollout, config.train
     trainer = ray.remote(GRPOTrainer).options(num_cpus=0).remote(config.model, tc, rc.temperature, config.seed)
@@ -132,7 +143,10 @@ def train(config: RunConfig) -> RunResult:
     logger = MetricsLogger(run_dir, tensorboard=config.output.tensorboard)
     final: Path | None = None
     try:
+        t0 = time.perf_counter()
+        _say(f"starting the trainer and {len(workers)} vLLM rollout worker(s) (~20 s on CPU)")
         ray.get([w.ready.remote() for w in workers] + [trainer.get_version.remote()])
+        _say(f"actors ready in {time.perf_counter() - t0:.0f} s")
         final = _run_loop(config, trainer, workers, logger, train_rows, eval_rows, run_dir)
     finally:
         logger.close()

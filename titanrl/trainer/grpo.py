@@ -11,6 +11,8 @@ def group_advantages(rewards_G: torch.Tensor, eps: float = 1e-6, scale_by_std: b
     A group where every completion scores the same carries no preference signal, so its
     advantages are exactly zero (not 0/eps noise).
     """
+    if rewards_G.numel() == 0 or bool((rewards_G == rewards_G.flatten()[0]).all()):
+        return torch.zeros_like(rewards_G)  # float mean of equal values can be off by an ulp
     centered = rewards_G - rewards_G.mean()
     if not scale_by_std:
         return centered

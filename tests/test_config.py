@@ -1,0 +1,461 @@
+"""Config validation: every bad config fails in `validate`/`apply_overrides` with a message
+naming the field and the fix, before any Ray actor starts; the CLI turns those into exit code 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import textwrap
+
+import pytest
+
+from titanrl.config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    RunConfig,
+    apply_overrides,
+    resolve_reward,
+    validate,
+)
+from titanrl.models.tiny import tiny_config
+
+
+def length_reward(prompt: str, completion: str, **fields) -> float:
+    """An importable module-level reward ('tests.test_config:length_reward' style)."""
+    return float(len(completion))
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    """A real tiny checkpoint directory (config, weights, tokenizer)."""
+    from titanrl.models.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+@pytest.fixture
+def good_config(tmp_path, checkpoint_dir) -> RunConfig:
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    return RunConfig(
+        model=ModelConfig(checkpoint=str(checkpoint_dir)),
+        data=DataConfig(train_file=str(train)),
+        rewards=[length_reward],
+    )
+
+
+def _fails(config: RunConfig, *needles: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate(config)
+    msg = str(info.value)
+    for needle in needles:
+        assert needle in msg, f"{needle!r} not in {msg!r}"
+    return msg
+
+
+# ----------------------------------------------------------------------------- positive cases
+
+
+def test_good_config_validates(good_config):
+    """A complete config (checkpoint, existing train file, callable reward) passes validate."""
+    validate(good_config)
+
+
+def test_module_function_reward_string_validates(good_config):
+    """A 'module:function' reward string resolves to the function it names."""
+    good_config.rewards = ["titanrl.models.tiny:tiny_config"]
+    validate(good_config)
+    from titanrl.models.tiny import tiny_config as fn
+
+    assert resolve_reward("titanrl.models.tiny:tiny_config", 0) is fn
+
+
+def test_overrides_parse_each_type():
+    """bool/int/float/tuple/None/list/str overrides become values of the field's type."""
+    base = RunConfig()
+    cfg = apply_overrides(
+        base,
+        [
+            "--train.steps=7",
+            "train.lr=3e-5",
+            "train.betas=(0.8,0.95)",
+            "train.clip_eps_high=0.28",
+            "output.tensorboard=false",
+            "rollout.vllm_multiprocess=yes",
+            "model.dtype=bfloat16",
+            "rewards=pkg.mod:a,pkg.mod:b",
+            "train.grad_clip=2",
+        ],
+    )
+    assert cfg.train.steps == 7 and type(cfg.train.steps) is int
+    assert cfg.train.lr == 3e-5 and type(cfg.train.lr) is float
+    assert cfg.train.betas == (0.8, 0.95) and isinstance(cfg.train.betas, tuple)
+    assert cfg.train.clip_eps_high == 0.28
+    assert cfg.output.tensorboard is False
+    assert cfg.rollout.vllm_multiprocess is True
+    assert cfg.model.dtype == "bfloat16"
+    assert cfg.rewards == ["pkg.mod:a", "pkg.mod:b"]
+    assert cfg.train.grad_clip == 2.0 and type(cfg.train.grad_clip) is float
+    again = apply_overrides(cfg, ["train.clip_eps_high=None"])
+    assert again.train.clip_eps_high is None
+    # Overrides work on a copy: the input config is untouched.
+    assert base.train.steps == 100 and base.output.tensorboard is True
+    assert cfg.train.clip_eps_high == 0.28
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def test_unknown_override_key_suggests_close_match():
+    """A misspelled key names the key, the section, and a did-you-mean suggestion."""
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(RunConfig(), ["train.lrr=1e-3"])
+    msg = str(info.value)
+    assert "'train.lrr'" in msg and "did you mean 'train.lr'" in msg
+
+
+def test_unknown_section_suggests_close_match():
+    """A misspelled section is reported with the right section name."""
+    with pytest.raises(ConfigError, match=r"did you mean 'train'"):
+        apply_overrides(RunConfig(), ["trian.lr=1e-3"])
+
+
+def test_override_into_non_section_fails():
+    """`train.lr.x=1` names lr as not being a section."""
+    with pytest.raises(ConfigError, match=r"train\.lr is not a section"):
+        apply_overrides(RunConfig(), ["train.lr.x=1"])
+
+
+def test_override_without_equals_fails():
+    """An override that is not key=value says what shape it needs."""
+    with pytest.raises(ConfigError, match=r"--section\.key=value"):
+        apply_overrides(RunConfig(), ["--train.lr"])
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("train.lr=abc", "train.lr='abc' is not a valid float"),
+        ("train.steps=1.5", "train.steps='1.5' is not a valid int"),
+        ("output.tensorboard=maybe", "output.tensorboard='maybe' is not a valid bool"),
+        ("train.betas=(0.9)", "train.betas='(0.9)' is not a valid"),
+        ("train.clip_eps_high=high", "train.clip_eps_high='high' is not a valid float"),
+    ],
+)
+def test_override_wrong_type(override, needle):
+    """An override value that does not parse as the field's type names the field and the type."""
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(RunConfig(), [override])
+    assert needle in str(info.value)
+
+
+# ----------------------------------------------------------------------------- validate
+
+
+def test_str_assigned_to_int_field(good_config):
+    """A str assigned directly to an int field is caught by validate with field and type."""
+    good_config.train.steps = "10"
+    _fails(good_config, "train.steps must be int", "'10'")
+
+
+def test_bool_is_not_an_int(good_config):
+    """True is not accepted where an int is expected (bool is an int subclass in Python)."""
+    good_config.rollout.group_size = True
+    _fails(good_config, "rollout.group_size must be int")
+
+
+def test_str_assigned_to_float_field(good_config):
+    """A str in a float field is caught by validate."""
+    good_config.train.lr = "abc"
+    _fails(good_config, "train.lr must be float")
+
+
+def test_wrong_tuple_length(good_config):
+    """betas with three elements is rejected."""
+    good_config.train.betas = (0.9, 0.99, 0.1)
+    _fails(good_config, "train.betas must be")
+
+
+def test_group_size_below_two(good_config):
+    """group_size=1 leaves GRPO nothing to compare; the message says >= 2."""
+    good_config.rollout.group_size = 1
+    _fails(good_config, "rollout.group_size must be >= 2")
+
+
+@pytest.mark.parametrize(
+    "section, name, value",
+    [
+        ("rollout", "num_workers", 0),
+        ("rollout", "prompts_per_step", 0),
+        ("rollout", "max_new_tokens", -1),
+        ("train", "steps", 0),
+        ("train", "lr", 0.0),
+        ("train", "micro_batch_size", 0),
+    ],
+)
+def test_non_positive_fields(good_config, section, name, value):
+    """Counts and the learning rate must be > 0; the message names the field."""
+    setattr(getattr(good_config, section), name, value)
+    _fails(good_config, f"{section}.{name} must be > 0")
+
+
+@pytest.mark.parametrize(
+    "section, name, value, needle",
+    [
+        ("rollout", "temperature", 0.0, "rollout.temperature must be > 0"),
+        ("rollout", "top_p", 1.5, "rollout.top_p must be in (0, 1]"),
+        ("rollout", "top_p", 0.0, "rollout.top_p must be in (0, 1]"),
+        ("train", "max_staleness", -1, "train.max_staleness must be >= 0"),
+        ("model", "dtype", "float16", "model.dtype must be 'float32' or 'bfloat16'"),
+    ],
+)
+def test_out_of_range_values(good_config, section, name, value, needle):
+    """Values of the right type but outside their range are rejected by name."""
+    setattr(getattr(good_config, section), name, value)
+    _fails(good_config, needle)
+
+
+def test_missing_checkpoint_setting(good_config):
+    """An empty model.checkpoint says to set it to an HF checkpoint directory."""
+    good_config.model.checkpoint = ""
+    _fails(good_config, "model.checkpoint is empty", "HF checkpoint directory")
+
+
+def test_checkpoint_dir_does_not_exist(good_config, tmp_path):
+    """A checkpoint path that does not exist is named in the error."""
+    good_config.model.checkpoint = str(tmp_path / "nope")
+    _fails(good_config, "model.checkpoint", "nope", "does not exist")
+
+
+def test_checkpoint_dir_without_config_json(good_config, tmp_path):
+    """A directory with no config.json is not an HF checkpoint."""
+    empty = tmp_path / "empty_ckpt"
+    empty.mkdir()
+    good_config.model.checkpoint = str(empty)
+    _fails(good_config, "model.checkpoint", "config.json")
+
+
+def test_checkpoint_config_json_corrupt(good_config, tmp_path):
+    """A config.json that is not JSON is reported as such."""
+    bad = tmp_path / "bad_ckpt"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    good_config.model.checkpoint = str(bad)
+    _fails(good_config, "model.checkpoint", "not valid JSON")
+
+
+def test_train_file_empty_setting(good_config):
+    """An unset data.train_file says to set it."""
+    good_config.data.train_file = ""
+    _fails(good_config, "data.train_file is empty")
+
+
+def test_train_file_missing(good_config, tmp_path):
+    """A train file that does not exist is named."""
+    good_config.data.train_file = str(tmp_path / "missing.jsonl")
+    _fails(good_config, "data.train_file", "missing.jsonl", "does not exist")
+
+
+def test_eval_file_missing(good_config, tmp_path):
+    """An eval file that does not exist is named (eval_file is optional but must exist if set)."""
+    good_config.data.eval_file = str(tmp_path / "eval_missing.jsonl")
+    _fails(good_config, "data.eval_file", "eval_missing.jsonl")
+
+
+def test_train_file_is_a_directory(good_config, tmp_path):
+    """A directory is not a dataset file."""
+    good_config.data.train_file = str(tmp_path)
+    _fails(good_config, "data.train_file")
+
+
+def test_no_rewards(good_config):
+    """A run without rewards is rejected with the expected reward signature."""
+    good_config.rewards = []
+    _fails(good_config, "rewards is empty", "reward(prompt, completion")
+
+
+def test_reward_not_callable(good_config):
+    """A non-callable reward is named by its index and the signature it needs."""
+    good_config.rewards = [length_reward, 42]
+    _fails(good_config, "rewards[1] must be callable", "42")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["no_such_module_xyz:reward", "titanrl.config:no_such_function", "titanrl.config"],
+)
+def test_reward_string_not_importable(good_config, spec):
+    """A 'module:function' string that cannot be imported names itself and the expected form."""
+    good_config.rewards = [spec]
+    _fails(good_config, "rewards[0]", repr(spec), "cannot be imported", "'package.module:function'")
+
+
+def test_reward_string_names_non_callable(good_config):
+    """A 'module:attr' string naming a non-callable (a constant) is rejected as not callable."""
+    good_config.rewards = ["titanrl.models.tiny:EOS_TOKEN_ID"]
+    _fails(good_config, "rewards[0] must be callable")
+
+
+def test_not_a_run_config():
+    """validate rejects objects that are not a RunConfig."""
+    with pytest.raises(ConfigError, match="expected a titanrl.RunConfig"):
+        validate({"model": {}})
+
+
+def test_section_replaced_by_wrong_type(good_config):
+    """A whole section replaced by a non-dataclass is a type error naming the section."""
+    good_config = dataclasses.replace(good_config, train="fast")
+    _fails(good_config, "train must be TrainConfig")
+
+
+# ----------------------------------------------------------------------------- driver + CLI
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Fails the test if anything tries to start Ray; afterwards Ray must not be running
+    (unless an earlier test in the session left it running, which this test did not cause)."""
+    import ray
+
+    import titanrl.driver
+
+    was_running = ray.is_initialized()
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("Ray was started although the config is invalid")
+
+    monkeypatch.setattr(ray, "init", forbidden)
+    for name in ("init_ray", "_init_ray"):  # the driver's Ray start-up helper, whatever its name
+        if hasattr(titanrl.driver, name):
+            monkeypatch.setattr(titanrl.driver, name, forbidden)
+    yield
+    assert was_running or not ray.is_initialized()
+
+
+def test_driver_train_validates_before_ray(good_config, tmp_path, no_ray):
+    """titanrl.driver.train raises the config error for a missing train file without starting Ray."""
+    from titanrl.driver import train
+
+    good_config.data.train_file = str(tmp_path / "missing.jsonl")
+    good_config.output.dir = str(tmp_path / "run")
+    with pytest.raises(ConfigError, match="data.train_file"):
+        train(good_config)
+    assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_driver_train_bad_dataset_before_ray(good_config, tmp_path, no_ray):
+    """An existing but empty train file fails in train() (DatasetError) before Ray starts."""
+    from titanrl.data import DatasetError
+    from titanrl.driver import train
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    good_config.data.train_file = str(empty)
+    good_config.output.dir = str(tmp_path / "run")
+    with pytest.raises(DatasetError, match="has no rows"):
+        train(good_config)
+    assert not (tmp_path / "run").exists()
+
+
+def _write_config_file(tmp_path, checkpoint_dir, train_file: str, body: str | None = None):
+    path = tmp_path / "my_config.py"
+    if body is None:
+        body = f"""
+            from titanrl import RunConfig, ModelConfig, DataConfig
+
+            def reward(prompt, completion, **fields):
+                return 1.0
+
+            config = RunConfig(
+                model=ModelConfig(checkpoint={str(checkpoint_dir)!r}),
+                data=DataConfig(train_file={train_file!r}),
+                rewards=[reward],
+            )
+        """
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_cli_unknown_override_exits_2(tmp_path, checkpoint_dir, capsys, no_ray):
+    """`titanrl train CFG --train.lrr=1` exits 2, printing 'config error' naming the key, no Ray."""
+    from titanrl.cli import main
+
+    cfg = _write_config_file(tmp_path, checkpoint_dir, str(tmp_path / "train.jsonl"))
+    code = main(["train", str(cfg), "--out", str(tmp_path / "run"), "--train.lrr=1e-3"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "config error" in err and "train.lrr" in err and "did you mean 'train.lr'" in err
+
+
+def test_cli_validate_error_exits_2(tmp_path, checkpoint_dir, capsys, no_ray):
+    """A config file whose train file is missing exits 2 with the field named, without Ray."""
+    from titanrl.cli import main
+
+    cfg = _write_config_file(tmp_path, checkpoint_dir, str(tmp_path / "nowhere.jsonl"))
+    code = main(["train", str(cfg), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "config error" in err and "data.train_file" in err and "nowhere.jsonl" in err
+
+
+def test_cli_override_applied_before_validate(tmp_path, checkpoint_dir, capsys):
+    """An override is applied before validation: a bad group_size from the CLI is what's reported."""
+    from titanrl.cli import main
+
+    cfg = _write_config_file(tmp_path, checkpoint_dir, str(tmp_path / "nowhere.jsonl"))
+    code = main(["train", str(cfg), "--rollout.group_size=1"])
+    assert code == 2
+    assert "rollout.group_size must be >= 2" in capsys.readouterr().err
+
+
+def test_cli_config_file_without_config(tmp_path, capsys):
+    """A config file that defines neither `config` nor `make_config` gets a clear error, exit 2."""
+    from titanrl.cli import main
+
+    cfg = _write_config_file(tmp_path, None, "", body="x = 1\n")
+    code = main(["train", str(cfg)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "config error" in err and "must define `config = RunConfig(...)`" in err
+
+
+def test_cli_config_of_wrong_type(tmp_path, capsys):
+    """`config` that is not a RunConfig is named with its actual type."""
+    from titanrl.cli import main
+
+    cfg = _write_config_file(tmp_path, None, "", body="config = {'train': {}}\n")
+    code = main(["train", str(cfg)])
+    err = capsys.readouterr().err
+    assert code == 2 and "must be a titanrl.RunConfig, got dict" in err
+
+
+def test_cli_missing_config_file(tmp_path, capsys):
+    """A config path that does not exist exits 2 naming the path."""
+    from titanrl.cli import main
+
+    code = main(["train", str(tmp_path / "absent.py")])
+    err = capsys.readouterr().err
+    assert code == 2 and "absent.py" in err and "does not exist" in err
+
+
+def test_checkpoint_without_weights_or_tokenizer(good_config, tmp_path, checkpoint_dir):
+    """A checkpoint directory with config.json but no weights (or no tokenizer) fails at validate time."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(checkpoint_dir / "config.json", bare / "config.json")
+    good_config.model.checkpoint = str(bare)
+    _fails(good_config, "model.checkpoint", "model.safetensors")
+    shutil.copy(checkpoint_dir / "model.safetensors", bare / "model.safetensors")
+    _fails(good_config, "model.checkpoint", "tokenizer")
+
+
+def test_clip_range_and_token_budget(good_config):
+    """clip_eps outside (0, 1) and completions that cannot fit max_model_len are rejected."""
+    good_config.train.clip_eps = 1.5
+    _fails(good_config, "train.clip_eps")
+    good_config.train.clip_eps = 0.2
+    good_config.rollout.max_new_tokens = good_config.rollout.max_model_len
+    _fails(good_config, "rollout.max_new_tokens", "max_model_len")

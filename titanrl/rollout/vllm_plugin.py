@@ -1,0 +1,23 @@
+"""vLLM plugin: registers our Qwen3 under `TitanRLQwen3ForCausalLM` in vLLM's ModelRegistry.
+
+vLLM calls `register()` in every process it starts (driver, engine core, workers) through
+the `vllm.general_plugins` entry point declared in pyproject.toml; a registration made only
+in the driver is invisible to spawned engine processes. `VllmEngine` also calls it directly,
+so the in-process engine works even without the package installed.
+"""
+
+from __future__ import annotations
+
+ARCHITECTURE = "TitanRLQwen3ForCausalLM"
+"""Keep equal to `titanrl.rollout.vllm_model.ARCHITECTURE` (duplicated so this module imports nothing heavy)."""
+
+
+def register() -> None:
+    """Registers the architecture with vLLM; safe to call any number of times."""
+    from vllm import ModelRegistry
+
+    if ARCHITECTURE in ModelRegistry.get_supported_archs():
+        return
+    from titanrl.rollout.vllm_model import TitanQwen3ForVLLM
+
+    ModelRegistry.register_model(ARCHITECTURE, TitanQwen3ForVLLM)

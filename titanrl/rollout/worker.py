@@ -1,0 +1,147 @@
+"""RolloutWorker: one vLLM engine, sampling prompt groups and scoring them.
+
+Plain Python class; the driver runs it as a Ray actor. Ray executes an actor's calls in
+submission order, so a weight push queued after a generate request lands after it and
+before the next one: a request never mixes two policy versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import time
+from typing import Any
+
+import torch
+
+from titanrl.config import ModelConfig, RewardFn, RolloutConfig, resolve_reward
+from titanrl.types import Group, RolloutBatch, Sample
+
+
+class RewardError(RuntimeError):
+    """A reward function raised or returned a non-number; names the function and the prompt."""
+
+
+def score(rewards: list[RewardFn], prompt: str, completion: str, row: dict[str, Any]) -> float:
+    """Sum of all reward functions on one completion; awaits async rewards."""
+    total = 0.0
+    for fn in rewards:
+        try:
+            value = fn(prompt, completion, **row)
+            if inspect.isawaitable(value):
+                value = asyncio.run(_await(value))
+        except Exception as e:
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise RewardError(f"reward {name} raised {type(e).__name__}: {e} (prompt {prompt[:80]!r})") from e
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RewardError(f"reward {getattr(fn, '__qualname__', fn)} returned {value!r}; it must return a float")
+        total += float(value)
+    return total
+
+
+async def _await(value: Any) -> Any:
+    return await value
+
+
+class RolloutWorker:
+    """Owns one engine; generates and scores groups; accepts weight pushes."""
+
+    def __init__(
+        self,
+        worker_id: int,
+        model_config: ModelConfig,
+        rollout_config: RolloutConfig,
+        rewards: list[Any],
+        prompt_field: str,
+        seed: int,
+    ) -> None:
+        rc = rollout_config
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(rc.kv_cache_gib)))
+        torch.set_num_threads(rc.threads_per_worker)
+        from titanrl.rollout.vllm_engine import VllmEngine, VllmEngineConfig
+
+        self.worker_id, self.cfg, self.prompt_field = worker_id, rc, prompt_field
+        self.rewards = [resolve_reward(r, i) for i, r in enumerate(rewards)]
+        self.engine = VllmEngine(
+            VllmEngineConfig(
+                checkpoint=model_config.checkpoint,
+                dtype=model_config.dtype,
+                max_model_len=rc.max_model_len,
+                max_num_seqs=rc.max_num_seqs,
+                kv_cache_gib=rc.kv_cache_gib,
+                seed=seed + 1000 * worker_id,
+                multiprocess=rc.vllm_multiprocess,
+            )
+        )
+        self.eos_id = self.engine.model_config.eos_token_id
+
+    def ready(self) -> dict[str, float]:
+        """Returns once the engine is up (the driver waits on this)."""
+        return {"worker_id": self.worker_id, "start_s": self.engine.start_seconds}
+
+    def generate(self, rows: list[dict[str, Any]], seed: int, first_group_id: int) -> RolloutBatch:
+        """Samples `group_size` completions for each row and scores them."""
+        start = time.perf_counter()
+        prompts = [row[self.prompt_field] for row in rows]
+        outputs = self.engine.generate(
+            prompts,
+            n=self.cfg.group_size,
+            temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p,
+            max_tokens=self.cfg.max_new_tokens,
+            seed=seed,
+            stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
+        )
+        groups, gen_tokens = [], 0
+        for j, (row, completions) in enumerate(zip(rows, outputs, strict=True)):
+            fields = {k: v for k, v in row.items() if k != self.prompt_field}
+            samples = []
+            for c in completions:
+                gen_tokens += len(c.token_ids)
+                samples.append(
+                    Sample(
+                        prompt=row[self.prompt_field],
+                        completion=c.text,
+                        prompt_ids=c.prompt_token_ids,
+                        completion_ids=c.token_ids,
+                        gen_logprobs=c.logprobs,
+                        reward=score(self.rewards, row[self.prompt_field], c.text, fields),
+                        group_id=first_group_id + j,
+                        policy_version=c.policy_version,
+                        fields=fields,
+                        finished=c.finish_reason == "stop",
+                    )
+                )
+            groups.append(Group(samples))
+        return RolloutBatch(groups, gen_tokens, time.perf_counter() - start, self.engine.policy_version)
+
+    def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int, correct_threshold: float) -> dict[str, Any]:
+        """Greedy completions of held-out rows: accuracy and mean reward, plus a few examples."""
+        prompts = [row[self.prompt_field] for row in rows]
+        outputs = self.engine.generate(
+            prompts, n=1, temperature=0.0, max_tokens=max_new_tokens,
+            stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
+        )
+        rewards = []
+        for row, (c,) in zip(rows, outputs, strict=True):
+            fields = {k: v for k, v in row.items() if k != self.prompt_field}
+            rewards.append(score(self.rewards, row[self.prompt_field], c.text, fields))
+        return {
+            "rewards": rewards,
+            "correct": sum(r >= correct_threshold for r in rewards),
+            "examples": [{"prompt": p, "completion": o[0].text} for p, o in zip(prompts[:3], outputs[:3])],
+            "policy_version": self.engine.policy_version,
+        }
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
+        """Loads the trainer's weights in place; returns the push time in seconds."""
+        self.engine.update_weights(state_dict, version)
+        return self.engine.last_push_seconds or 0.0
+
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def close(self) -> None:
+        self.engine.close()
