@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import os
 import time
 from typing import Any
@@ -60,6 +61,11 @@ class RolloutWorker:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(rc.kv_cache_gib)))
         torch.set_num_threads(rc.threads_per_worker)
+        # vLLM's CPU worker replaces torch.set_num_threads with a stub that warns on every
+        # call (its tokenizer path calls it per request); the thread count is set here.
+        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(
+            lambda record: "set_num_threads" not in record.getMessage()
+        )
         from titanrl.rollout.vllm_engine import VllmEngine, VllmEngineConfig
 
         self.worker_id, self.cfg, self.prompt_field = worker_id, rc, prompt_field
