@@ -11,7 +11,13 @@ PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.titanrl-install-stamp
 PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: install demo test clean-venv
+.PHONY: install system-deps demo test clean-venv
+
+# bubblewrap: the code-execution sandbox (titanrl.envs). Debian's package; needs root.
+system-deps:
+	@command -v bwrap >/dev/null || apt-get install -y -q bubblewrap \
+		|| (apt-get update -q && apt-get install -y -q bubblewrap) \
+		|| echo "WARNING: could not install bubblewrap; run: apt-get install -y bubblewrap"
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -24,7 +30,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -c "import torch, vllm, ray, transformers; print('installed: torch', torch.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__)"
 	@touch $(STAMP)
 
-install: $(STAMP)
+install: system-deps $(STAMP)
 
 demo: install
 	$(VENV)/bin/titanrl train examples/arithmetic/config.py

@@ -87,6 +87,10 @@ class TrainConfig:
     """AdamW decoupled weight decay."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up steps."""
+    lr_decay: str = "constant"
+    """After warm-up: 'constant', or 'cosine' down to min_lr_ratio * lr at the last step."""
+    min_lr_ratio: float = 0.1
+    """Final lr as a fraction of lr under cosine decay."""
     grad_clip: float = 1.0
     """Max global gradient norm; <= 0 disables clipping."""
     clip_eps: float = 0.2
@@ -319,6 +323,10 @@ def validate(config: RunConfig) -> None:
             f"rollout.max_new_tokens ({config.rollout.max_new_tokens}) must be < rollout.max_model_len "
             f"({config.rollout.max_model_len}) to leave room for the prompt"
         )
+    if config.train.lr_decay not in ("constant", "cosine"):
+        raise ConfigError(f"train.lr_decay must be 'constant' or 'cosine', got {config.train.lr_decay!r}")
+    if not 0 <= config.train.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {config.train.min_lr_ratio}")
     if config.train.max_staleness < 0:
         raise ConfigError(f"train.max_staleness must be >= 0, got {config.train.max_staleness}")
     if config.model.dtype not in ("float32", "bfloat16"):

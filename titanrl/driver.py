@@ -117,6 +117,7 @@ def _summarize_groups(groups: list[Group]) -> dict[str, float]:
 
 def train(config: RunConfig) -> RunResult:
     """Runs GRPO as configured and returns where the results are."""
+    started = time.perf_counter()
     validate(config)
     train_rows = load_rows(config.data.train_file, config.data.prompt_field)
     eval_rows = load_rows(config.data.eval_file, config.data.prompt_field) if config.data.eval_file else []
@@ -147,7 +148,7 @@ def train(config: RunConfig) -> RunResult:
         _say(f"starting the trainer and {len(workers)} vLLM rollout worker(s) (~20 s on CPU)")
         ray.get([w.ready.remote() for w in workers] + [trainer.get_version.remote()])
         _say(f"actors ready in {time.perf_counter() - t0:.0f} s")
-        final = _run_loop(config, trainer, workers, logger, train_rows, eval_rows, run_dir)
+        final = _run_loop(config, trainer, workers, logger, train_rows, eval_rows, run_dir, started)
     finally:
         logger.close()
         for w in workers:
@@ -162,7 +163,7 @@ def train(config: RunConfig) -> RunResult:
     return RunResult(run_dir, final, read_metrics(run_dir))
 
 
-def _run_loop(config, trainer, workers, logger, train_rows, eval_rows, run_dir: Path) -> Path:
+def _run_loop(config, trainer, workers, logger, train_rows, eval_rows, run_dir: Path, started: float) -> Path:
     import ray
     from tqdm import tqdm
 
@@ -199,7 +200,7 @@ def _run_loop(config, trainer, workers, logger, train_rows, eval_rows, run_dir: 
 
     initial_eval = evaluate(0)
     if initial_eval:
-        logger.log({"step": 0, **initial_eval})
+        logger.log({"step": 0, **initial_eval, "time/elapsed_s": time.perf_counter() - started})
     bar = tqdm(total=tc.steps, desc="GRPO", unit="step", disable=not config.output.progress_bar, dynamic_ncols=True)
     if initial_eval:
         bar.set_postfix(eval_acc=f"{initial_eval['eval/accuracy']:.2f}")
@@ -236,6 +237,8 @@ def _run_loop(config, trainer, workers, logger, train_rows, eval_rows, run_dir: 
                 "time/step_s": time.perf_counter() - t0,
                 "throughput/gen_tokens_per_s": gen_tokens / max(gen_seconds, 1e-9),
                 "policy_version": step,
+                # Wall time since train() was called, start-up included.
+                "time/elapsed_s": time.perf_counter() - started,
             }
         )
         logger.log(record)

@@ -14,6 +14,7 @@ import torch
 
 from titanrl.config import ModelConfig, TrainConfig
 from titanrl.models.hf_checkpoint import hf_state_dict, load_model, save_checkpoint
+from titanrl.trainer.lr_schedule import lr_multiplier
 from titanrl.trainer.grpo import clipped_surrogate_loss, group_advantages, token_logprobs
 from titanrl.types import Group, PolicyVersion
 
@@ -73,9 +74,9 @@ class GRPOTrainer:
             betas=train_config.betas,
             weight_decay=train_config.weight_decay,
         )
-        warmup = max(train_config.warmup_steps, 0)
+        tc = train_config
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0
+            self.optimizer, lambda s: lr_multiplier(s, tc.steps, tc.warmup_steps, tc.lr_decay, tc.min_lr_ratio)
         )
         self.version: PolicyVersion = 0
 
