@@ -8,6 +8,7 @@
 from titanrl.config import (
     ConfigError,
     DataConfig,
+    EnvConfig,
     EvalConfig,
     ModelConfig,
     OutputConfig,
@@ -27,6 +28,7 @@ def train(config: RunConfig):
 __all__ = [
     "ConfigError",
     "DataConfig",
+    "EnvConfig",
     "EvalConfig",
     "ModelConfig",
     "OutputConfig",

@@ -138,6 +138,18 @@ class OutputConfig:
     """Write TensorBoard event files next to metrics.jsonl."""
 
 
+@dataclass
+class EnvConfig:
+    """Multi-turn environments (used when RunConfig.env is set)."""
+
+    max_turns: int = 4
+    """Model turns per episode before it is cut off."""
+    max_total_tokens: int = 512
+    """Completion-side tokens per episode (model turns + inserted observations)."""
+    sandbox_pool_size: int = 4
+    """Pre-warmed code sandboxes per rollout worker (0: environments get no sandbox pool)."""
+
+
 RewardFn = Callable[..., float]
 
 
@@ -159,6 +171,11 @@ class RunConfig:
     """Run directory contents."""
     rewards: list[Any] = field(default_factory=list)
     """Reward callables `(prompt, completion, **row_fields) -> float` (or 'module:function' strings); summed."""
+    env: Any = None
+    """Environment factory `make_env(context) -> titanrl.envs.Environment` (or 'module:function'):
+    rollouts become multi-turn episodes whose reward is the env's plus `rewards`' (optional then)."""
+    env_config: EnvConfig = field(default_factory=EnvConfig)
+    """Episode budgets and sandbox pool size."""
     seed: int = 0
     """Seed of sampling and of anything random in the trainer."""
 
@@ -284,6 +301,21 @@ def resolve_reward(spec: Any, index: int) -> RewardFn:
     return spec
 
 
+def resolve_env_factory(spec: Any) -> Callable[..., Any]:
+    """Turns a callable or a 'module:function' string into an environment factory."""
+    if isinstance(spec, str):
+        import importlib
+
+        module_name, _, attr = spec.partition(":")
+        try:
+            spec = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ConfigError(f"env={spec!r} cannot be imported ({e}); use 'package.module:make_env'") from e
+    if not callable(spec):
+        raise ConfigError(f"env must be callable as make_env(context) -> Environment, got {type(spec).__name__}")
+    return spec
+
+
 def _positive(config: RunConfig, *dotted: str) -> None:
     for d in dotted:
         section, name = d.split(".")
@@ -350,7 +382,14 @@ def validate(config: RunConfig) -> None:
             raise ConfigError("data.train_file is empty: set it to a JSON-lines file of prompts")
         if path and not Path(path).is_file():
             raise ConfigError(f"data.{name}: file {path!r} does not exist")
-    if not config.rewards:
-        raise ConfigError("rewards is empty: give at least one reward(prompt, completion, **row_fields) -> float")
+    if config.env is not None:
+        resolve_env_factory(config.env)
+        _positive(config, "env_config.max_turns", "env_config.max_total_tokens")
+        if config.env_config.sandbox_pool_size < 0:
+            raise ConfigError("env_config.sandbox_pool_size must be >= 0")
+    elif not config.rewards:
+        raise ConfigError(
+            "rewards is empty: give at least one reward(prompt, completion, **row_fields) -> float (or an env)"
+        )
     for i, spec in enumerate(config.rewards):
         resolve_reward(spec, i)

@@ -53,8 +53,12 @@ def _say(message: str) -> None:
 
 
 def _config_record(config: RunConfig) -> dict[str, Any]:
-    record = dataclasses.asdict(dataclasses.replace(config, rewards=[]))
-    record["rewards"] = [r if isinstance(r, str) else f"{r.__module__}:{r.__qualname__}" for r in config.rewards]
+    def name(fn: Any) -> str:
+        return fn if isinstance(fn, str) else f"{fn.__module__}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+    record = dataclasses.asdict(dataclasses.replace(config, rewards=[], env=None))
+    record["rewards"] = [name(r) for r in config.rewards]
+    record["env"] = None if config.env is None else name(config.env)
     return record
 
 
@@ -77,7 +81,10 @@ def init_ray(num_cpus: int | None = None) -> None:
             "PYTHONPATH": pythonpath,
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            # vLLM's CPU start-up warnings (tcmalloc, Triton, NUMA) are noise for a user; export
+            # VLLM_LOGGING_LEVEL=WARNING (or INFO) to see them.
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+            "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning"),
         }},
     )
 
@@ -106,7 +113,18 @@ def _summarize_groups(groups: list[Group]) -> dict[str, float]:
     n = len(rewards)
     mean = sum(rewards) / n
     solved = sum(any(r > 0 for r in g.rewards) for g in groups)
+    env_stats: dict[str, float] = {}
+    stats = [s.stats for g in groups for s in g.samples if s.stats]
+    if stats:
+        # Per-step totals for counters, a mean for turns: what a dashboard should show.
+        env_stats = {
+            "env/turns_mean": sum(st.get("turns", 0.0) for st in stats) / len(stats),
+            "env/tool_calls": sum(st.get("tool_calls", 0.0) for st in stats),
+            "env/errors": sum(st.get("errors", 0.0) for st in stats),
+            "env/sandbox_s": sum(st.get("sandbox_s", 0.0) for st in stats),
+        }
     return {
+        **env_stats,
         "reward/mean": mean,
         "reward/std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
         "reward/group_any_positive_frac": solved / len(groups),
@@ -132,13 +150,15 @@ def train(config: RunConfig) -> RunResult:
 
     _say(f"run directory {run_dir}; starting Ray")
     init_ray()
-    _ship_rewards_by_value(config.rewards)
+    _ship_rewards_by_value(config.rewards + ([config.env] if config.env is not None else []))
     rc, tc = config.rollout, config.train
     trainer = ray.remote(GRPOTrainer).options(num_cpus=0).remote(config.model, tc, rc.temperature, config.seed)
     workers = [
         ray.remote(RolloutWorker)
         .options(num_cpus=0)
-        .remote(i, config.model, rc, config.rewards, config.data.prompt_field, config.seed)
+        .remote(
+            i, config.model, rc, config.rewards, config.data.prompt_field, config.seed, config.env, config.env_config
+        )
         for i in range(rc.num_workers)
     ]
     logger = MetricsLogger(run_dir, tensorboard=config.output.tensorboard)

@@ -32,12 +32,20 @@ class Sample:
     fields: dict[str, Any] = field(default_factory=dict)
     """The dataset row's other fields (e.g. the reference answer), passed to rewards."""
     finished: bool = True
-    """False when generation hit the token limit instead of eos."""
+    """False when generation hit the token limit (or an episode its budget) instead of ending."""
+    loss_mask: list[int] | None = None
+    """1 for tokens the model generated, 0 for environment-inserted ones; None means all 1."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Per-episode counters from environments (turns, tool_calls, errors, sandbox_s)."""
 
     def __post_init__(self) -> None:
         if len(self.completion_ids) != len(self.gen_logprobs):
             raise ValueError(
                 f"sample has {len(self.completion_ids)} completion tokens but {len(self.gen_logprobs)} logprobs"
+            )
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.completion_ids):
+            raise ValueError(
+                f"sample has {len(self.completion_ids)} completion tokens but a loss mask of {len(self.loss_mask)}"
             )
 
 

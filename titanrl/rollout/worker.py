@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from titanrl.config import ModelConfig, RewardFn, RolloutConfig, resolve_reward
+from titanrl.config import EnvConfig, ModelConfig, RewardFn, RolloutConfig, resolve_env_factory, resolve_reward
 from titanrl.types import Group, RolloutBatch, Sample
 
 
@@ -56,6 +56,8 @@ class RolloutWorker:
         rewards: list[Any],
         prompt_field: str,
         seed: int,
+        env: Any = None,
+        env_config: EnvConfig | None = None,
     ) -> None:
         rc = rollout_config
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -82,13 +84,23 @@ class RolloutWorker:
             )
         )
         self.eos_id = self.engine.model_config.eos_token_id
+        self.env_factory = resolve_env_factory(env) if env is not None else None
+        self.env_config = env_config or EnvConfig()
+        if self.env_factory is not None:
+            from titanrl.rollout.env_runner import EnvRunner
+
+            self.env_runner = EnvRunner(
+                self.engine, self.env_factory, self.env_config, rc, self.rewards, prompt_field, worker_id
+            )
 
     def ready(self) -> dict[str, float]:
         """Returns once the engine is up (the driver waits on this)."""
         return {"worker_id": self.worker_id, "start_s": self.engine.start_seconds}
 
     def generate(self, rows: list[dict[str, Any]], seed: int, first_group_id: int) -> RolloutBatch:
-        """Samples `group_size` completions for each row and scores them."""
+        """Samples `group_size` completions (or episodes) for each row and scores them."""
+        if self.env_factory is not None:
+            return self.env_runner.generate(rows, seed, first_group_id)
         start = time.perf_counter()
         prompts = [row[self.prompt_field] for row in rows]
         outputs = self.engine.generate(
@@ -125,6 +137,8 @@ class RolloutWorker:
 
     def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int, correct_threshold: float) -> dict[str, Any]:
         """Greedy completions of held-out rows: accuracy and mean reward, plus a few examples."""
+        if self.env_factory is not None:
+            return self.env_runner.evaluate(rows, correct_threshold)
         prompts = [row[self.prompt_field] for row in rows]
         outputs = self.engine.generate(
             prompts, n=1, temperature=0.0, max_tokens=max_new_tokens,
@@ -150,4 +164,6 @@ class RolloutWorker:
         return self.engine.policy_version
 
     def close(self) -> None:
+        if self.env_factory is not None:
+            self.env_runner.close()
         self.engine.close()

@@ -50,7 +50,8 @@ def pack(groups: list[Group], pad_id: int, scale_by_std: bool = True) -> PackedB
         input_ids[i, :n] = torch.tensor(seq[:-1])
         targets[i, :n] = torch.tensor(seq[1:])
         c = len(s.completion_ids)
-        mask[i, p - 1 : p - 1 + c] = 1.0
+        # Environment-inserted tokens (loss_mask 0) are context, never trained on.
+        mask[i, p - 1 : p - 1 + c] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
         old[i, p - 1 : p - 1 + c] = torch.tensor(s.gen_logprobs, dtype=torch.float32)
     return PackedBatch(input_ids, targets, mask, old, torch.tensor(advantages, dtype=torch.float32))
 

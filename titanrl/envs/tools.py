@@ -1,0 +1,346 @@
+"""Tools: typed Python functions the model calls from its output.
+
+A tool is a plain Python function (sync or `async`) with type hints on every parameter;
+`Tool.from_function` turns it into a name, a description (the docstring's first paragraph)
+and a JSON-schema parameter spec (str, int, float, bool, list[...], dict[str, ...],
+Optional[...] / `X | None`, Any). `tools_prompt(tools)` renders that list and the call format
+for a system prompt.
+
+Call format (Hermes / Qwen style). The model writes one JSON object inside tags:
+
+    <tool_call>{"name": "run_python", "arguments": {"code": "print(1 + 1)"}}</tool_call>
+
+`arguments` is an object (a JSON string holding an object is accepted too, as some models
+stringify it); it may be omitted when the tool takes no arguments. Several calls in one turn
+run in order.
+
+Response format. Each call's result comes back as
+
+    <tool_response>
+    2
+    </tool_response>
+
+where a `str` result is inserted as is and anything else as JSON. A malformed call (bad JSON,
+no closing tag, not an object, no name), an unknown tool, missing / unknown / wrongly typed
+arguments, a tool that raises or runs past its timeout: each gives a response that starts
+with `error:` and says what to fix. Such errors are data for the model, never exceptions out
+of the environment; `ToolCall.error` / `ToolOutcome.error` let the environment count them.
+Chat-control tokens (`<|im_start|>` ...) inside results are defused so a tool's output cannot
+forge a turn boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+import types
+import typing
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.DOTALL)
+_CONTROL_TOKEN_RE = re.compile(r"<\|(im_start|im_end|endoftext)\|>")
+
+_SCALARS: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+# --- schema from type hints --------------------------------------------------------------
+def schema_for(annotation: Any) -> dict[str, Any]:
+    """JSON schema of one parameter type; raises TypeError for a type the call format can't carry."""
+    if annotation is Any:
+        return {}
+    if annotation in _SCALARS:
+        return {"type": _SCALARS[annotation]}
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is list or origin is list:
+        return {"type": "array", "items": schema_for(args[0])} if args else {"type": "array"}
+    if annotation is dict or origin is dict:
+        if args and args[0] is not str:
+            raise TypeError(f"dict keys must be str (JSON object keys), got {annotation!r}")
+        return {"type": "object", "additionalProperties": schema_for(args[1])} if args else {"type": "object"}
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in args if a is not type(None)]
+        if len(members) != 1 or len(args) != 2:
+            raise TypeError(f"only Optional[X] unions are supported, got {annotation!r}")
+        inner = schema_for(members[0])
+        if isinstance(inner.get("type"), str):
+            return {**inner, "type": [inner["type"], "null"]}
+        return {"anyOf": [inner, {"type": "null"}]}
+    raise TypeError(f"unsupported tool parameter type {annotation!r}; use str, int, float, bool, list, dict, Optional")
+
+
+def check_value(value: Any, annotation: Any, where: str) -> tuple[Any, str | None]:
+    """(value, None) when `value` (decoded JSON) fits `annotation`, else (value, error text).
+
+    The only coercion is int -> float, because JSON writes 2.0 as 2.
+    """
+    if annotation is Any:
+        return value, None
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None, None
+        return check_value(value, next(a for a in args if a is not type(None)), where)
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value), None
+    if annotation in _SCALARS:
+        # bool is an int subclass in Python; in JSON they are different things.
+        ok = isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
+        return value, None if ok else f"{where} must be {_SCALARS[annotation]}, got {_json_type(value)}"
+    if annotation is list or origin is list:
+        if not isinstance(value, list):
+            return value, f"{where} must be array, got {_json_type(value)}"
+        if not args:
+            return value, None
+        out = []
+        for i, item in enumerate(value):
+            item, err = check_value(item, args[0], f"{where}[{i}]")
+            if err:
+                return value, err
+            out.append(item)
+        return out, None
+    if annotation is dict or origin is dict:
+        if not isinstance(value, dict):
+            return value, f"{where} must be object, got {_json_type(value)}"
+        if not args:
+            return value, None
+        checked = {}
+        for k, v in value.items():
+            v, err = check_value(v, args[1], f"{where}[{k!r}]")
+            if err:
+                return value, err
+            checked[k] = v
+        return checked, None
+    return value, f"{where} has an unsupported type {annotation!r}"
+
+
+def _json_type(value: Any) -> str:
+    for py, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+                     (list, "array"), (dict, "object"), (type(None), "null")):
+        if isinstance(value, py):
+            return name
+    return type(value).__name__
+
+
+def _docstring_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
+    """(description, {param: description}) from a docstring with an optional Google-style Args: block."""
+    doc = inspect.getdoc(fn) or ""
+    description = doc.split("\n\n", 1)[0].strip()
+    params: dict[str, str] = {}
+    match = re.search(r"^(?:Args|Arguments|Parameters):\s*\n((?:[ \t]+.*\n?)+)", doc, re.MULTILINE)
+    if match:
+        for line in match.group(1).splitlines():
+            m = re.match(r"\s+(\w+)(?:\s*\([^)]*\))?:\s*(.+)", line)
+            if m:
+                params[m.group(1)] = m.group(2).strip()
+    return description, params
+
+
+# --- tools -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tool:
+    """A callable the model may invoke, with what the prompt shows about it."""
+
+    name: str
+    """Name the model writes in `"name"`; the function's name unless overridden."""
+    description: str
+    """One paragraph for the prompt: the docstring's first paragraph."""
+    parameters: dict[str, Any]
+    """JSON schema of the arguments object: {"type": "object", "properties", "required"}."""
+    fn: Callable[..., Any]
+    """The function itself (sync or async)."""
+    hints: dict[str, Any] = field(repr=False)
+    """Parameter name -> type hint, used to validate arguments before calling."""
+
+    @classmethod
+    def from_function(cls, fn: Callable[..., Any], name: str | None = None,
+                      description: str | None = None) -> Tool:
+        """Builds a Tool from a typed function; raises TypeError if a parameter is untyped or unsupported."""
+        sig = inspect.signature(fn)
+        hints = typing.get_type_hints(fn)
+        doc_description, doc_params = _docstring_parts(fn)
+        properties: dict[str, Any] = {}
+        required: list[str] = []
+        for p in sig.parameters.values():
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY):
+                raise TypeError(f"tool {fn.__name__}: parameter {p.name!r} must be a plain named parameter")
+            if p.name not in hints:
+                raise TypeError(f"tool {fn.__name__}: parameter {p.name!r} needs a type hint")
+            prop = schema_for(hints[p.name])
+            if p.name in doc_params:
+                prop["description"] = doc_params[p.name]
+            properties[p.name] = prop
+            if p.default is p.empty:
+                required.append(p.name)
+        params = {"type": "object", "properties": properties, "required": required}
+        arg_hints = {k: v for k, v in hints.items() if k in properties}
+        return cls(name or fn.__name__, description if description is not None else doc_description,
+                   params, fn, arg_hints)
+
+    def spec(self) -> dict[str, Any]:
+        """What the prompt lists: name, description, parameters."""
+        return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+    def validate(self, arguments: Any) -> tuple[dict[str, Any], str | None]:
+        """(checked arguments, None) or ({}, error text naming what is wrong)."""
+        if not isinstance(arguments, dict):
+            return {}, f'"arguments" must be a JSON object, got {_json_type(arguments)}'
+        unknown = sorted(set(arguments) - set(self.parameters["properties"]))
+        if unknown:
+            return {}, (f"unknown argument(s) {', '.join(unknown)} for {self.name}; "
+                        f"it takes: {', '.join(self.parameters['properties']) or 'no arguments'}")
+        missing = [k for k in self.parameters["required"] if k not in arguments]
+        if missing:
+            return {}, f"missing required argument(s) {', '.join(missing)} for {self.name}"
+        checked = {}
+        for key, value in arguments.items():
+            checked[key], err = check_value(value, self.hints[key], f"argument {key!r}")
+            if err:
+                return {}, err
+        return checked, None
+
+
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
+    """Decorator form of `Tool.from_function`: `@tool def add(a: int, b: int) -> int: ...`."""
+    if fn is None:
+        return lambda f: Tool.from_function(f, name=name)
+    return Tool.from_function(fn, name=name)
+
+
+@dataclass
+class ToolCall:
+    """One parsed `<tool_call>` block; `error` is set when it could not be parsed."""
+
+    name: str
+    """Tool name as written ("" when unparseable)."""
+    arguments: Any
+    """Decoded `arguments` (normally a dict; validated later against the tool)."""
+    raw: str
+    """The text between the tags, for logs."""
+    error: str | None = None
+    """Why the block is malformed, or None."""
+
+
+@dataclass
+class ToolOutcome:
+    """The result of one call, ready to be shown to the model."""
+
+    text: str
+    """`<tool_response>...</tool_response>` block."""
+    error: str | None = None
+    """Error message when the call failed (malformed, unknown tool, bad args, raised, timeout)."""
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Every `<tool_call>...</tool_call>` block in `text`, in order; malformed ones carry `.error`.
+
+    An opening tag without a closing one (generation cut off) is a malformed call too.
+    """
+    calls = []
+    for match in _CALL_RE.finditer(text):
+        raw, closed = match.group(1).strip(), bool(match.group(2))
+        if not closed:
+            calls.append(ToolCall("", None, raw, f"unterminated {TOOL_CALL_OPEN}: close it with {TOOL_CALL_CLOSE}"))
+            continue
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            calls.append(ToolCall("", None, raw, f"tool call is not valid JSON ({e.msg} at char {e.pos})"))
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            calls.append(ToolCall("", None, raw, 'tool call must be a JSON object with a string "name"'))
+            continue
+        args = obj.get("arguments", {})
+        if isinstance(args, str):  # Some models stringify the arguments object.
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                pass  # Reported by validation as "must be a JSON object".
+        calls.append(ToolCall(obj["name"], args, raw))
+    return calls
+
+
+def defuse_control_tokens(text: str) -> str:
+    """`<|im_end|>` -> `<| im_end |>`: tool output must not tokenize into chat-control tokens."""
+    return _CONTROL_TOKEN_RE.sub(lambda m: f"<| {m.group(1)} |>", text)
+
+
+def truncate_middle(text: str, max_chars: int) -> str:
+    """Keeps the head and the tail (where tracebacks end) and says how much was cut."""
+    if len(text) <= max_chars:
+        return text
+    half = max(max_chars // 2, 1)
+    return f"{text[:half]}\n...[{len(text) - 2 * half} characters truncated]...\n{text[-half:]}"
+
+
+def format_response(content: str) -> str:
+    """The block a tool result is shown in."""
+    return f"<tool_response>\n{content}\n</tool_response>"
+
+
+class ToolRegistry:
+    """Tools by name: renders the prompt section and runs parsed calls safely."""
+
+    def __init__(self, tools: Iterable[Tool | Callable[..., Any]], *, timeout_s: float = 60.0,
+                 max_response_chars: int = 4000) -> None:
+        self.tools: dict[str, Tool] = {}
+        for t in tools:
+            t = t if isinstance(t, Tool) else Tool.from_function(t)
+            if t.name in self.tools:
+                raise ValueError(f"two tools are named {t.name!r}")
+            self.tools[t.name] = t
+        self.timeout_s = timeout_s
+        """Wall-clock limit per call; a slower tool gives an error response."""
+        self.max_response_chars = max_response_chars
+        """Longest result text shown to the model (the middle is cut)."""
+
+    def prompt(self) -> str:
+        """System-prompt section: the tools and the call format."""
+        return tools_prompt(self.tools.values())
+
+    async def call(self, call: ToolCall) -> ToolOutcome:
+        """Validates and runs one call; every failure becomes an `error:` response, never an exception."""
+        error = call.error
+        if error is None:
+            tool_ = self.tools.get(call.name)
+            if tool_ is None:
+                error = f"unknown tool {call.name!r}; available: {', '.join(self.tools) or 'none'}"
+            else:
+                args, error = tool_.validate(call.arguments)
+                if error is None:
+                    try:
+                        result = await asyncio.wait_for(self._invoke(tool_, args), self.timeout_s)
+                        text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+                        text = truncate_middle(text, self.max_response_chars)
+                        return ToolOutcome(format_response(defuse_control_tokens(text)))
+                    except asyncio.TimeoutError:
+                        error = f"{call.name} did not finish within {self.timeout_s:g} s"
+                    except Exception as e:  # noqa: BLE001 - a failing tool is the model's information
+                        error = f"{call.name} raised {type(e).__name__}: {e}"
+        error = defuse_control_tokens(truncate_middle(error, self.max_response_chars))
+        return ToolOutcome(format_response(f"error: {error}"), error)
+
+    async def _invoke(self, tool_: Tool, args: dict[str, Any]) -> Any:
+        if inspect.iscoroutinefunction(tool_.fn):
+            return await tool_.fn(**args)
+        # Sync tools run in a thread so a slow one does not stall every other episode's loop.
+        result = await asyncio.to_thread(tool_.fn, **args)
+        return await result if inspect.isawaitable(result) else result
+
+
+def tools_prompt(tools: Sequence[Tool] | Iterable[Tool]) -> str:
+    """Renders the tool list (one JSON spec per line) and the call/response format."""
+    specs = "\n".join(json.dumps(t.spec(), ensure_ascii=False) for t in tools)
+    return (
+        "You can call tools. They are described by these JSON schemas:\n"
+        f"<tools>\n{specs}\n</tools>\n"
+        "To call a tool, write a JSON object with its name and arguments between tags, then stop:\n"
+        f'{TOOL_CALL_OPEN}{{"name": "<tool name>", "arguments": {{"<argument>": <value>}}}}{TOOL_CALL_CLOSE}\n'
+        "The result comes back as <tool_response>...</tool_response>. "
+        "When you are done, reply without a tool call: that reply is your final answer."
+    )

@@ -1,0 +1,126 @@
+"""Runs a batch of multi-turn episodes concurrently inside one rollout worker.
+
+Every episode of every group is its own asyncio task; an `AsyncGenerator` pump steps vLLM
+for whichever episodes are waiting on the model, while others wait on their environments.
+The worker keeps one event loop (and one pre-warmed SandboxPool) for its whole life, so
+sandboxes are started once, not per batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from titanrl.config import EnvConfig, RewardFn, RolloutConfig
+from titanrl.envs.base import EnvContext, EnvFactory
+from titanrl.rollout.async_engine import AsyncGenerator
+from titanrl.rollout.episode import Episode, EpisodeBudget, run_episode
+from titanrl.rollout.vllm_engine import VllmEngine
+from titanrl.types import Group, RolloutBatch, Sample
+
+
+class EnvRunner:
+    """Turns dataset rows into groups of scored episodes."""
+
+    def __init__(
+        self,
+        engine: VllmEngine,
+        env_factory: EnvFactory,
+        env_config: EnvConfig,
+        rollout_config: RolloutConfig,
+        rewards: list[RewardFn],
+        prompt_field: str,
+        worker_id: int,
+    ) -> None:
+        self.engine, self.env_factory, self.cfg, self.rc = engine, env_factory, env_config, rollout_config
+        self.rewards, self.prompt_field = rewards, prompt_field
+        self.tokenizer = engine.llm.get_tokenizer()
+        self.eos_id = engine.model_config.eos_token_id
+        self.loop = asyncio.new_event_loop()
+        self.pool = None
+        if env_config.sandbox_pool_size > 0:
+            from titanrl.envs import SandboxPool
+
+            self.pool = SandboxPool(size=env_config.sandbox_pool_size)
+            self.loop.run_until_complete(self.pool.start())
+        self.context = EnvContext(sandbox_pool=self.pool, worker_id=worker_id)
+
+    def _budget(self) -> EpisodeBudget:
+        return EpisodeBudget(
+            max_turns=self.cfg.max_turns,
+            max_total_tokens=self.cfg.max_total_tokens,
+            max_tokens_per_turn=self.rc.max_new_tokens,
+            max_model_len=self.rc.max_model_len,
+        )
+
+    async def _episodes(self, rows: list[dict[str, Any]], n: int, temperature: float, seed: int | None) -> list[Episode]:
+        async with AsyncGenerator(self.engine) as generator:
+            tasks = [
+                run_episode(
+                    self.env_factory(self.context),
+                    row,
+                    generator,
+                    self.tokenizer,
+                    self._budget(),
+                    temperature=temperature,
+                    top_p=self.rc.top_p if temperature > 0 else 1.0,
+                    # Distinct seeds per episode (and per turn inside run_episode).
+                    seed=None if seed is None else seed + 1000 * (j * n + i),
+                    eos_id=self.eos_id,
+                )
+                for j, row in enumerate(rows)
+                for i in range(n)
+            ]
+            return await asyncio.gather(*tasks)
+
+    def _score(self, episode: Episode, row: dict[str, Any]) -> float:
+        from titanrl.rollout.worker import score
+
+        fields = {k: v for k, v in row.items() if k != self.prompt_field}
+        extra = score(self.rewards, episode.prompt, episode.completion_text, fields) if self.rewards else 0.0
+        return episode.reward + extra
+
+    def generate(self, rows: list[dict[str, Any]], seed: int, first_group_id: int) -> RolloutBatch:
+        start = time.perf_counter()
+        n = self.rc.group_size
+        episodes = self.loop.run_until_complete(self._episodes(rows, n, self.rc.temperature, seed))
+        groups, gen_tokens = [], 0
+        for j, row in enumerate(rows):
+            fields = {k: v for k, v in row.items() if k != self.prompt_field}
+            samples = []
+            for ep in episodes[j * n : (j + 1) * n]:
+                gen_tokens += sum(ep.loss_mask)
+                samples.append(
+                    Sample(
+                        prompt=ep.prompt,
+                        completion=ep.completion_text,
+                        prompt_ids=ep.prompt_ids,
+                        completion_ids=ep.completion_ids,
+                        gen_logprobs=ep.gen_logprobs,
+                        reward=self._score(ep, row),
+                        group_id=first_group_id + j,
+                        policy_version=ep.policy_version,
+                        fields=fields,
+                        finished=ep.finished,
+                        loss_mask=ep.loss_mask,
+                        stats={"turns": float(ep.turns), **ep.stats},
+                    )
+                )
+            groups.append(Group(samples))
+        return RolloutBatch(groups, gen_tokens, time.perf_counter() - start, self.engine.policy_version)
+
+    def evaluate(self, rows: list[dict[str, Any]], correct_threshold: float) -> dict[str, Any]:
+        episodes = self.loop.run_until_complete(self._episodes(rows, 1, 0.0, None))
+        rewards = [self._score(ep, row) for ep, row in zip(episodes, rows, strict=True)]
+        return {
+            "rewards": rewards,
+            "correct": sum(r >= correct_threshold for r in rewards),
+            "examples": [{"prompt": ep.prompt, "completion": ep.completion_text} for ep in episodes[:3]],
+            "policy_version": self.engine.policy_version,
+        }
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.loop.run_until_complete(self.pool.close())
+        self.loop.close()
