@@ -75,3 +75,35 @@ def test_one_step_stale_pipeline(tmp_path, ray_session):
     assert all(m["staleness/mean"] == 1.0 for m in steps[1:])
     rollouts = [json.loads(line) for line in (result.run_dir / "rollouts.jsonl").read_text().splitlines()]
     assert {(r["step"], r["policy_version"]) for r in rollouts} == {(1, 0), (2, 0), (3, 1)}
+
+
+@pytest.mark.slow
+def test_code_exec_episodes_run_through_the_driver(tmp_path, ray_session):
+    """The code_exec example runs episodes in Ray workers, scores them in the sandbox and logs env metrics."""
+    from pathlib import Path
+
+    from titanrl.cli import load_config_file
+    from titanrl.config import apply_overrides
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "code_exec" / "config.py"
+    config = apply_overrides(
+        load_config_file(str(example)),
+        [
+            "train.steps=1", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=48",
+            "eval.every_steps=1", "env.sandbox_pool_size=2", f"output.dir={tmp_path / 'run'}",
+            "output.progress_bar=false", "output.tensorboard=false",
+        ],
+    )
+    result = titanrl.train(config)
+    (step,) = [m for m in result.metrics if m["step"] == 1]
+    assert step["env/turns_mean"] >= 1.0
+    assert step["env/sandbox_s"] > 0.0  # every final answer was run against the hidden tests
+    assert "env/tests_pass_rate" in step and "env/errors" in step
+    rollouts = [json.loads(line) for line in (result.run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert rollouts and all(r["prompt"].startswith("<|im_start|>system") for r in rollouts)
+
+
+def test_ray_stays_on_loopback(ray_session):
+    """TitanRL's Ray instance addresses itself (and so all its traffic) as 127.0.0.1."""
+    assert ray_session.util.get_node_ip_address() == "127.0.0.1"
+    assert {n["NodeManagerAddress"] for n in ray_session.nodes()} == {"127.0.0.1"}

@@ -54,7 +54,7 @@ def _run(engine, envs, budget, temperature=1.0):
         async with AsyncGenerator(engine) as gen:
             return await asyncio.gather(
                 *(
-                    run_episode(env, {"prompt": f"q{i}:"}, gen, tokenizer, budget, temperature, 1.0, seed=10 * i, eos_id=None)
+                    run_episode(env, {"prompt": f"q{i}:"}, gen, tokenizer, budget, temperature, 1.0, seed=10 * i, stop_token_ids=None)
                     for i, env in enumerate(envs)
                 )
             )

@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             f"\neval accuracy: {last_eval[0]['eval/accuracy']:.1%} (step {last_eval[0]['step']}) -> "
             f"{last_eval[-1]['eval/accuracy']:.1%} (step {last_eval[-1]['step']})"
         )
+    elapsed = [m["time/elapsed_s"] for m in result.metrics if m.get("time/elapsed_s") is not None]
+    if elapsed:
+        summary += f"\nwall time: {elapsed[-1] / 60:.1f} min (start-up included)"
+    summary += f"\nplot: {result.run_dir / 'progress.png'}"
     print(summary)
     return 0
 

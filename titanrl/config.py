@@ -140,8 +140,12 @@ class OutputConfig:
 
 @dataclass
 class EnvConfig:
-    """Multi-turn environments (used when RunConfig.env is set)."""
+    """Multi-turn environments: set `factory` to turn rollouts into episodes."""
 
+    factory: Any = None
+    """Environment factory `make_env(context) -> titanrl.envs.Environment` (or 'module:function');
+    None means single-turn completions scored by `rewards`. With an env, `rewards` are optional
+    and add to the episode's own reward."""
     max_turns: int = 4
     """Model turns per episode before it is cut off."""
     max_total_tokens: int = 512
@@ -171,11 +175,8 @@ class RunConfig:
     """Run directory contents."""
     rewards: list[Any] = field(default_factory=list)
     """Reward callables `(prompt, completion, **row_fields) -> float` (or 'module:function' strings); summed."""
-    env: Any = None
-    """Environment factory `make_env(context) -> titanrl.envs.Environment` (or 'module:function'):
-    rollouts become multi-turn episodes whose reward is the env's plus `rewards`' (optional then)."""
-    env_config: EnvConfig = field(default_factory=EnvConfig)
-    """Episode budgets and sandbox pool size."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn environment, episode budgets and sandbox pool size."""
     seed: int = 0
     """Seed of sampling and of anything random in the trainer."""
 
@@ -310,9 +311,9 @@ def resolve_env_factory(spec: Any) -> Callable[..., Any]:
         try:
             spec = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError, ValueError) as e:
-            raise ConfigError(f"env={spec!r} cannot be imported ({e}); use 'package.module:make_env'") from e
+            raise ConfigError(f"env.factory={spec!r} cannot be imported ({e}); use 'package.module:make_env'") from e
     if not callable(spec):
-        raise ConfigError(f"env must be callable as make_env(context) -> Environment, got {type(spec).__name__}")
+        raise ConfigError(f"env.factory must be callable as make_env(context) -> Environment, got {type(spec).__name__}")
     return spec
 
 
@@ -382,11 +383,11 @@ def validate(config: RunConfig) -> None:
             raise ConfigError("data.train_file is empty: set it to a JSON-lines file of prompts")
         if path and not Path(path).is_file():
             raise ConfigError(f"data.{name}: file {path!r} does not exist")
-    if config.env is not None:
-        resolve_env_factory(config.env)
-        _positive(config, "env_config.max_turns", "env_config.max_total_tokens")
-        if config.env_config.sandbox_pool_size < 0:
-            raise ConfigError("env_config.sandbox_pool_size must be >= 0")
+    if config.env.factory is not None:
+        resolve_env_factory(config.env.factory)
+        _positive(config, "env.max_turns", "env.max_total_tokens")
+        if config.env.sandbox_pool_size < 0:
+            raise ConfigError("env.sandbox_pool_size must be >= 0")
     elif not config.rewards:
         raise ConfigError(
             "rewards is empty: give at least one reward(prompt, completion, **row_fields) -> float (or an env)"

@@ -56,18 +56,28 @@ def _config_record(config: RunConfig) -> dict[str, Any]:
     def name(fn: Any) -> str:
         return fn if isinstance(fn, str) else f"{fn.__module__}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
-    record = dataclasses.asdict(dataclasses.replace(config, rewards=[], env=None))
+    env = dataclasses.replace(config.env, factory=None)
+    record = dataclasses.asdict(dataclasses.replace(config, rewards=[], env=env))
     record["rewards"] = [name(r) for r in config.rewards]
-    record["env"] = None if config.env is None else name(config.env)
+    record["env"]["factory"] = None if config.env.factory is None else name(config.env.factory)
     return record
 
 
 def init_ray(num_cpus: int | None = None) -> None:
-    """Starts a local Ray instance for TitanRL's actors, unless one is already running."""
+    """Starts a local Ray instance for TitanRL's actors, unless one is already running.
+
+    Its traffic stays on loopback: Ray turns "127.0.0.1" into the host's routable address
+    unless its multi-node mode is off (the switch it uses on macOS), so turn it off here;
+    export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 to opt back in.
+    """
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
+    from ray._private import ray_constants
 
     if ray.is_initialized():
         return
+    # The constant is read when Ray is imported, which may have happened before this call.
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"].lower() in ("1", "true")
     # Actors must import whatever the driver imported the reward functions from.
     pythonpath = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
     ray.init(
@@ -89,22 +99,29 @@ def init_ray(num_cpus: int | None = None) -> None:
     )
 
 
-def _ship_rewards_by_value(rewards: list[Any]) -> None:
-    """Rewards defined in a config file (not an importable module) travel to actors by value."""
-    import importlib.util
+def _ship_user_code_by_value(callables: list[Any]) -> None:
+    """Rewards and env factories from user files travel to the actors by value.
+
+    Actors may not be able to import a config file's neighbours by name (Ray may have been
+    started before that folder went on sys.path), so anything not from an installed package
+    is pickled with its module's code instead of as an import reference.
+    """
+    import sysconfig
 
     from ray import cloudpickle
 
-    for fn in rewards:
-        name = getattr(fn, "__module__", None)
-        if not name or name == "__main__" or name not in sys.modules:
+    installed = {Path(p).resolve() for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])}
+    installed.add(Path(__file__).resolve().parent)  # titanrl itself
+    for fn in callables:
+        if isinstance(fn, str):
             continue
-        try:
-            importable = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            importable = False
-        if not importable or name.startswith("titanrl_user_config_"):
-            cloudpickle.register_pickle_by_value(sys.modules[name])
+        module = sys.modules.get(getattr(fn, "__module__", None) or "")
+        file = getattr(module, "__file__", None)
+        if module is None or module.__name__ == "__main__" or file is None:
+            continue  # cloudpickle already sends __main__ by value
+        path = Path(file).resolve()
+        if not any(root == path or root in path.parents for root in installed):
+            cloudpickle.register_pickle_by_value(module)
 
 
 def _summarize_groups(groups: list[Group]) -> dict[str, float]:
@@ -123,6 +140,9 @@ def _summarize_groups(groups: list[Group]) -> dict[str, float]:
             "env/errors": sum(st.get("errors", 0.0) for st in stats),
             "env/sandbox_s": sum(st.get("sandbox_s", 0.0) for st in stats),
         }
+        total_tests = sum(st.get("tests_total", 0.0) for st in stats)
+        if total_tests:
+            env_stats["env/tests_pass_rate"] = sum(st.get("tests_passed", 0.0) for st in stats) / total_tests
     return {
         **env_stats,
         "reward/mean": mean,
@@ -150,14 +170,14 @@ def train(config: RunConfig) -> RunResult:
 
     _say(f"run directory {run_dir}; starting Ray")
     init_ray()
-    _ship_rewards_by_value(config.rewards + ([config.env] if config.env is not None else []))
+    _ship_user_code_by_value(config.rewards + ([config.env.factory] if config.env.factory is not None else []))
     rc, tc = config.rollout, config.train
     trainer = ray.remote(GRPOTrainer).options(num_cpus=0).remote(config.model, tc, rc.temperature, config.seed)
     workers = [
         ray.remote(RolloutWorker)
         .options(num_cpus=0)
         .remote(
-            i, config.model, rc, config.rewards, config.data.prompt_field, config.seed, config.env, config.env_config
+            i, config.model, rc, config.rewards, config.data.prompt_field, config.seed, config.env
         )
         for i in range(rc.num_workers)
     ]

@@ -209,12 +209,18 @@ class Sandbox:
 
     async def start(self) -> None:
         """Start the sandbox and wait for the runner's ready frame."""
-        drop = os.geteuid() == 0
-        uid = self.config.run_as_uid
+        argv = self.argv
+        if os.geteuid() == 0:
+            # Drop root with util-linux's setpriv rather than create_subprocess_exec(user=...):
+            # uvloop (Ray actors' event loop) rejects the user/group keyword arguments.
+            setpriv = shutil.which("setpriv")
+            if setpriv is None:
+                raise SandboxUnavailableError("setpriv (util-linux) is needed to drop root for the sandbox")
+            uid = self.config.run_as_uid
+            argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
         self._proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env={}, cwd="/", start_new_session=True,
-            user=uid if drop else None, group=uid if drop else None, extra_groups=[] if drop else None)
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env={}, cwd="/", start_new_session=True)
         try:
             ready = await asyncio.wait_for(self._read_header(), self.config.startup_timeout_s)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:

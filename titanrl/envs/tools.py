@@ -306,23 +306,24 @@ class ToolRegistry:
     async def call(self, call: ToolCall) -> ToolOutcome:
         """Validates and runs one call; every failure becomes an `error:` response, never an exception."""
         error = call.error
-        if error is None:
-            tool_ = self.tools.get(call.name)
-            if tool_ is None:
-                error = f"unknown tool {call.name!r}; available: {', '.join(self.tools) or 'none'}"
-            else:
-                args, error = tool_.validate(call.arguments)
-                if error is None:
-                    try:
-                        result = await asyncio.wait_for(self._invoke(tool_, args), self.timeout_s)
-                        text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
-                        text = truncate_middle(text, self.max_response_chars)
-                        return ToolOutcome(format_response(defuse_control_tokens(text)))
-                    except asyncio.TimeoutError:
-                        error = f"{call.name} did not finish within {self.timeout_s:g} s"
-                    except Exception as e:  # noqa: BLE001 - a failing tool is the model's information
-                        error = f"{call.name} raised {type(e).__name__}: {e}"
-        error = defuse_control_tokens(truncate_middle(error, self.max_response_chars))
+        tool_ = self.tools.get(call.name)
+        if error is None and tool_ is None:
+            error = f"unknown tool {call.name!r}; available: {', '.join(self.tools) or 'none'}"
+        if error is None and tool_ is not None:
+            args, error = tool_.validate(call.arguments)
+            if error is None:
+                try:
+                    result = await asyncio.wait_for(self._invoke(tool_, args), self.timeout_s)
+                    # Formatting can fail too (e.g. a circular structure): same error path.
+                    text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+                except asyncio.TimeoutError:
+                    error = f"{call.name} did not finish within {self.timeout_s:g} s"
+                except Exception as e:  # noqa: BLE001 - a failing tool is information for the model
+                    error = f"{call.name} raised {type(e).__name__}: {e}"
+                else:
+                    text = truncate_middle(text, self.max_response_chars)
+                    return ToolOutcome(format_response(defuse_control_tokens(text)))
+        error = defuse_control_tokens(truncate_middle(str(error), self.max_response_chars))
         return ToolOutcome(format_response(f"error: {error}"), error)
 
     async def _invoke(self, tool_: Tool, args: dict[str, Any]) -> Any:

@@ -20,6 +20,11 @@ from titanrl.rollout.vllm_engine import VllmEngine
 from titanrl.types import Group, RolloutBatch, Sample
 
 
+def _token_id(tokenizer: Any, token: str) -> int | None:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    return token_id if isinstance(token_id, int) and token_id != tokenizer.unk_token_id else None
+
+
 class EnvRunner:
     """Turns dataset rows into groups of scored episodes."""
 
@@ -36,7 +41,9 @@ class EnvRunner:
         self.engine, self.env_factory, self.cfg, self.rc = engine, env_factory, env_config, rollout_config
         self.rewards, self.prompt_field = rewards, prompt_field
         self.tokenizer = engine.llm.get_tokenizer()
-        self.eos_id = engine.model_config.eos_token_id
+        # A turn ends at eos, or at <|im_end|> for chat models whose eos is <|endoftext|>.
+        self.stop_token_ids = [t for t in (engine.model_config.eos_token_id, _token_id(self.tokenizer, "<|im_end|>"))
+                               if t is not None]
         self.loop = asyncio.new_event_loop()
         self.pool = None
         if env_config.sandbox_pool_size > 0:
@@ -67,7 +74,7 @@ class EnvRunner:
                     top_p=self.rc.top_p if temperature > 0 else 1.0,
                     # Distinct seeds per episode (and per turn inside run_episode).
                     seed=None if seed is None else seed + 1000 * (j * n + i),
-                    eos_id=self.eos_id,
+                    stop_token_ids=self.stop_token_ids,
                 )
                 for j, row in enumerate(rows)
                 for i in range(n)

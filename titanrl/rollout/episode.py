@@ -58,10 +58,11 @@ async def run_episode(
     temperature: float,
     top_p: float,
     seed: int | None,
-    eos_id: int | None,
+    stop_token_ids: list[int] | None,
 ) -> Episode:
     """Alternates model turns and env steps until done or a budget runs out."""
-    stats = {"tool_calls": 0.0, "errors": 0.0, "sandbox_s": 0.0, "env_s": 0.0}
+    stats = {"tool_calls": 0.0, "errors": 0.0, "sandbox_s": 0.0, "env_s": 0.0, "tests_passed": 0.0,
+             "tests_total": 0.0}
     try:
         prompt = await env.reset(row)
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
@@ -86,7 +87,7 @@ async def run_episode(
                 max_tokens=room,
                 seed=None if seed is None else seed + turns,
                 stop=env.stop_strings,
-                stop_token_ids=[eos_id] if eos_id is not None else None,
+                stop_token_ids=stop_token_ids,
             )
             turns += 1
             version = turn.policy_version
@@ -103,7 +104,7 @@ async def run_episode(
                 stats["env_exception"] = 1.0
                 text_parts.append(f"\n[environment error: {type(e).__name__}: {e}]")
             stats["env_s"] += time.perf_counter() - t0
-            for key in ("tool_calls", "errors", "sandbox_s"):
+            for key in ("tool_calls", "errors", "sandbox_s", "tests_passed", "tests_total"):
                 stats[key] += float(result.info.get(key, 0))
             reward += float(result.reward)
             if result.done:

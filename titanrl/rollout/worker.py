@@ -56,7 +56,6 @@ class RolloutWorker:
         rewards: list[Any],
         prompt_field: str,
         seed: int,
-        env: Any = None,
         env_config: EnvConfig | None = None,
     ) -> None:
         rc = rollout_config
@@ -84,8 +83,9 @@ class RolloutWorker:
             )
         )
         self.eos_id = self.engine.model_config.eos_token_id
-        self.env_factory = resolve_env_factory(env) if env is not None else None
         self.env_config = env_config or EnvConfig()
+        factory = self.env_config.factory
+        self.env_factory = resolve_env_factory(factory) if factory is not None else None
         if self.env_factory is not None:
             from titanrl.rollout.env_runner import EnvRunner
 
