@@ -459,3 +459,16 @@ def test_clip_range_and_token_budget(good_config):
     good_config.train.clip_eps = 0.2
     good_config.rollout.max_new_tokens = good_config.rollout.max_model_len
     _fails(good_config, "rollout.max_new_tokens", "max_model_len")
+
+
+def test_env_factory_is_validated(good_config):
+    """env.factory must be importable and callable; with an env, rewards become optional."""
+    good_config.env.factory = "no_such_module:make_env"
+    _fails(good_config, "env.factory", "cannot be imported")
+    good_config.env.factory = 42
+    _fails(good_config, "env.factory", "make_env(context)")
+    good_config.env.factory = "titanrl.envs.base:EnvContext"  # any callable passes validation
+    good_config.rewards = []
+    validate(good_config)
+    good_config.env.max_turns = 0
+    _fails(good_config, "env.max_turns")

@@ -284,8 +284,8 @@ def _check_types(obj: Any, prefix: str) -> None:
             )
 
 
-def resolve_reward(spec: Any, index: int) -> RewardFn:
-    """Turns a callable or a 'module:function' string into a reward callable."""
+def _import_callable(spec: Any, field_name: str, example: str, signature: str) -> Callable[..., Any]:
+    """A callable, or one named by a 'package.module:attribute' string."""
     if isinstance(spec, str):
         import importlib
 
@@ -293,28 +293,22 @@ def resolve_reward(spec: Any, index: int) -> RewardFn:
         try:
             spec = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError, ValueError) as e:
-            raise ConfigError(f"rewards[{index}]={spec!r} cannot be imported ({e}); use 'package.module:function'") from e
+            raise ConfigError(f"{field_name}={spec!r} cannot be imported ({e}); use '{example}'") from e
     if not callable(spec):
-        raise ConfigError(
-            f"rewards[{index}] must be callable as reward(prompt, completion, **row_fields) -> float, "
-            f"got {type(spec).__name__} {spec!r}"
-        )
+        raise ConfigError(f"{field_name} must be callable as {signature}, got {type(spec).__name__} {spec!r}")
     return spec
+
+
+def resolve_reward(spec: Any, index: int) -> RewardFn:
+    """Turns a callable or a 'module:function' string into a reward callable."""
+    return _import_callable(
+        spec, f"rewards[{index}]", "package.module:function", "reward(prompt, completion, **row_fields) -> float"
+    )
 
 
 def resolve_env_factory(spec: Any) -> Callable[..., Any]:
     """Turns a callable or a 'module:function' string into an environment factory."""
-    if isinstance(spec, str):
-        import importlib
-
-        module_name, _, attr = spec.partition(":")
-        try:
-            spec = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ConfigError(f"env.factory={spec!r} cannot be imported ({e}); use 'package.module:make_env'") from e
-    if not callable(spec):
-        raise ConfigError(f"env.factory must be callable as make_env(context) -> Environment, got {type(spec).__name__}")
-    return spec
+    return _import_callable(spec, "env.factory", "package.module:make_env", "make_env(context) -> Environment")
 
 
 def _positive(config: RunConfig, *dotted: str) -> None:
