@@ -226,7 +226,9 @@ class VllmEngine:
             if name == "lm_head.weight" and self.model_config.tie_word_embeddings:
                 continue
             tensors[name] = t.detach().to("cpu").contiguous()
-        payload = save(tensors)
+        # In-process the worker gets the tensors themselves; only the multiprocess engine needs
+        # bytes (tensors in collective_rpc arguments do not survive its serialization).
+        payload = save(tensors) if self.config.multiprocess else tensors
         results = self.llm.collective_rpc("titanrl_update_weights", args=(payload, int(version), allow_partial))
         if not all(r["version"] == int(version) for r in results):
             raise RuntimeError(f"weight push to version {version} did not reach every worker: {results}")

@@ -1,8 +1,9 @@
 """Methods vLLM mixes into its worker class (`worker_extension_cls`) for in-place weight pushes.
 
 Reached from the driver with `llm.collective_rpc("titanrl_update_weights", args=(...))`.
-Arguments are plain bytes (a `safetensors.torch.save` blob) because tensors in
-`collective_rpc` arguments do not survive the multiprocess engine's serialisation.
+The in-process engine passes the tensors themselves; the multiprocess engine passes plain
+bytes (a `safetensors.torch.save` blob) because tensors in `collective_rpc` arguments do not
+survive its serialisation.
 vLLM refuses extension attributes that clash with the worker's, hence the `titanrl_` prefix.
 """
 
@@ -31,14 +32,16 @@ def _find_titan_model(root: torch.nn.Module) -> torch.nn.Module:
 class TitanRLWorkerExtension:
     """Mixed into vLLM's worker; `self` is the worker (has `get_model()`)."""
 
-    def titanrl_update_weights(self, payload: bytes, version: int, allow_partial: bool = False) -> dict:
+    def titanrl_update_weights(
+        self, payload: bytes | dict[str, torch.Tensor], version: int, allow_partial: bool = False
+    ) -> dict:
         """Copies the tensors in `payload` into the running model's parameters in place.
 
         Unless `allow_partial`, every parameter must be present (a tied LM head counts as
         the embedding). Returns the version now loaded and how long the copy took.
         """
         t0 = time.perf_counter()
-        state = load_safetensors_bytes(payload)
+        state = payload if isinstance(payload, dict) else load_safetensors_bytes(payload)
         model = _find_titan_model(self.get_model())  # type: ignore[attr-defined]
         expected = {name for name, _ in model.named_parameters()}
         missing = expected - set(state)
