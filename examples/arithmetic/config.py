@@ -33,7 +33,8 @@ config = titanrl.RunConfig(
         # Decaying to 1e-4 lets accuracy settle instead of hovering around 75 % (measured).
         lr_decay="cosine",
         min_lr_ratio=0.1,
-        # Generate the next batch while training on this one: both CPU cores stay busy.
+        # Generate the next batch while training on this one: both CPU cores stay busy, and the
+        # PPO clip then bounds each step. On-policy (0) this lr collapses; see README.md.
         max_staleness=1,
         micro_batch_size=512,
     ),
