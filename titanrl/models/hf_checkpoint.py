@@ -81,7 +81,7 @@ def read_state_dict(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def load_state_dict_into(model: Qwen3ForCausalLM, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
     """Copies HF-named tensors into `model`, checking names and shapes first."""
-    expected = {k: v for k, v in model.state_dict().items()}
+    expected = model.state_dict()  # tensors share storage with the parameters
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
@@ -99,9 +99,8 @@ def load_state_dict_into(model: Qwen3ForCausalLM, state: dict[str, torch.Tensor]
                 f"{tuple(expected[name].shape)}"
             )
     with torch.no_grad():
-        for name, param in model.state_dict().items():
-            if name in state:
-                param.copy_(state[name])
+        for name, tensor in state.items():
+            expected[name].copy_(tensor)
 
 
 def load_model(

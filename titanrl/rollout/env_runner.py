@@ -14,6 +14,7 @@ from typing import Any
 
 from titanrl.config import EnvConfig, RewardFn, RolloutConfig
 from titanrl.envs.base import EnvContext, EnvFactory
+from titanrl.rewards.scoring import eval_summary, row_fields, score
 from titanrl.rollout.async_engine import AsyncGenerator
 from titanrl.rollout.episode import Episode, EpisodeBudget, run_episode
 from titanrl.rollout.vllm_engine import VllmEngine
@@ -82,9 +83,7 @@ class EnvRunner:
             return await asyncio.gather(*tasks)
 
     def _score(self, episode: Episode, row: dict[str, Any]) -> float:
-        from titanrl.rollout.worker import score
-
-        fields = {k: v for k, v in row.items() if k != self.prompt_field}
+        fields = row_fields(row, self.prompt_field)
         extra = score(self.rewards, episode.prompt, episode.completion_text, fields) if self.rewards else 0.0
         return episode.reward + extra
 
@@ -94,7 +93,7 @@ class EnvRunner:
         episodes = self.loop.run_until_complete(self._episodes(rows, n, self.rc.temperature, seed))
         groups, gen_tokens = [], 0
         for j, row in enumerate(rows):
-            fields = {k: v for k, v in row.items() if k != self.prompt_field}
+            fields = row_fields(row, self.prompt_field)
             samples = []
             for ep in episodes[j * n : (j + 1) * n]:
                 gen_tokens += sum(ep.loss_mask)
@@ -120,12 +119,7 @@ class EnvRunner:
     def evaluate(self, rows: list[dict[str, Any]], correct_threshold: float) -> dict[str, Any]:
         episodes = self.loop.run_until_complete(self._episodes(rows, 1, 0.0, None))
         rewards = [self._score(ep, row) for ep, row in zip(episodes, rows, strict=True)]
-        return {
-            "rewards": rewards,
-            "correct": sum(r >= correct_threshold for r in rewards),
-            "examples": [{"prompt": ep.prompt, "completion": ep.completion_text} for ep in episodes[:3]],
-            "policy_version": self.engine.policy_version,
-        }
+        return eval_summary(rewards, correct_threshold, self.engine.policy_version)
 
     def close(self) -> None:
         if self.pool is not None:

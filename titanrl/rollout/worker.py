@@ -7,8 +7,6 @@ before the next one: a request never mixes two policy versions.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import os
 import time
@@ -16,33 +14,9 @@ from typing import Any
 
 import torch
 
-from titanrl.config import EnvConfig, ModelConfig, RewardFn, RolloutConfig, resolve_env_factory, resolve_reward
+from titanrl.config import EnvConfig, ModelConfig, RolloutConfig, resolve_env_factory, resolve_reward
+from titanrl.rewards.scoring import eval_summary, row_fields, score
 from titanrl.types import Group, RolloutBatch, Sample
-
-
-class RewardError(RuntimeError):
-    """A reward function raised or returned a non-number; names the function and the prompt."""
-
-
-def score(rewards: list[RewardFn], prompt: str, completion: str, row: dict[str, Any]) -> float:
-    """Sum of all reward functions on one completion; awaits async rewards."""
-    total = 0.0
-    for fn in rewards:
-        try:
-            value = fn(prompt, completion, **row)
-            if inspect.isawaitable(value):
-                value = asyncio.run(_await(value))
-        except Exception as e:
-            name = getattr(fn, "__qualname__", repr(fn))
-            raise RewardError(f"reward {name} raised {type(e).__name__}: {e} (prompt {prompt[:80]!r})") from e
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RewardError(f"reward {getattr(fn, '__qualname__', fn)} returned {value!r}; it must return a float")
-        total += float(value)
-    return total
-
-
-async def _await(value: Any) -> Any:
-    return await value
 
 
 class RolloutWorker:
@@ -114,7 +88,7 @@ class RolloutWorker:
         )
         groups, gen_tokens = [], 0
         for j, (row, completions) in enumerate(zip(rows, outputs, strict=True)):
-            fields = {k: v for k, v in row.items() if k != self.prompt_field}
+            fields = row_fields(row, self.prompt_field)
             samples = []
             for c in completions:
                 gen_tokens += len(c.token_ids)
@@ -144,16 +118,11 @@ class RolloutWorker:
             prompts, n=1, temperature=0.0, max_tokens=max_new_tokens,
             stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
         )
-        rewards = []
-        for row, (c,) in zip(rows, outputs, strict=True):
-            fields = {k: v for k, v in row.items() if k != self.prompt_field}
-            rewards.append(score(self.rewards, row[self.prompt_field], c.text, fields))
-        return {
-            "rewards": rewards,
-            "correct": sum(r >= correct_threshold for r in rewards),
-            "examples": [{"prompt": p, "completion": o[0].text} for p, o in zip(prompts[:3], outputs[:3])],
-            "policy_version": self.engine.policy_version,
-        }
+        rewards = [
+            score(self.rewards, row[self.prompt_field], c.text, row_fields(row, self.prompt_field))
+            for row, (c,) in zip(rows, outputs, strict=True)
+        ]
+        return eval_summary(rewards, correct_threshold, self.engine.policy_version)
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         """Loads the trainer's weights in place; returns the push time in seconds."""
