@@ -52,7 +52,13 @@ def ray_session():
 
 # --- hardware markers --------------------------------------------------------------------
 def pytest_collection_modifyitems(config, items):
-    """`gpu`/`tpu` tests skip (visibly, with the reason) where that hardware is absent."""
+    """`gpu`/`tpu` tests skip (visibly, with the reason) where that hardware is absent.
+
+    Tests marked `own_vllm_engine` start and close a private in-process vLLM engine. Closing
+    one tears down vLLM's process-wide state (its torch.distributed groups), which would break
+    the session's shared `vllm_engine`, so they run first, before that engine exists.
+    """
+    items.sort(key=lambda item: 0 if "own_vllm_engine" in item.keywords else 1)
     import importlib.util
 
     import torch

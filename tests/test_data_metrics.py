@@ -181,25 +181,3 @@ def test_plot_run_writes_png(tmp_path):
     assert out == tmp_path / "progress.png"
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
-
-
-def test_prepare_run_dir_refuses_existing_run(tmp_path):
-    """A directory that already holds metrics.jsonl is refused, naming output.dir; nothing is touched."""
-    from titanrl.driver import prepare_run_dir
-
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(ConfigError, match="output.dir") as info:
-        prepare_run_dir(str(run))
-    assert "already holds a run" in str(info.value)
-    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
-
-
-def test_prepare_run_dir_accepts_new_or_empty_dir(tmp_path):
-    """A new nested directory is created; an existing directory without a run is accepted."""
-    from titanrl.driver import prepare_run_dir
-
-    new = prepare_run_dir(str(tmp_path / "a" / "b"))
-    assert new.is_dir() and new == tmp_path / "a" / "b"
-    assert prepare_run_dir(str(new)) == new

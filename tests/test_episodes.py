@@ -115,4 +115,5 @@ def test_env_exception_ends_only_that_episode(vllm_engine):
     broken, fine = Broken(), CountingEnv(turns=2)
     ep_broken, ep_fine = _run(vllm_engine, [broken, fine], _budget())
     assert ep_broken.reward == 0.0 and ep_broken.stats["errors"] == 1 and broken.closed
+    assert ep_broken.error == "environment step raised RuntimeError: tool crashed" and not ep_broken.finished
     assert ep_fine.finished and ep_fine.reward == 1.0

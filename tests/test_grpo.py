@@ -328,3 +328,150 @@ def test_state_dict_for_push_is_a_copy(ckpt):
     tr.step(_groups(tr.model, [[1.0, 0.0]], tr.temperature))
     assert torch.equal(pushed["model.embed_tokens.weight"], snap)
     assert not torch.equal(tr.model.model.embed_tokens.weight.detach(), snap)
+
+
+# ----------------------------------------------------------------------------- minibatches, epochs
+
+
+def test_minibatch_row_ranges_split_whole_groups():
+    """Minibatches are contiguous runs of whole groups whose group counts differ by at most one."""
+    from titanrl.trainer.trainer import minibatch_row_ranges
+
+    assert minibatch_row_ranges([2, 3, 2, 4, 1], 1) == [(0, 12)]
+    assert minibatch_row_ranges([2, 3, 2, 4, 1], 2) == [(0, 7), (7, 12)]  # groups 0-2 | 3-4
+    assert minibatch_row_ranges([2, 3, 2, 4, 1], 3) == [(0, 5), (5, 11), (11, 12)]
+    assert minibatch_row_ranges([4, 4], 5) == [(0, 4), (4, 8)]  # never an empty minibatch
+
+
+def _params(tr):
+    return {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
+
+
+def _assert_same_params(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_minibatches_and_epochs_equal_separate_steps(ckpt):
+    """ppo_epochs=2, minibatches=2 on groups [g0, g1, g2] is exactly four plain steps on [g0, g1], [g2],
+    [g0, g1], [g2] (old logprobs stay the generator's): bitwise-equal weights, loss and grad_norm are
+    the means of theirs, the version moves by one and the metrics count 4 optimizer steps."""
+    a = _trainer(ckpt, ppo_epochs=2, minibatches=2, lr=1e-3)
+    b = _trainer(ckpt, lr=1e-3)
+    groups = _groups(a.model, [[1.0, 0.0], [0.0, 0.5, 1.0], [0.2, 0.9]], a.temperature, offset_scale=0.3)
+    m = a.step(groups)
+    parts = [b.step(groups[:2]), b.step(groups[2:]), b.step(groups[:2]), b.step(groups[2:])]
+    _assert_same_params(_params(a), _params(b))
+    assert a.get_version() == 1 and b.get_version() == 4
+    assert m["train/optimizer_steps"] == 4.0 and m["train/skipped_optimizer_steps"] == 0.0
+    assert m["loss"] == pytest.approx(sum(p["loss"] for p in parts) / 4, rel=1e-12)
+    assert m["grad_norm"] == pytest.approx(sum(p["grad_norm"] for p in parts) / 4, rel=1e-12)
+    assert m["train/mismatch_max_abs"] == parts[0]["train/mismatch_max_abs"]  # first forward only
+    assert m["train/tokens"] == sum(len(s.completion_ids) for g in groups for s in g.samples)
+    assert a.scheduler.last_epoch == 4
+    assert m["policy_version"] == 1.0 and m["train/skipped"] == 0.0
+
+
+def test_mismatch_measured_before_any_update(ckpt):
+    """With 3 epochs at a large lr the later passes are off the generator's weights (ratios get
+    clipped), yet the mismatch metric, taken on the first forward, stays at the on-policy ~0."""
+    tr = _trainer(ckpt, ppo_epochs=3, lr=3e-2)
+    groups = _groups(tr.model, [[1.0, 0.0, 0.0], [0.0, 1.0]], tr.temperature)
+    m = tr.step(groups)
+    assert m["train/mismatch_max_abs"] < 1e-5
+    assert m["train/clip_fraction"] > 0  # only later passes can clip: the first is on-policy
+
+
+def test_micro_batch_size_does_not_change_gradients(ckpt):
+    """The accumulated gradient of every parameter is the same (max abs diff <= 1e-6) whether the batch
+    runs as 1-row or 64-row micro-batches, and it is not trivially zero."""
+    small, big = _trainer(ckpt, micro_batch_size=1), _trainer(ckpt, micro_batch_size=64)
+    groups = _groups(small.model, [[1.0, 0.0, 0.5], [0.0, 0.0, 1.0, 0.25]], small.temperature, offset_scale=0.4)
+    batch = pack(groups, small.pad_id)
+    s1, s64 = small.accumulate_gradients(batch), big.accumulate_gradients(batch)
+    assert s1.tokens == s64.tokens and s1.loss_sum == pytest.approx(s64.loss_sum, abs=1e-5)
+    grads1 = {n: p.grad for n, p in small.model.named_parameters()}
+    grads64 = {n: p.grad for n, p in big.model.named_parameters()}
+    assert grads1.keys() == grads64.keys()
+    for n in grads1:
+        assert (grads1[n] - grads64[n]).abs().max().item() <= 1e-6, n
+    assert grads64["model.embed_tokens.weight"].abs().max().item() > 1e-3
+
+
+def test_lr_reaches_min_at_the_last_optimizer_step(ckpt):
+    """A cosine run of steps=2 with 2 epochs x 2 minibatches: the last optimizer step (the 8th) uses
+    min_lr_ratio * lr, and the schedule spans all 8."""
+    tr = _trainer(ckpt, steps=2, ppo_epochs=2, minibatches=2, lr=1e-3, lr_decay="cosine", min_lr_ratio=0.1)
+    groups = _groups(tr.model, [[1.0, 0.0], [0.0, 1.0]], tr.temperature)
+    first = tr.step(groups)
+    last = tr.step(groups)
+    assert first["lr"] < 1e-3 and first["lr"] > 1e-4
+    assert last["lr"] == pytest.approx(0.1 * 1e-3, rel=1e-12)
+    assert tr.scheduler.last_epoch == 8
+
+
+# ----------------------------------------------------------------------------- non-finite steps
+
+
+def _optimizer_state(tr):
+    return {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for i, s in tr.optimizer.state_dict()["state"].items()}
+
+
+def _assert_same_optimizer_state(a, b):
+    assert a.keys() == b.keys()
+    for i in a:
+        assert a[i].keys() == b[i].keys()
+        for k in a[i]:
+            assert torch.equal(torch.as_tensor(a[i][k]), torch.as_tensor(b[i][k])), (i, k)
+
+
+def _with_nan_logprob(group):
+    s = group.samples[0]
+    bad = _sample(s.prompt_ids, s.completion_ids, s.reward, s.group_id, [float("nan")] + s.gen_logprobs[1:])
+    return Group([bad] + group.samples[1:])
+
+
+@pytest.mark.parametrize("poison", ["nan_logprob", "inf_reward"])
+def test_non_finite_step_is_skipped(ckpt, poison):
+    """A call whose loss is not finite (NaN generator logprob, or an inf reward making NaN advantages)
+    takes no optimizer step: weights, optimizer state and schedule bitwise unchanged, version kept,
+    skip counters count it, and the next good call updates and resets the consecutive count."""
+    tr = _trainer(ckpt, lr=1e-3)
+    good = _groups(tr.model, [[1.0, 0.0], [0.0, 1.0, 0.5]], tr.temperature)
+    tr.step(good)  # the optimizer now has state to protect
+    params, opt_state, sched = _params(tr), _optimizer_state(tr), tr.scheduler.state_dict()
+    if poison == "nan_logprob":
+        bad = [good[0], _with_nan_logprob(good[1])]
+    else:
+        g = good[1]
+        bad = [good[0], Group([_sample(s.prompt_ids, s.completion_ids, r, s.group_id, s.gen_logprobs)
+                               for s, r in zip(g.samples, [float("inf"), 0.0, 1.0])])]
+    for n in (1, 2):
+        m = tr.step(bad)
+        assert m["train/skipped"] == 1.0 and m["train/skipped_steps"] == n and m["train/consecutive_skipped"] == n
+        assert m["train/optimizer_steps"] == 0.0 and m["train/skipped_optimizer_steps"] == 1.0
+        assert m["policy_version"] == 1.0 and tr.get_version() == 1
+        assert not math.isfinite(m["loss"])
+    _assert_same_params(_params(tr), params)
+    _assert_same_optimizer_state(_optimizer_state(tr), opt_state)
+    assert tr.scheduler.state_dict() == sched
+    assert all(p.grad is None for p in tr.model.parameters())
+    m = tr.step(good)
+    assert m["train/skipped"] == 0.0 and m["train/consecutive_skipped"] == 0.0 and m["train/skipped_steps"] == 2.0
+    assert m["policy_version"] == 2.0 and math.isfinite(m["loss"])
+
+
+def test_non_finite_minibatch_skips_only_its_step(ckpt):
+    """With 2 minibatches and a NaN only in the second, the first optimizer step is taken and the
+    second skipped: weights equal a trainer that stepped on the first minibatch alone, version + 1."""
+    a, b = _trainer(ckpt, minibatches=2, lr=1e-3), _trainer(ckpt, lr=1e-3)
+    good = _groups(a.model, [[1.0, 0.0], [0.0, 1.0, 0.5]], a.temperature)
+    m = a.step([good[0], _with_nan_logprob(good[1])])
+    ref = b.step([good[0]])
+    assert m["train/optimizer_steps"] == 1.0 and m["train/skipped_optimizer_steps"] == 1.0
+    assert m["train/skipped"] == 0.0 and m["policy_version"] == 1.0
+    assert m["loss"] == ref["loss"] and m["grad_norm"] == ref["grad_norm"]  # means over steps taken
+    _assert_same_params(_params(a), _params(b))
+    _assert_same_optimizer_state(_optimizer_state(a), _optimizer_state(b))

@@ -12,17 +12,20 @@ from titanrl.config import (
     EvalConfig,
     ModelConfig,
     OutputConfig,
+    ParallelConfig,
     RolloutConfig,
     RunConfig,
     TrainConfig,
 )
+from titanrl.errors import RunStopped
 
 
-def train(config: RunConfig):
-    """Runs GRPO; see `titanrl.driver.train`."""
+def train(config: RunConfig, resume: bool = False):
+    """Runs GRPO; with `resume=True` continues the run in `config.output.dir` from its newest
+    training checkpoint. See `titanrl.driver.train`."""
     from titanrl.driver import train as _train
 
-    return _train(config)
+    return _train(config, resume=resume)
 
 
 __all__ = [
@@ -32,8 +35,10 @@ __all__ = [
     "EvalConfig",
     "ModelConfig",
     "OutputConfig",
+    "ParallelConfig",
     "RolloutConfig",
     "RunConfig",
+    "RunStopped",
     "TrainConfig",
     "train",
 ]

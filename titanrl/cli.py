@@ -1,7 +1,15 @@
-"""Command line: `titanrl train CONFIG.py --out DIR [--section.key=value ...]`.
+"""Command line.
+
+    titanrl train CONFIG.py [--out RUN_DIR] [--resume] [--section.key=value ...]
+    titanrl eval CHECKPOINT --config CONFIG.py [--k K] [--samples N] [--section.key=value ...]
+    titanrl export RUN_DIR [--step N] --hf OUT
+    titanrl plot RUN_DIR
+    titanrl make-tiny OUT_DIR [--hidden-size ...]
 
 CONFIG.py is a Python file that defines `config`, a `titanrl.RunConfig` (or a function
-`make_config()` returning one); dotted overrides are applied on top of it.
+`make_config()` returning one); dotted overrides (`--train.lr=3e-4` or `--train.lr 3e-4`)
+are applied on top of it. Exit status: 0 done; 2 bad input (config, paths, checkpoints),
+nothing started; 1 a run that stopped on an error; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -9,9 +17,18 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from titanrl.commands import CommandError
 from titanrl.config import ConfigError, RunConfig, apply_overrides
+
+EXIT_OK, EXIT_RUN_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+OVERRIDE_COMMANDS = ("train", "eval")
+"""Subcommands that take `--section.key=value` config overrides."""
+HELP_WIDTH = 100
 
 
 def load_config_file(path: str) -> RunConfig:
@@ -36,30 +53,142 @@ def load_config_file(path: str) -> RunConfig:
     return config
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="titanrl", description="PyTorch-native GRPO post-training")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_train = sub.add_parser("train", help="run GRPO from a config file")
-    p_train.add_argument("config", help="Python file defining `config` (a titanrl.RunConfig)")
-    p_train.add_argument("--out", help="run directory (same as --output.dir=...)")
-    p_tiny = sub.add_parser("make-tiny", help="write a tiny random HF checkpoint with a byte tokenizer")
-    p_tiny.add_argument("out_dir")
-    args, rest = parser.parse_known_args(argv)
+def split_overrides(args: list[str], own_options: set[str]) -> tuple[list[str], list[str]]:
+    """Separates config overrides from a command's own arguments.
+
+    Any `--name` that is not one of `own_options` is an override: `--key=value`, or
+    `--key value` when the next argument does not start with `--`. Taking them out before
+    argparse runs keeps a value like `3e-4` from being read as a positional argument.
+    """
+    own: list[str] = []
+    overrides: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--") and arg != "--" and arg.split("=", 1)[0] not in own_options:
+            if "=" not in arg and i + 1 < len(args) and not args[i + 1].startswith("--"):
+                overrides.append(f"{arg}={args[i + 1]}")
+                i += 2
+                continue
+            overrides.append(arg)  # without a value apply_overrides says what shape it needs
+        else:
+            own.append(arg)
+        i += 1
+    return own, overrides
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, width=HELP_WIDTH)
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.RawDescriptionHelpFormatter(prog, width=HELP_WIDTH, max_help_position=32)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `titanrl` parser and its subcommand parsers by name."""
+    from titanrl.commands.config_help import config_help
+
+    parser = argparse.ArgumentParser(
+        prog="titanrl", description="PyTorch-native GRPO post-training", formatter_class=_formatter, allow_abbrev=False
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = dict(formatter_class=_formatter, allow_abbrev=False)
+
+    p = sub.add_parser(
+        "train", help="run GRPO from a config file", epilog=config_help(HELP_WIDTH),
+        usage="%(prog)s CONFIG.py [--out RUN_DIR] [--resume] [--section.key=value ...]",
+        description=_wrap("Runs GRPO as CONFIG.py configures it, with --section.key=value overrides on top."),
+        **common,
+    )
+    p.add_argument("config", metavar="CONFIG.py", help="Python file defining `config` (a titanrl.RunConfig)")
+    p.add_argument("--out", metavar="RUN_DIR", help="run directory (same as --output.dir=RUN_DIR)")
+    p.add_argument(
+        "--resume", action="store_true",
+        help="continue the run in RUN_DIR from its newest training checkpoint (the config must match it; "
+        "only train.steps and output.* may change)",
+    )
+
+    p = sub.add_parser(
+        "eval", help="held-out greedy accuracy (and pass@k) of a checkpoint", epilog=config_help(HELP_WIDTH),
+        usage="%(prog)s CHECKPOINT --config CONFIG.py [--k K] [--samples N] [--section.key=value ...]",
+        description=_wrap(
+            "Scores CHECKPOINT on the config's eval file (eval.max_prompts rows, eval.correct_threshold) "
+            "with one in-process vLLM worker. CHECKPOINT: an HF directory, a run's training checkpoint "
+            "(RUN_DIR/checkpoints/step_N), or a run directory (its newest policy). Prints a table and one "
+            "JSON line."
+        ),
+        **common,
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="HF checkpoint, training checkpoint or run directory")
+    p.add_argument("--config", required=True, metavar="CONFIG.py", help="the config whose rewards and eval file to use")
+    p.add_argument("--k", type=int, metavar="K", help="also report pass@K at rollout.temperature (seeded by seed)")
+    p.add_argument("--samples", type=int, metavar="N", help="completions per prompt for pass@K, N >= K (default K)")
+
+    p = sub.add_parser(
+        "export", help="write a run's policy as an HF checkpoint",
+        usage="%(prog)s RUN_DIR [--step N] --hf OUT",
+        description=_wrap(
+            "Writes RUN_DIR's newest policy (or the training checkpoint of step N) as an HF checkpoint "
+            "directory: config.json, model.safetensors, tokenizer files. OUT must not exist or be empty."
+        ),
+        **common,
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--step", type=int, metavar="N", help="the training checkpoint of step N (default: newest)")
+    p.add_argument("--hf", required=True, metavar="OUT", help="output directory (new or empty)")
+
+    p = sub.add_parser("plot", help="redraw RUN_DIR/progress.png from metrics.jsonl", **common)
+    p.add_argument("run_dir", metavar="RUN_DIR")
+
+    p = sub.add_parser("make-tiny", help="write a tiny random HF checkpoint with a byte tokenizer", add_help=False)
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    return parser, dict(sub.choices)
+
+
+def _own_options(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for action in parser._actions for s in action.option_strings}
+
+
+def one_line_reason(error: BaseException) -> str:
+    """`Type: first line of its message` for the error at the root of `error`.
+
+    A `RunStopped` the driver raised about another error stands for that error; one it raised
+    on its own (a broken reward, too many skipped steps) is its message. Ray wraps an actor's
+    exception (with a multi-line traceback) as `RayTaskError`, whose `.cause` is the original.
+    """
+    from titanrl.errors import RunStopped
+
+    if isinstance(error, RunStopped) and error.__cause__ is not None:
+        error = error.__cause__
+    while isinstance(getattr(error, "cause", None), BaseException):  # ray.exceptions.RayTaskError
+        error = error.cause  # type: ignore[attr-defined]
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if isinstance(error, RunStopped) and lines:
+        return lines[0]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def _load(config_path: str, overrides: list[str]) -> RunConfig:
+    return apply_overrides(load_config_file(config_path), overrides)
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    import titanrl.driver
+
+    config = _load(args.config, overrides + ([f"output.dir={args.out}"] if args.out else []))
     try:
-        if args.command == "make-tiny":
-            from titanrl.models.tiny import main as tiny_main
+        result = titanrl.driver.train(config, resume=args.resume)
+    except (ConfigError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # the driver has saved a checkpoint and said where
+        print(f"titanrl: run stopped: {one_line_reason(e)}", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    print(_summary(result))
+    return EXIT_OK
 
-            tiny_main([args.out_dir, *rest])
-            return 0
-        config = load_config_file(args.config)
-        overrides = list(rest) + ([f"output.dir={args.out}"] if args.out else [])
-        config = apply_overrides(config, overrides)
-        from titanrl.driver import train
 
-        result = train(config)
-    except ConfigError as e:
-        print(f"titanrl: config error: {e}", file=sys.stderr)
-        return 2
+def _summary(result: Any) -> str:
     last_eval = [m for m in result.metrics if m.get("eval/accuracy") is not None]
     summary = f"run directory: {result.run_dir}\nfinal policy: {result.final_checkpoint}"
     if last_eval:
@@ -70,9 +199,79 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = [m["time/elapsed_s"] for m in result.metrics if m.get("time/elapsed_s") is not None]
     if elapsed:
         summary += f"\nwall time: {elapsed[-1] / 60:.1f} min (start-up included)"
-    summary += f"\nplot: {result.run_dir / 'progress.png'}"
-    print(summary)
-    return 0
+    summary += f"\nplot: {Path(result.run_dir) / 'progress.png'}"
+    return summary
+
+
+def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    from titanrl.commands.evaluate import evaluate_checkpoint
+
+    config = _load(args.config, overrides)
+    report = evaluate_checkpoint(config, args.checkpoint, k=args.k, samples=args.samples)
+    print(report.table(config.rollout.temperature, config.eval.correct_threshold))
+    print(report.json_line())
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
+    from titanrl.commands.export import export_run
+
+    policy = export_run(args.run_dir, args.hf, step=args.step)
+    what = "final policy" if policy.is_hf else "training checkpoint"
+    step = f" of step {policy.step}" if policy.step is not None else ""
+    print(f"exported the {what}{step} ({policy.path}) to {args.hf}")
+    return EXIT_OK
+
+
+def cmd_plot(args: argparse.Namespace, overrides: list[str]) -> int:
+    from titanrl.commands.plot import plot_command
+
+    print(plot_command(args.run_dir))
+    return EXIT_OK
+
+
+def cmd_make_tiny(args: argparse.Namespace, rest: list[str]) -> int:
+    from titanrl.models.tiny import main as tiny_main
+
+    tiny_main([args.out_dir, *rest])
+    return EXIT_OK
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
+    "train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot, "make-tiny": cmd_make_tiny,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one command; returns the exit status."""
+    from titanrl.models.hf_checkpoint import CheckpointError
+    from titanrl.run_checkpoints import RunCheckpointError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, commands = build_parser()
+    command = next((a for a in argv if not a.startswith("-")), None)
+    overrides: list[str] = []
+    try:
+        if command in OVERRIDE_COMMANDS:
+            own, overrides = split_overrides(argv, _own_options(commands[command]))
+            args = parser.parse_args(own)
+        else:
+            args, overrides = parser.parse_known_args(argv)
+            if overrides and args.command != "make-tiny":
+                parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    except SystemExit as e:  # --help, or argparse's own usage error (status 2)
+        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
+    try:
+        return COMMANDS[args.command](args, overrides)
+    except ConfigError as e:
+        print(f"titanrl: config error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (CommandError, RunCheckpointError, CheckpointError) as e:
+        print(f"titanrl {args.command}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("titanrl: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

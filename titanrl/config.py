@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -43,6 +44,9 @@ class DataConfig:
     """Row key holding the prompt text."""
     shuffle_seed: int = 0
     """Seed of the per-epoch shuffle of the training rows."""
+    on_overlong: str = "drop"
+    """Rows whose prompt tokens + rollout.max_new_tokens exceed rollout.max_model_len: 'drop' them
+    (one warning with the count and first index) or 'error' before any actor starts."""
 
 
 @dataclass
@@ -71,6 +75,32 @@ class RolloutConfig:
     """Run vLLM's engine core in its own process (slower start on CPU, isolates crashes)."""
     threads_per_worker: int = 1
     """Intra-op threads of each worker; 1 is robust on a busy 2-core machine."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the trainer's processes split the work; the product of all degrees is its world size."""
+
+    dp_replicate: int = 1
+    """Data-parallel replicas holding full copies (HSDP's outer dimension when dp_shard > 1)."""
+    dp_shard: int = 1
+    """Data-parallel ranks that shard parameters, gradients and optimizer state (FSDP2)."""
+    tp: int = 1
+    """Tensor-parallel degree: attention heads and MLP columns split across ranks."""
+    sequence_parallel: bool = False
+    """With tp > 1, also shard norms and activations along the sequence between TP regions."""
+    pp: int = 1
+    """Pipeline stages: the decoder layers split into consecutive stages."""
+    pp_schedule: str = "1F1B"
+    """Pipeline schedule: 'GPipe', '1F1B' or 'Interleaved1F1B' (two stages per rank)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split across ranks, attention as a ring."""
+    ep: int = 1
+    """Expert-parallel degree for mixture-of-experts layers (reserved for the MoE model)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp * self.ep
 
 
 @dataclass
@@ -103,8 +133,18 @@ class TrainConfig:
     """Sequences per forward/backward; gradients accumulate to one step per batch."""
     max_staleness: int = 0
     """Oldest policy version the trainer accepts, in steps behind; 0 is synchronous on-policy."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch (PPO-style); >1 lets the clip bound on-policy updates."""
+    minibatches: int = 1
+    """Optimizer steps per pass: the batch's groups are split into this many minibatches."""
+    max_skipped_steps: int = 3
+    """Consecutive steps with a non-finite loss or gradient norm (each skipped) that stop the run."""
     threads: int = 1
     """Intra-op threads of the trainer process."""
+    device: str = "auto"
+    """Trainer device: 'auto' (CUDA when present, else CPU), 'cpu' or 'cuda'."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout of the trainer's processes (FSDP2, HSDP, TP/SP, PP, CP, EP)."""
 
 
 @dataclass
@@ -129,7 +169,8 @@ class OutputConfig:
     """Run directory for metrics, TensorBoard events, plots, rollouts, checkpoints; empty: runs/<timestamp>.
     It must not already hold a run (nothing written before is ever overwritten)."""
     save_every_steps: int = 0
-    """Export an HF checkpoint every this many steps; 0 saves only the final policy."""
+    """Write a full training checkpoint (for exact `--resume`) every this many steps; 0: only the
+    final HF policy and the checkpoint written when a run stops early."""
     rollouts_per_step: int = 4
     """Sample groups per step written to rollouts.jsonl."""
     progress_bar: bool = True
@@ -179,18 +220,26 @@ class RunConfig:
     """Multi-turn environment, episode budgets and sandbox pool size."""
     seed: int = 0
     """Seed of sampling and of anything random in the trainer."""
+    reward_timeout_s: float | None = 60.0
+    """A reward call (one sample) running longer than this gets `reward_error_value`; None: no limit."""
+    reward_error_value: float = 0.0
+    """Reward given to a sample whose reward function raised, timed out or returned a non-finite number."""
+    max_reward_error_frac: float = 0.5
+    """A step where more than this fraction of samples had reward errors stops the run (after a checkpoint)."""
 
 
 # ----------------------------------------------------------------------------- overrides
 
 
 def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
-    """Applies `section.key=value` strings (leading dashes allowed) to a copy of `config`."""
-    config = dataclasses.replace(config)
-    for section in dataclasses.fields(config):
-        value = getattr(config, section.name)
-        if dataclasses.is_dataclass(value):
-            setattr(config, section.name, dataclasses.replace(value))
+    """Applies `section.key=value` strings (leading dashes allowed) to a copy of `config`.
+
+    A value is parsed by its field's annotation: int, float, str; bool as true/false, yes/no,
+    on/off or 1/0; `X | None` and `Any` fields take none/null for None; tuples and lists take
+    comma-separated items (`train.betas=0.9,0.95`, `rewards=pkg.mod:fn,pkg.mod:fn2`); an `Any`
+    field otherwise keeps the text (a 'module:function' string that `validate` imports).
+    """
+    config = _copy_sections(config)
     for raw in overrides:
         item = raw.lstrip("-")
         if "=" not in item:
@@ -201,7 +250,18 @@ def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
     return config
 
 
+def _copy_sections(obj: Any) -> Any:
+    """A copy of a config whose sections (nested ones too) are copies: overrides never touch the input."""
+    obj = dataclasses.replace(obj)
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            setattr(obj, f.name, _copy_sections(value))
+    return obj
+
+
 def _resolve(config: Any, dotted: str) -> tuple[Any, str, Any]:
+    """The object holding `dotted`'s field, the field's name and its type annotation."""
     obj: Any = config
     parts = dotted.split(".")
     for depth, name in enumerate(parts):
@@ -211,37 +271,107 @@ def _resolve(config: Any, dotted: str) -> tuple[Any, str, Any]:
             close = difflib.get_close_matches(name, names, n=1)
             hint = f"; did you mean {'.'.join(parts[:depth] + close)!r}?" if close else ""
             raise ConfigError(f"unknown config key {dotted!r}: {where} has no field {name!r}{hint}")
+        value = getattr(obj, name)
         if depth == len(parts) - 1:
+            if dataclasses.is_dataclass(value):
+                first = dataclasses.fields(value)[0].name
+                raise ConfigError(
+                    f"{dotted!r} is a section, not a value: set its fields one by one, e.g. --{dotted}.{first}=..."
+                )
             return obj, name, typing.get_type_hints(type(obj))[name]
-        obj = getattr(obj, name)
+        obj = value
         if not dataclasses.is_dataclass(obj):
             raise ConfigError(f"unknown config key {dotted!r}: {'.'.join(parts[: depth + 1])} is not a section")
     raise AssertionError("unreachable")
 
 
+_NONE_WORDS = ("none", "null")
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
+
+
+class _Unparsable(ValueError):
+    """A command-line value does not fit its field's type."""
+
+
 def _parse_value(text: str, hint: Any, dotted: str) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if text.lower() in ("none", "null") and type(None) in args:
-            return None
-        hint = next(a for a in args if a is not type(None))
-        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    """Parses `text` as a value of `hint`; a ConfigError names the key and the expected type."""
     try:
-        if hint is bool:
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if hint in (int, float, str):
+        return _parse(text.strip(), hint)
+    except _Unparsable:
+        raise ConfigError(f"{dotted}={text!r} is not a valid {_expected(hint)}") from None
+
+
+def _parse(text: str, hint: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return None if text.lower() in _NONE_WORDS else text
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and text.lower() in _NONE_WORDS:
+            return None
+        for option in args:
+            if option is not type(None):
+                try:
+                    return _parse(text, option)
+                except _Unparsable:
+                    pass
+        raise _Unparsable(text)
+    if hint is bool:
+        if text.lower() in _TRUE_WORDS:
+            return True
+        if text.lower() in _FALSE_WORDS:
+            return False
+        raise _Unparsable(text)
+    if hint in (int, float):
+        try:
             return hint(text)
-        if origin is tuple:
-            return tuple(a(x) for a, x in zip(args, text.strip("()").split(","), strict=True))
+        except ValueError:
+            raise _Unparsable(text) from None
+    if hint is str:
+        return text
+    if origin in (tuple, list):
+        items = _split_items(text)
         if origin is list:
-            return [x for x in text.split(",") if x]
-    except ValueError:
-        pass
-    raise ConfigError(f"{dotted}={text!r} is not a valid {_type_name(hint)}")
+            item_hint = args[0] if args else Any
+            # An item 'none' stays a string: a list has no use for None entries.
+            return [item if item_hint is Any else _parse(item, item_hint) for item in items]
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_parse(item, args[0]) for item in items)
+        if len(items) != len(args):
+            raise _Unparsable(text)
+        return tuple(_parse(item, a) for item, a in zip(items, args, strict=True))
+    raise _Unparsable(text)
+
+
+def _split_items(text: str) -> list[str]:
+    """'a,b', '(a, b)' and '[a,b]' all give ['a', 'b']; '' and '[]' give []."""
+    if text[:1] + text[-1:] in ("()", "[]"):
+        text = text[1:-1]
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _expected(hint: Any) -> str:
+    """What a command-line value of `hint` looks like, for error messages."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return "value ('package.module:function', or none)"
+    if origin in (typing.Union, types.UnionType):
+        options = [_expected(a) for a in args if a is not type(None)]
+        return " or ".join(options + (["none"] if type(None) in args else []))
+    if hint is bool:
+        return "bool (true/false, yes/no, on/off, 1/0)"
+    if hint is int:
+        return "int (like 8)"
+    if hint is float:
+        return "float (like 0.5 or 3e-4)"
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"comma-separated list of {_type_name(args[0])}"
+        example = ",".join("0.9" if a is float else "1" if a is int else "x" for a in args)
+        return f"tuple of {len(args)} comma-separated values ({', '.join(map(_type_name, args))}; like {example})"
+    if origin is list:
+        return "comma-separated list"
+    return f"{_type_name(hint)} (it cannot be set from the command line; set it in the config file)"
 
 
 # ----------------------------------------------------------------------------- validation
@@ -356,6 +486,20 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {config.train.min_lr_ratio}")
     if config.train.max_staleness < 0:
         raise ConfigError(f"train.max_staleness must be >= 0, got {config.train.max_staleness}")
+    _positive(config, "train.ppo_epochs", "train.minibatches", "train.max_skipped_steps")
+    if config.train.minibatches > config.rollout.prompts_per_step:
+        raise ConfigError(
+            f"train.minibatches ({config.train.minibatches}) must be <= rollout.prompts_per_step "
+            f"({config.rollout.prompts_per_step}): each minibatch holds whole prompt groups"
+        )
+    if config.data.on_overlong not in ("drop", "error"):
+        raise ConfigError(f"data.on_overlong must be 'drop' or 'error', got {config.data.on_overlong!r}")
+    if config.reward_timeout_s is not None and config.reward_timeout_s <= 0:
+        raise ConfigError(f"reward_timeout_s must be > 0 (or None for no limit), got {config.reward_timeout_s}")
+    if not math.isfinite(config.reward_error_value):
+        raise ConfigError(f"reward_error_value must be a finite number, got {config.reward_error_value}")
+    if not 0 <= config.max_reward_error_frac <= 1:
+        raise ConfigError(f"max_reward_error_frac must be in [0, 1], got {config.max_reward_error_frac}")
     if config.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {config.model.dtype!r}")
     if not config.model.checkpoint:

@@ -37,6 +37,9 @@ class Sample:
     """1 for tokens the model generated, 0 for environment-inserted ones; None means all 1."""
     stats: dict[str, float] = field(default_factory=dict)
     """Per-episode counters from environments (turns, tool_calls, errors, sandbox_s)."""
+    reward_error: str | None = None
+    """Why the reward (or the episode's environment) failed, if it did; the sample then got
+    `RunConfig.reward_error_value` instead of crashing the run."""
 
     def __post_init__(self) -> None:
         if len(self.completion_ids) != len(self.gen_logprobs):

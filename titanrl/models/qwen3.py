@@ -184,12 +184,14 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q = self.q_norm(self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        # Head counts come from the projections' widths (-1), not the config: under tensor
+        # parallelism each rank holds num_heads / tp of them.
+        q = self.q_norm(self.q_proj(x_BTD).view(B, T, -1, self.head_dim))
+        k = self.k_norm(self.k_proj(x_BTD).view(B, T, -1, self.head_dim))
+        v = self.v_proj(x_BTD).view(B, T, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out_BTHD = self.backend(q, k, v)
-        return self.o_proj(out_BTHD.reshape(B, T, self.num_heads * self.head_dim))
+        return self.o_proj(out_BTHD.reshape(B, T, -1))
 
 
 class MLP(nn.Module):

@@ -1,15 +1,27 @@
-"""Applying user reward functions to completions, shared by single-turn and episode rollouts."""
+"""Applying user reward functions to completions, shared by single-turn and episode rollouts.
+
+A reward function is user code run thousands of times per step, so one bad call must cost
+one sample, not the run: `score_sample` turns a reward that raises, runs past `timeout_s`
+or returns something that is not a finite real number into `error_value` plus an error
+string the driver logs (`Sample.reward_error`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import math
+import numbers
+import queue
+import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 
 class RewardError(RuntimeError):
-    """A reward function raised or returned a non-number; names the function and the prompt."""
+    """A reward function failed on one sample; the message names the function and the prompt."""
 
 
 def row_fields(row: dict[str, Any], prompt_field: str) -> dict[str, Any]:
@@ -17,32 +29,228 @@ def row_fields(row: dict[str, Any], prompt_field: str) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k != prompt_field}
 
 
-def score(rewards: list[Callable[..., Any]], prompt: str, completion: str, fields: dict[str, Any]) -> float:
-    """Sum of all reward functions on one completion; awaits async rewards."""
+def score_sample(
+    rewards: list[Callable[..., Any]],
+    prompt: str,
+    completion: str,
+    fields: dict[str, Any],
+    *,
+    timeout_s: float | None,
+    error_value: float,
+) -> tuple[float, str | None]:
+    """Sum of all reward functions on one completion, as `(reward, None)`; `(error_value, why)`
+    when one of them fails.
+
+    A failure is a reward that raises, runs longer than `timeout_s` (per reward call; None: no
+    limit), or returns anything but a finite real number (see `as_reward`). The first failing
+    reward decides: the sample gets `error_value`, not the sum of the rewards that worked (a
+    partial sum would rank the sample against its group on a different scale), and the
+    rewards after it are not called.
+
+    Sync rewards run in a helper thread when `timeout_s` is set. A Python thread cannot be
+    killed: a reward that times out is abandoned and keeps running (and taking the GIL while
+    it computes) until it returns on its own, and a new helper thread serves the next call;
+    helpers are daemon threads, so an abandoned one never blocks the process from exiting.
+    Rewards that need the main thread (e.g. signal-based timeouts of their own) need
+    `timeout_s=None`, which calls them inline. Async rewards run on a fresh
+    event loop in the calling thread under `asyncio.wait_for`, which cancels them on timeout;
+    one that blocks the loop (a sync sleep inside `async def`) cannot be interrupted.
+    Must not be called from inside a running event loop (async rewards get their own).
+    """
     total = 0.0
     for fn in rewards:
         try:
-            value = fn(prompt, completion, **fields)
-            if inspect.isawaitable(value):
-                value = asyncio.run(_await(value))
-        except Exception as e:
-            name = getattr(fn, "__qualname__", repr(fn))
-            raise RewardError(f"reward {name} raised {type(e).__name__}: {e} (prompt {prompt[:80]!r})") from e
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RewardError(f"reward {getattr(fn, '__qualname__', fn)} returned {value!r}; it must return a float")
-        total += float(value)
-    return total
+            total += _score_one(fn, prompt, completion, fields, timeout_s)
+        except RewardError as e:
+            return error_value, str(e)
+    if not math.isfinite(total):  # finite terms can still overflow when summed
+        return error_value, f"rewards summed to {total} (prompt {prompt[:80]!r})"
+    return total, None
+
+
+def as_reward(value: Any) -> float:
+    """`value` as a float if it is one finite real number; raises TypeError/ValueError otherwise.
+
+    Accepted: int, float, anything registered as `numbers.Real` (numpy scalars such as
+    np.float32, fractions.Fraction), 0-d numpy arrays and 0-d torch tensors of an integer or
+    floating dtype. Rejected: bool (and boolean arrays/tensors) — as everywhere else in
+    TitanRL's config and tool checks, a bool is not accepted as a number: a reward returning
+    `answer == ref` is most often a predicate used where a score was meant, and `float(ok)`
+    says the intent; also None, strings, sequences, multi-element or 1-element-but-not-0-d
+    arrays and tensors, complex numbers, NaN and infinities.
+    """
+    number = _as_float(value)
+    if math.isnan(number) or math.isinf(number):
+        raise ValueError(f"returned {number}")
+    return number
+
+
+def _as_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise TypeError("returned a bool; return a float (e.g. float(ok))")
+    if isinstance(value, numbers.Real):
+        try:
+            return float(value)
+        except OverflowError as e:  # an int too large for a float
+            raise ValueError(f"returned {_short(value)}, which does not fit in a float") from e
+    # numpy and torch are only checked when already imported: otherwise `value` can't be theirs.
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.ndarray | np.generic):
+        if value.ndim != 0 or value.dtype.kind not in "iuf":
+            raise TypeError(
+                f"returned a numpy value of shape {value.shape} and dtype {value.dtype}; "
+                "return one real number (a 0-d integer or float array at most)"
+            )
+        return float(value.item())
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(
+                f"returned a tensor of shape {tuple(value.shape)} and dtype {value.dtype}; "
+                "return one real number (a 0-d integer or float tensor at most)"
+            )
+        return float(value.item())
+    raise TypeError(f"returned {_short(value)} ({type(value).__name__}); it must return a real number")
+
+
+def reward_name(fn: Any) -> str:
+    """How error messages name a reward: its qualified name (of the wrapped function for a partial)."""
+    target = getattr(fn, "func", fn)  # functools.partial
+    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__qualname__
+
+
+def _score_one(fn: Callable[..., Any], prompt: str, completion: str, fields: dict[str, Any],
+               timeout_s: float | None) -> float:
+    where = f"(prompt {prompt[:80]!r})"
+    name = reward_name(fn)
+    if _is_async(fn) and _loop_running():  # a caller's bug, not the reward's: let it raise
+        raise RuntimeError("score_sample must not be called from inside a running event loop")
+    start = time.perf_counter()
+    try:
+        if _is_async(fn):  # calling it only builds the coroutine; the loop below runs it
+            value = _run_async(fn(prompt, completion, **fields), timeout_s)
+        else:
+            value = _call(fn, (prompt, completion), fields, timeout_s)
+            if inspect.isawaitable(value):  # a sync callable handing back an awaitable
+                left = None if timeout_s is None else max(timeout_s - (time.perf_counter() - start), 0.0)
+                value = _run_async(value, left)
+    except (TimeoutError, asyncio.TimeoutError) as e:
+        if isinstance(e, _Abandoned) or (timeout_s is not None and time.perf_counter() - start >= timeout_s):
+            raise RewardError(f"reward {name} timed out after {float(timeout_s)} s {where}") from None
+        raise RewardError(f"reward {name} raised {type(e).__name__}: {_short(e)} {where}") from e
+    except Exception as e:
+        raise RewardError(f"reward {name} raised {type(e).__name__}: {_short(e)} {where}") from e
+    try:
+        return as_reward(value)
+    except (TypeError, ValueError) as e:
+        raise RewardError(f"reward {name} {e} {where}") from None
+
+
+class _Abandoned(TimeoutError):
+    """The helper thread running a sync reward was still busy at the deadline."""
+
+
+def _is_async(fn: Any) -> bool:
+    # Callable objects with an `async def __call__` count too.
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float | None) -> Any:
+    if timeout_s is None:
+        return fn(*args, **kwargs)
+    helper = getattr(_helpers, "thread", None)
+    if helper is None:
+        helper = _helpers.thread = _RewardThread()
+    job = _Job(fn, args, kwargs)
+    helper.jobs.put(job)
+    if not job.done.wait(timeout_s):
+        # Abandon the busy thread (it exits once the call returns); the next call gets a new one.
+        helper.jobs.put(None)
+        _helpers.thread = None
+        raise _Abandoned
+    if job.error is not None:
+        raise job.error
+    return job.value
+
+
+class _Job:
+    """One sync reward call handed to a helper thread."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn(*self.args, **self.kwargs)
+        except BaseException as e:  # even SystemExit: in a helper thread it would otherwise vanish
+            self.error = e
+        self.done.set()
+
+
+class _RewardThread:
+    """A daemon thread running one calling thread's sync rewards, one at a time.
+
+    Reused across calls (starting a thread per call costs ~10x the handoff); a daemon, so an
+    abandoned one never blocks the process from exiting.
+    """
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None: stop
+        threading.Thread(target=self._serve, name="titanrl-reward", daemon=True).start()
+
+    def _serve(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            job.run()
+
+
+_helpers = threading.local()
+"""`thread`: the calling thread's current _RewardThread (None after one was abandoned)."""
+
+
+def _run_async(awaitable: Any, timeout_s: float | None) -> Any:
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(asyncio.wait_for(_await(awaitable), timeout_s))
+    finally:
+        # Not asyncio.run: its shutdown joins the default executor, so a timed-out reward that
+        # awaits asyncio.to_thread would block right here; loop.close() leaves that thread behind.
+        leftover = asyncio.all_tasks(loop)
+        for task in leftover:
+            task.cancel()
+        if leftover:
+            loop.run_until_complete(asyncio.wait(leftover, timeout=1.0))
+        loop.close()
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 async def _await(value: Any) -> Any:
-    # asyncio.run takes a coroutine; a reward may return any awaitable.
+    # wait_for needs a coroutine or future; a reward may return any awaitable.
     return await value
 
 
-def eval_summary(rewards: list[float], correct_threshold: float, policy_version: int) -> dict[str, Any]:
-    """What a worker's `evaluate` returns to the driver."""
+def _short(value: Any, limit: int = 300) -> str:
+    text = (str(value) or "(no message)") if isinstance(value, BaseException) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def eval_summary(
+    rewards: list[float], correct_threshold: float, policy_version: int, errors: list[str | None] | None = None
+) -> dict[str, Any]:
+    """What a worker's `evaluate` returns to the driver; a sample whose reward errored is never correct."""
+    errors = errors if errors is not None else [None] * len(rewards)
     return {
         "rewards": rewards,
-        "correct": sum(r >= correct_threshold for r in rewards),
+        "correct": sum(r >= correct_threshold and e is None for r, e in zip(rewards, errors, strict=True)),
+        "reward_errors": sum(e is not None for e in errors),
         "policy_version": policy_version,
     }

@@ -14,9 +14,10 @@ from typing import Any
 
 from titanrl.config import EnvConfig, RewardFn, RolloutConfig
 from titanrl.envs.base import EnvContext, EnvFactory
-from titanrl.rewards.scoring import eval_summary, row_fields, score
+from titanrl.rewards.scoring import eval_summary, row_fields, score_sample
 from titanrl.rollout.async_engine import AsyncGenerator
-from titanrl.rollout.episode import Episode, EpisodeBudget, run_episode
+from titanrl.rollout.episode import Episode, EpisodeBudget, env_error, failed_episode, run_episode
+from titanrl.rollout.seeds import episode_seed
 from titanrl.rollout.vllm_engine import VllmEngine
 from titanrl.types import Group, RolloutBatch, Sample
 
@@ -38,9 +39,14 @@ class EnvRunner:
         rewards: list[RewardFn],
         prompt_field: str,
         worker_id: int,
+        *,
+        reward_timeout_s: float | None = 60.0,
+        reward_error_value: float = 0.0,
     ) -> None:
         self.engine, self.env_factory, self.cfg, self.rc = engine, env_factory, env_config, rollout_config
         self.rewards, self.prompt_field = rewards, prompt_field
+        # A failing reward function or environment gives its sample this instead of crashing.
+        self.reward_timeout_s, self.reward_error_value = reward_timeout_s, reward_error_value
         self.tokenizer = engine.llm.get_tokenizer()
         # A turn ends at eos, or at <|im_end|> for chat models whose eos is <|endoftext|>.
         self.stop_token_ids = [t for t in (engine.model_config.eos_token_id, _token_id(self.tokenizer, "<|im_end|>"))
@@ -65,29 +71,53 @@ class EnvRunner:
     async def _episodes(self, rows: list[dict[str, Any]], n: int, temperature: float, seed: int | None) -> list[Episode]:
         async with AsyncGenerator(self.engine) as generator:
             tasks = [
-                run_episode(
-                    self.env_factory(self.context),
+                self._episode(
                     row,
                     generator,
-                    self.tokenizer,
-                    self._budget(),
-                    temperature=temperature,
-                    top_p=self.rc.top_p if temperature > 0 else 1.0,
-                    # Distinct seeds per episode (and per turn inside run_episode).
-                    seed=None if seed is None else seed + 1000 * (j * n + i),
-                    stop_token_ids=self.stop_token_ids,
+                    temperature,
+                    # One seed per (episode, turn) of the run: see titanrl.rollout.seeds.
+                    None if seed is None else episode_seed(seed, j * n + i, self.cfg.max_turns),
                 )
                 for j, row in enumerate(rows)
                 for i in range(n)
             ]
             return await asyncio.gather(*tasks)
 
-    def _score(self, episode: Episode, row: dict[str, Any]) -> float:
-        fields = row_fields(row, self.prompt_field)
-        extra = score(self.rewards, episode.prompt, episode.completion_text, fields) if self.rewards else 0.0
-        return episode.reward + extra
+    async def _episode(self, row: dict[str, Any], generator: AsyncGenerator, temperature: float,
+                       seed: int | None) -> Episode:
+        try:
+            env = self.env_factory(self.context)
+        except Exception as e:  # a broken factory costs this episode, not the run
+            return failed_episode(str(row.get(self.prompt_field, "")), self.tokenizer, env_error("factory", e),
+                                  self.reward_error_value, self.engine.policy_version)
+        return await run_episode(
+            env,
+            row,
+            generator,
+            self.tokenizer,
+            self._budget(),
+            temperature=temperature,
+            top_p=self.rc.top_p if temperature > 0 else 1.0,
+            seed=seed,
+            stop_token_ids=self.stop_token_ids,
+            prompt_field=self.prompt_field,
+            error_value=self.reward_error_value,
+        )
+
+    def _score(self, episode: Episode, row: dict[str, Any]) -> tuple[float, str | None]:
+        """The episode's reward plus the extra reward functions'; an env or reward error gives error_value."""
+        if episode.error is not None:  # its reward is already error_value; rewards would see a broken transcript
+            return episode.reward, episode.error
+        if not self.rewards:
+            return episode.reward, None
+        extra, error = score_sample(
+            self.rewards, episode.prompt, episode.completion_text, row_fields(row, self.prompt_field),
+            timeout_s=self.reward_timeout_s, error_value=self.reward_error_value,
+        )
+        return (extra, error) if error is not None else (episode.reward + extra, None)
 
     def generate(self, rows: list[dict[str, Any]], seed: int, first_group_id: int) -> RolloutBatch:
+        """`seed` is `titanrl.rollout.seeds.request_seed(run_seed, first_group_id, group_size, env.max_turns)`."""
         start = time.perf_counter()
         n = self.rc.group_size
         episodes = self.loop.run_until_complete(self._episodes(rows, n, self.rc.temperature, seed))
@@ -97,6 +127,7 @@ class EnvRunner:
             samples = []
             for ep in episodes[j * n : (j + 1) * n]:
                 gen_tokens += sum(ep.loss_mask)
+                reward, error = self._score(ep, row)
                 samples.append(
                     Sample(
                         prompt=ep.prompt,
@@ -104,13 +135,14 @@ class EnvRunner:
                         prompt_ids=ep.prompt_ids,
                         completion_ids=ep.completion_ids,
                         gen_logprobs=ep.gen_logprobs,
-                        reward=self._score(ep, row),
+                        reward=reward,
                         group_id=first_group_id + j,
                         policy_version=ep.policy_version,
                         fields=fields,
                         finished=ep.finished,
                         loss_mask=ep.loss_mask,
                         stats={"turns": float(ep.turns), **ep.stats},
+                        reward_error=error,
                     )
                 )
             groups.append(Group(samples))
@@ -118,8 +150,9 @@ class EnvRunner:
 
     def evaluate(self, rows: list[dict[str, Any]], correct_threshold: float) -> dict[str, Any]:
         episodes = self.loop.run_until_complete(self._episodes(rows, 1, 0.0, None))
-        rewards = [self._score(ep, row) for ep, row in zip(episodes, rows, strict=True)]
-        return eval_summary(rewards, correct_threshold, self.engine.policy_version)
+        scored = [self._score(ep, row) for ep, row in zip(episodes, rows, strict=True)]
+        return eval_summary([r for r, _ in scored], correct_threshold, self.engine.policy_version,
+                            [e for _, e in scored])
 
     def close(self) -> None:
         if self.pool is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from titanrl.envs.base import Environment, StepResult
+from titanrl.rewards.scoring import as_reward
 from titanrl.rollout.async_engine import AsyncGenerator
 
 
@@ -35,18 +36,52 @@ class Episode:
     """What an episode produced, ready to become a training Sample."""
 
     prompt: str
+    """First observation (the environment's prompt), or the row's prompt if the env never started."""
     prompt_ids: list[int]
+    """Tokens of `prompt`, as the generator consumed them."""
     completion_ids: list[int]
+    """Model turns and inserted observations, in order (empty if the env never started)."""
     loss_mask: list[int]
+    """1 for model tokens, 0 for observation tokens."""
     gen_logprobs: list[float]
+    """Generator logprob of each model token; 0.0 for observation tokens."""
     completion_text: str
+    """Decoded turns and observations (plus an error note when the environment failed)."""
     reward: float
+    """Sum of the environment's step rewards; `error_value` when the environment failed."""
     turns: int
+    """Model turns taken."""
     finished: bool
-    """True when the environment ended the episode (not a budget)."""
+    """True when the environment ended the episode (not a budget, not an error)."""
     policy_version: int
+    """Weights version of the last model turn."""
     stats: dict[str, float] = field(default_factory=dict)
     """tool_calls, errors, sandbox_s summed over turns; env_s spent inside env.step."""
+    error: str | None = None
+    """Why the environment failed (factory, reset, step, its reward, or close), if it did."""
+
+
+_COUNTERS = ("tool_calls", "errors", "sandbox_s", "tests_passed", "tests_total")
+"""StepResult.info keys summed over an episode's turns."""
+
+
+def _new_stats() -> dict[str, float]:
+    return {"tool_calls": 0.0, "errors": 0.0, "sandbox_s": 0.0, "env_s": 0.0, "tests_passed": 0.0, "tests_total": 0.0}
+
+
+def failed_episode(prompt: str, tokenizer: Any, error: str, error_value: float, policy_version: int,
+                   stats: dict[str, float] | None = None) -> Episode:
+    """An episode whose environment never produced a prompt: the row's prompt, no completion.
+
+    The sample still trains nothing (empty completion) but keeps its group complete.
+    """
+    stats = stats if stats is not None else _new_stats()
+    stats["errors"] += 1
+    # The trainer packs prompt + completion; keep at least one prompt token.
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False) or [tokenizer.eos_token_id or 0]
+    return Episode(prompt=prompt, prompt_ids=list(prompt_ids), completion_ids=[], loss_mask=[], gen_logprobs=[],
+                   completion_text="", reward=error_value, turns=0, finished=False,
+                   policy_version=policy_version, stats=stats, error=error)
 
 
 async def run_episode(
@@ -59,19 +94,40 @@ async def run_episode(
     top_p: float,
     seed: int | None,
     stop_token_ids: list[int] | None,
+    *,
+    prompt_field: str = "prompt",
+    error_value: float = 0.0,
 ) -> Episode:
-    """Alternates model turns and env steps until done or a budget runs out."""
-    stats = {"tool_calls": 0.0, "errors": 0.0, "sandbox_s": 0.0, "env_s": 0.0, "tests_passed": 0.0,
-             "tests_total": 0.0}
+    """Alternates model turns and env steps until done or a budget runs out.
+
+    Turn t samples with seed `seed + t`. An environment that fails (reset, step or close
+    raising, or a step reward that is not a finite number) ends only this episode: it gets
+    reward `error_value`, `stats["errors"]` counts the failure and `error` says what happened.
+    Engine errors are not the environment's and propagate.
+    """
+    stats = _new_stats()
+    version = generator.engine.policy_version
     try:
         prompt = await env.reset(row)
-        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-        context = list(prompt_ids)
-        completion_ids: list[int] = []
-        mask: list[int] = []
-        logprobs: list[float] = []
-        text_parts: list[str] = []
-        reward, turns, finished, version = 0.0, 0, False, generator.engine.policy_version
+        if not isinstance(prompt, str):
+            raise TypeError(f"reset must return the prompt text (str), got {type(prompt).__name__}")
+    except Exception as e:
+        error = env_error("reset", e)
+        close_error = await _close(env)
+        if close_error:
+            stats["errors"] += 1
+            error += "; " + close_error
+        return failed_episode(str(row.get(prompt_field, "")), tokenizer, error, error_value, version, stats)
+
+    errors: list[str] = []
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    context = list(prompt_ids)
+    completion_ids: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    text_parts: list[str] = []
+    reward, turns, finished = 0.0, 0, False
+    try:
         while turns < budget.max_turns:
             room = min(
                 budget.max_tokens_per_turn,
@@ -97,16 +153,25 @@ async def run_episode(
             logprobs += turn.logprobs
             text_parts.append(turn.text)
             t0 = time.perf_counter()
-            try:
+            try:  # a buggy environment ends this episode, not the run
                 result = await env.step(turn.text)
-            except Exception as e:  # a buggy environment ends this episode, not the run
-                result = StepResult(observation="", reward=0.0, done=True, info={"errors": 1})
-                stats["env_exception"] = 1.0
-                text_parts.append(f"\n[environment error: {type(e).__name__}: {e}]")
+                if not isinstance(result, StepResult):
+                    raise TypeError(f"step must return a StepResult, got {type(result).__name__}")
+                step_reward = _step_reward(result.reward)
+                if not result.done and not isinstance(result.observation, str):
+                    raise TypeError(f"step observation must be a str, got {type(result.observation).__name__}")
+                counters = {key: float(result.info.get(key, 0)) for key in _COUNTERS}
+            except _BadReward as e:
+                errors.append(f"environment step {e}")
+            except Exception as e:
+                errors.append(env_error("step", e))
             stats["env_s"] += time.perf_counter() - t0
-            for key in ("tool_calls", "errors", "sandbox_s", "tests_passed", "tests_total"):
-                stats[key] += float(result.info.get(key, 0))
-            reward += float(result.reward)
+            if errors:
+                text_parts.append(f"\n[{errors[-1]}]")
+                break
+            for key, value in counters.items():
+                stats[key] += value
+            reward += step_reward
             if result.done:
                 finished = True
                 break
@@ -122,7 +187,10 @@ async def run_episode(
             logprobs += [0.0] * len(obs_ids)
             text_parts.append(result.observation)
     finally:
-        await env.close()
+        close_error = await _close(env)
+    if close_error:
+        errors.append(close_error)
+    stats["errors"] += len(errors)
     return Episode(
         prompt=prompt,
         prompt_ids=list(prompt_ids),
@@ -130,9 +198,36 @@ async def run_episode(
         loss_mask=mask,
         gen_logprobs=logprobs,
         completion_text="".join(text_parts),
-        reward=reward,
+        reward=error_value if errors else reward,
         turns=turns,
-        finished=finished,
+        finished=finished and not errors,
         policy_version=version,
         stats=stats,
+        error="; ".join(errors) or None,
     )
+
+
+class _BadReward(Exception):
+    """A step reward that is not a finite real number."""
+
+
+def _step_reward(value: Any) -> float:
+    try:
+        return as_reward(value)
+    except (TypeError, ValueError) as e:
+        raise _BadReward(f"reward {e}") from None
+
+
+async def _close(env: Environment) -> str | None:
+    """Closes the environment; a failure comes back as an error text, never raised."""
+    try:
+        await env.close()
+    except Exception as e:
+        return env_error("close", e)
+    return None
+
+
+def env_error(what: str, e: BaseException, limit: int = 300) -> str:
+    """The error text of an environment call that raised: 'environment {what} raised Type: message'."""
+    text = str(e) or "(no message)"
+    return f"environment {what} raised {type(e).__name__}: " + (text if len(text) <= limit else text[:limit] + "...")

@@ -108,6 +108,11 @@ def _env(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+_in_process_engines = 0
+"""Open in-process engines: they share process-wide state that only the last close may tear down."""
+_original_set_num_threads = torch.set_num_threads
+
+
 class VllmEngine:
     """A vLLM `LLM` running `TitanQwen3ForVLLM`, with `generate` and in-place `update_weights`."""
 
@@ -127,9 +132,6 @@ class VllmEngine:
         self.model_config = read_config(config.checkpoint)
         self.policy_version = 0
         self.last_push_seconds: float | None = None
-        # An in-process engine replaces torch.set_num_threads in this process (vLLM binds its
-        # threads); close() puts it back.
-        self._set_num_threads = torch.set_num_threads
         t0 = time.perf_counter()
         with _env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if config.multiprocess else "0"}):
             self.llm = LLM(
@@ -150,6 +152,9 @@ class VllmEngine:
             )
         self.start_seconds = time.perf_counter() - t0
         self._closed = False
+        if not config.multiprocess:
+            global _in_process_engines
+            _in_process_engines += 1
 
     # --- generation -------------------------------------------------------------------
     def generate(
@@ -253,12 +258,16 @@ class VllmEngine:
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
         if not self.config.multiprocess:
-            # The in-process engine left process-wide state behind: torch.distributed groups,
-            # a frozen GC heap, cached vLLM env vars, a patched torch.set_num_threads.
+            global _in_process_engines
+            _in_process_engines -= 1
+        if not self.config.multiprocess and _in_process_engines == 0:
+            # In-process engines leave process-wide state behind: torch.distributed groups, a
+            # frozen GC heap, cached vLLM env vars, a patched torch.set_num_threads (vLLM binds
+            # its threads). Another engine still open in this process needs all of it.
             from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
             cleanup_dist_env_and_memory()
-            torch.set_num_threads = self._set_num_threads
+            torch.set_num_threads = _original_set_num_threads
         import gc
 
         gc.collect()

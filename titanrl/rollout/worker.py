@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from titanrl.config import EnvConfig, ModelConfig, RolloutConfig, resolve_env_factory, resolve_reward
-from titanrl.rewards.scoring import eval_summary, row_fields, score
+from titanrl.rewards.scoring import eval_summary, row_fields, score_sample
 from titanrl.types import Group, RolloutBatch, Sample
 
 
@@ -31,8 +31,15 @@ class RolloutWorker:
         prompt_field: str,
         seed: int,
         env_config: EnvConfig | None = None,
+        *,
+        reward_timeout_s: float | None = 60.0,
+        reward_error_value: float = 0.0,
     ) -> None:
+        """`reward_timeout_s` and `reward_error_value` are RunConfig's: a reward call (or an
+        episode's environment) that fails gives its sample `reward_error_value` instead of
+        crashing the run (see `titanrl.rewards.scoring.score_sample`)."""
         rc = rollout_config
+        self.reward_timeout_s, self.reward_error_value = reward_timeout_s, reward_error_value
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(rc.kv_cache_gib)))
         torch.set_num_threads(rc.threads_per_worker)
@@ -64,7 +71,8 @@ class RolloutWorker:
             from titanrl.rollout.env_runner import EnvRunner
 
             self.env_runner = EnvRunner(
-                self.engine, self.env_factory, self.env_config, rc, self.rewards, prompt_field, worker_id
+                self.engine, self.env_factory, self.env_config, rc, self.rewards, prompt_field, worker_id,
+                reward_timeout_s=reward_timeout_s, reward_error_value=reward_error_value,
             )
 
     def ready(self) -> dict[str, float]:
@@ -72,7 +80,11 @@ class RolloutWorker:
         return {"worker_id": self.worker_id, "start_s": self.engine.start_seconds}
 
     def generate(self, rows: list[dict[str, Any]], seed: int, first_group_id: int) -> RolloutBatch:
-        """Samples `group_size` completions (or episodes) for each row and scores them."""
+        """Samples `group_size` completions (or episodes) for each row and scores them.
+
+        `seed` is `titanrl.rollout.seeds.request_seed(run_seed, first_group_id, group_size,
+        max_turns)`: sample i of row j uses `seed + j * group_size + i` (episodes: see EnvRunner).
+        """
         if self.env_factory is not None:
             return self.env_runner.generate(rows, seed, first_group_id)
         start = time.perf_counter()
@@ -92,6 +104,7 @@ class RolloutWorker:
             samples = []
             for c in completions:
                 gen_tokens += len(c.token_ids)
+                reward, error = self._score(row, c.text)
                 samples.append(
                     Sample(
                         prompt=row[self.prompt_field],
@@ -99,18 +112,19 @@ class RolloutWorker:
                         prompt_ids=c.prompt_token_ids,
                         completion_ids=c.token_ids,
                         gen_logprobs=c.logprobs,
-                        reward=score(self.rewards, row[self.prompt_field], c.text, fields),
+                        reward=reward,
                         group_id=first_group_id + j,
                         policy_version=c.policy_version,
                         fields=fields,
                         finished=c.finish_reason == "stop",
+                        reward_error=error,
                     )
                 )
             groups.append(Group(samples))
         return RolloutBatch(groups, gen_tokens, time.perf_counter() - start, self.engine.policy_version)
 
     def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int, correct_threshold: float) -> dict[str, Any]:
-        """Greedy completions of held-out rows: accuracy and mean reward, plus a few examples."""
+        """Greedy completions of held-out rows: rewards, how many are correct, how many errored."""
         if self.env_factory is not None:
             return self.env_runner.evaluate(rows, correct_threshold)
         prompts = [row[self.prompt_field] for row in rows]
@@ -118,11 +132,16 @@ class RolloutWorker:
             prompts, n=1, temperature=0.0, max_tokens=max_new_tokens,
             stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
         )
-        rewards = [
-            score(self.rewards, row[self.prompt_field], c.text, row_fields(row, self.prompt_field))
-            for row, (c,) in zip(rows, outputs, strict=True)
-        ]
-        return eval_summary(rewards, correct_threshold, self.engine.policy_version)
+        scored = [self._score(row, c.text) for row, (c,) in zip(rows, outputs, strict=True)]
+        return eval_summary([r for r, _ in scored], correct_threshold, self.engine.policy_version,
+                            [e for _, e in scored])
+
+    def _score(self, row: dict[str, Any], completion: str) -> tuple[float, str | None]:
+        """(reward, None), or (reward_error_value, why) when a reward function failed."""
+        return score_sample(
+            self.rewards, row[self.prompt_field], completion, row_fields(row, self.prompt_field),
+            timeout_s=self.reward_timeout_s, error_value=self.reward_error_value,
+        )
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         """Loads the trainer's weights in place; returns the push time in seconds."""

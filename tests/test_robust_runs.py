@@ -1,0 +1,209 @@
+"""Runs that survive: bad rewards are contained, crashes save the last step, resume is exact to the bit.
+
+These start real Ray actors with real vLLM engines on a tiny model; the killed run is a real
+`titanrl train` process that receives SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import titanrl
+from titanrl.cli import load_config_file
+from titanrl.config import apply_overrides
+from titanrl.data import write_rows
+from titanrl.models.hf_checkpoint import load_model
+from titanrl.models.tiny import write_tiny_checkpoint
+from titanrl.run_checkpoints import list_checkpoints
+
+CONFIG_FILE = '''
+import math, random, time
+import titanrl
+
+def digit_share(prompt, completion, **fields):
+    """Varies across samples of a random model; slow enough that a kill lands mid-run."""
+    time.sleep({sleep})
+    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
+
+def flaky(prompt, completion, **fields):
+    """Raises on ~10 % and returns NaN on ~5 % of samples (hash of the text: reproducible)."""
+    h = hash(completion) % 100
+    if h < 10:
+        raise ValueError("grader crashed")
+    if h < 15:
+        return float("nan")
+    return 0.0
+
+config = titanrl.RunConfig(
+    model=titanrl.ModelConfig(checkpoint={ckpt!r}),
+    data=titanrl.DataConfig(train_file={train!r}, eval_file={eval!r}),
+    rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=6, max_model_len=64),
+    train=titanrl.TrainConfig(steps={steps}, lr=3e-3, max_staleness=1),
+    eval=titanrl.EvalConfig(every_steps=3, correct_threshold=0.5),
+    output=titanrl.OutputConfig(progress_bar=False, save_every_steps=2),
+    rewards=[{rewards}],
+    seed=3,
+)
+'''
+
+
+def _write_config(tmp_path: Path, steps: int = 8, sleep: float = 0.0, rewards: str = "digit_share") -> Path:
+    ckpt = tmp_path / "ckpt"
+    if not ckpt.exists():
+        write_tiny_checkpoint(ckpt, seed=5, std=0.1)
+        rows = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(40)]
+        write_rows(tmp_path / "train.jsonl", rows)
+        write_rows(tmp_path / "eval.jsonl", rows[:8])
+    path = tmp_path / "config.py"
+    path.write_text(CONFIG_FILE.format(ckpt=str(ckpt), train=str(tmp_path / "train.jsonl"),
+                                       eval=str(tmp_path / "eval.jsonl"), steps=steps, sleep=sleep, rewards=rewards))
+    return path
+
+
+def _columns(metrics: list[dict], after: int) -> list[tuple]:
+    return [(m["step"], m["loss"], m["reward/mean"], m["grad_norm"]) for m in metrics if m["step"] > after and "loss" in m]
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, ray_session):
+    """A `titanrl train` process SIGKILLed after a checkpoint, then resumed, writes the same loss,
+    reward/mean and grad_norm for every later step as an uninterrupted run, bit for bit; metrics.jsonl
+    reads as one run and the killed attempt's rows are kept aside. max_staleness=1, so the
+    checkpoint must carry rollouts of a policy that no longer exists."""
+    config_path = _write_config(tmp_path, sleep=0.03)
+    reference = titanrl.train(apply_overrides(load_config_file(str(config_path)), [f"output.dir={tmp_path / 'ref'}"]))
+
+    killed_dir = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "titanrl.cli", "train", str(config_path), "--out", str(killed_dir)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not list_checkpoints(killed_dir):
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not (killed_dir / "final").exists(), "the run finished before the kill; make the reward slower"
+    # Ray's per-node agents notice a dead raylet at once but spend 1-2 minutes trying to report
+    # it to the (dead) GCS before exiting on their own; everything else must be gone promptly.
+    left = _session_processes(proc.pid, ignore=("DashboardAgent", "RuntimeEnvAgent"))
+    assert left == [], f"processes outlived their SIGKILLed driver: {left}"
+    saved = list_checkpoints(killed_dir)[-1].step
+    assert saved < 8
+
+    resumed_config = apply_overrides(load_config_file(str(config_path)), [f"output.dir={killed_dir}"])
+    resumed = titanrl.train(resumed_config, resume=True)
+
+    assert _columns(resumed.metrics, saved) == _columns(reference.metrics, saved)
+    assert len(_columns(resumed.metrics, saved)) == 8 - saved
+    steps = [m["step"] for m in resumed.metrics if "loss" in m]
+    assert steps == list(range(1, 9)), "metrics.jsonl must read as one run"
+    ref_model, _ = load_model(reference.final_checkpoint)
+    res_model, _ = load_model(resumed.final_checkpoint)
+    import torch
+
+    assert all(torch.equal(a, b) for a, b in zip(ref_model.state_dict().values(), res_model.state_dict().values()))
+
+
+@pytest.mark.slow
+def test_rewards_that_raise_or_return_nan_are_contained(tmp_path, ray_session):
+    """A reward raising on ~10 % and returning NaN on ~5 % of samples: the run completes, counts the
+    errors, keeps their text in rollouts.jsonl, never sees a NaN loss, and saves a loadable policy."""
+    config_path = _write_config(tmp_path, steps=4, rewards="digit_share, flaky")
+    config = apply_overrides(load_config_file(str(config_path)), [f"output.dir={tmp_path / 'run'}"])
+    result = titanrl.train(config)
+    steps = [m for m in result.metrics if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert sum(m["reward/errors"] for m in steps) > 0
+    assert all(m["loss"] is not None and m["grad_norm"] is not None for m in steps)  # finite (None = NaN)
+    rows = [json.loads(x) for x in (result.run_dir / "rollouts.jsonl").read_text().splitlines()]
+    errors = [r["reward_error"] for r in rows if "reward_error" in r]
+    assert any("grader crashed" in e for e in errors) and any("nan" in e for e in errors)
+    assert all(r["reward"] == config.reward_error_value for r in rows if "reward_error" in r)
+    model, _ = load_model(result.final_checkpoint)
+    assert model is not None
+
+
+@pytest.mark.slow
+def test_too_many_reward_errors_stop_the_run_with_a_checkpoint(tmp_path, ray_session):
+    """A reward that always raises stops the run with a message quoting the error; a checkpoint
+    is written and the actors are gone."""
+    config_path = _write_config(tmp_path, steps=4)
+    text = config_path.read_text().replace('time.sleep(', 'raise KeyError("no answer field"); time.sleep(')
+    config_path.write_text(text)
+    config = apply_overrides(load_config_file(str(config_path)), [f"output.dir={tmp_path / 'run'}"])
+    with pytest.raises(titanrl.RunStopped, match="no answer field") as info:
+        titanrl.train(config)
+    assert "max_reward_error_frac" in str(info.value)
+    assert [c.step for c in list_checkpoints(tmp_path / "run")] == [0]
+    assert _actor_processes() == []
+
+
+def _session_processes(session_id: int, ignore: tuple[str, ...] = (), timeout_s: float = 30.0) -> list[str]:
+    """Processes still in the session a run was started in (its Ray processes), after a grace period."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pids = subprocess.run(["pgrep", "-s", str(session_id)], capture_output=True, text=True).stdout.split()
+        described = [subprocess.run(["ps", "-o", "args=", "-p", p], capture_output=True, text=True).stdout.strip()
+                     for p in pids]
+        described = [d for d in described if d and not any(name in d for name in ignore)]
+        if not described or time.monotonic() > deadline:
+            return described
+        time.sleep(0.5)
+
+
+def _actor_processes(timeout_s: float = 20.0) -> list[str]:
+    """TitanRL actor processes still running (Ray names them ray::<Class>), after a grace period."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = subprocess.run(["pgrep", "-f", "ray::(RolloutWorker|GRPOTrainer)"], capture_output=True, text=True)
+        pids = found.stdout.split()
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_the_last_step_and_exits_nonzero(tmp_path):
+    """SIGINT to `titanrl train` saves the last completed step, exits non-zero with a one-line
+    reason, and leaves no process of the run behind."""
+    config_path = _write_config(tmp_path, steps=40, sleep=0.03)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "titanrl.cli", "train", str(config_path), "--out", str(run_dir),
+         "--output.save_every_steps=0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "metrics.jsonl").is_file() or "\"step\": 3" not in (run_dir / "metrics.jsonl").read_text():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    saved = list_checkpoints(run_dir)
+    assert saved and saved[-1].step >= 3, err.decode()[-3000:]
+    assert "interrupted" in saved[-1].manifest()["reason"]
+    assert _session_processes(proc.pid) == [], "processes of the run outlived it"

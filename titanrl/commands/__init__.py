@@ -1,0 +1,8 @@
+"""The `titanrl` subcommands other than `train`: export, eval, plot, and the config field help."""
+
+from __future__ import annotations
+
+
+class CommandError(ValueError):
+    """A command's input cannot be used (missing run, occupied output, no eval file); the
+    message says what to change. The CLI prints it and exits with status 2."""

@@ -1,0 +1,109 @@
+"""`titanrl export RUN_DIR [--step N] --hf OUT`: a run's policy as an HF checkpoint directory.
+
+The policy comes from a training checkpoint (`checkpoints/step_N/trainer`, converted by
+`titanrl.trainer.checkpoint.export_hf`) or from `final/`, the HF directory a completed run
+writes after its last step (copied as is).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from titanrl.commands import CommandError
+from titanrl.loop import TRAINER_STATE as TRAINER_DIR  # the trainer's state dir inside a run checkpoint
+from titanrl.run_checkpoints import RunCheckpointError, find_checkpoint, list_checkpoints
+
+FINAL_DIR = "final"
+
+
+@dataclass(frozen=True)
+class RunPolicy:
+    """One saved policy of a run."""
+
+    step: int | None
+    """Training step it was saved after; None when the run does not record it."""
+    path: Path
+    """An HF checkpoint directory (`final/`) or a trainer state directory (`step_N/trainer`)."""
+    is_hf: bool
+    """True for an HF directory (copy it), False for a trainer state (convert it)."""
+
+
+def _final_step(run_dir: Path) -> int | None:
+    """The step `final/` was written after: the run's last step (train.steps in its config.json)."""
+    try:
+        return int(json.loads((run_dir / "config.json").read_text())["train"]["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def find_run_policy(run_dir: str | os.PathLike, step: int | None = None) -> RunPolicy:
+    """The policy of `step`, or the run's newest: `final/` unless a training checkpoint is later."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise CommandError(f"run directory {str(run)!r} does not exist")
+    final = run / FINAL_DIR
+    final_step = _final_step(run) if (final / "config.json").is_file() else None
+    has_final = (final / "config.json").is_file()
+    if step is None:
+        checkpoints = list_checkpoints(run)
+        if has_final and (final_step is None or not checkpoints or final_step >= checkpoints[-1].step):
+            return RunPolicy(final_step, final, True)
+        if not checkpoints:
+            raise CommandError(
+                f"{str(run)!r} has no training checkpoint (checkpoints/step_N/) and no final policy "
+                f"({FINAL_DIR}/): nothing to export (is it a run directory?)"
+            )
+        newest = checkpoints[-1]
+        return RunPolicy(newest.step, newest.path / TRAINER_DIR, False)
+    try:
+        found = find_checkpoint(run, step)
+    except RunCheckpointError as e:
+        if has_final and final_step == step:
+            return RunPolicy(step, final, True)
+        raise CommandError(str(e)) from None
+    return RunPolicy(found.step, found.path / TRAINER_DIR, False)
+
+
+def check_output_dir(out_dir: str | os.PathLike) -> Path:
+    """`out_dir` as a Path, refusing a file or a non-empty directory (nothing is overwritten)."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CommandError(f"output {str(out)!r} already exists and is not an empty directory; choose a new path")
+    return out
+
+
+def write_hf(policy_path: str | os.PathLike, is_hf: bool, out_dir: str | os.PathLike) -> Path:
+    """Writes an HF directory at `out_dir` from a trainer state (converted) or an HF directory (copied).
+
+    It is written under a temporary sibling name and renamed into place when complete.
+    """
+    out = check_output_dir(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.export-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if is_hf:
+            shutil.copytree(policy_path, tmp)
+        else:
+            from titanrl.trainer.checkpoint import export_hf
+
+            export_hf(policy_path, tmp)
+        if out.exists():
+            out.rmdir()  # checked empty above
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None) -> RunPolicy:
+    """`titanrl export`: writes the run's newest (or step `step`) policy to `out_dir` as an HF checkpoint."""
+    check_output_dir(out_dir)
+    policy = find_run_policy(run_dir, step)
+    write_hf(policy.path, policy.is_hf, out_dir)
+    return policy

@@ -1,0 +1,27 @@
+"""`titanrl plot RUN_DIR`: redraws `progress.png` from the run's `metrics.jsonl`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from titanrl.commands import CommandError
+
+
+def plot_command(run_dir: str | os.PathLike) -> Path:
+    """Draws RUN_DIR/progress.png (titanrl.metrics.plot_run); works while a run is still writing."""
+    from titanrl.metrics import plot_run
+
+    run = Path(run_dir)
+    metrics = run / "metrics.jsonl"
+    if not run.is_dir():
+        raise CommandError(f"run directory {str(run)!r} does not exist")
+    if not metrics.is_file():
+        raise CommandError(f"{str(run)!r} has no metrics.jsonl: is it a run directory (output.dir of a run)?")
+    if not metrics.read_text().strip():
+        raise CommandError(f"{str(metrics)!r} is empty: the run has not logged a step yet")
+    try:
+        return plot_run(run)
+    except json.JSONDecodeError as e:
+        raise CommandError(f"{str(metrics)!r} has a line that is not JSON ({e}); fix or remove it") from e

@@ -1,0 +1,5 @@
+"""Errors a run raises to its caller (kept import-light: `import titanrl` must stay cheap)."""
+
+
+class RunStopped(RuntimeError):
+    """The run stopped before its last step; the message says why and where its checkpoint is."""

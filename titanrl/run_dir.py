@@ -1,0 +1,135 @@
+"""The run directory: created once per run, reopened by `--resume`, never silently overwritten."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from titanrl.config import ConfigError, RunConfig
+from titanrl.run_checkpoints import RunCheckpoint, latest_checkpoint, remove_stale_temporaries
+
+CONFIG_FILE = "config.json"
+RESUMABLE_SECTIONS = ("output",)
+"""Config sections a resumed run may change; everything else must match the checkpointed run."""
+RESUMABLE_KEYS = ("train.steps",)
+"""Single keys a resumed run may change (a longer or shorter run of the same job)."""
+
+
+def config_record(config: RunConfig) -> dict[str, Any]:
+    """The resolved config as JSON: callables by their 'module:qualname'."""
+
+    def name(fn: Any) -> str:
+        return fn if isinstance(fn, str) else f"{fn.__module__}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+    env = dataclasses.replace(config.env, factory=None)
+    record = dataclasses.asdict(dataclasses.replace(config, rewards=[], env=env))
+    record["rewards"] = [name(r) for r in config.rewards]
+    record["env"]["factory"] = None if config.env.factory is None else name(config.env.factory)
+    return json.loads(json.dumps(record))  # tuples become lists, as they are when read back
+
+
+def create_run_dir(config: RunConfig) -> Path:
+    """A fresh run directory; refuses one that already holds a run."""
+    run_dir = Path(config.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    if (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(
+            f"output.dir {str(run_dir)!r} already holds a run (metrics.jsonl); choose a new directory "
+            "so nothing written before is overwritten, or pass --resume to continue it"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomically(run_dir / CONFIG_FILE, json.dumps(config_record(config), indent=2) + "\n")
+    return run_dir
+
+
+def reopen_run_dir(config: RunConfig) -> tuple[Path, RunCheckpoint]:
+    """The run directory to resume and its newest complete checkpoint; checks the config matches."""
+    if not config.output.dir:
+        raise ConfigError("resume needs the run directory: set output.dir (or --out RUN_DIR)")
+    run_dir = Path(config.output.dir)
+    saved_file = run_dir / CONFIG_FILE
+    if not saved_file.is_file():
+        raise ConfigError(f"cannot resume {str(run_dir)!r}: it holds no run ({CONFIG_FILE} is missing)")
+    differences = config_differences(json.loads(saved_file.read_text()), config_record(config))
+    if differences:
+        shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in differences[:8])
+        raise ConfigError(
+            f"cannot resume {str(run_dir)!r} with a different config ({shown}). A resumed run may only change "
+            f"{', '.join(RESUMABLE_KEYS)} and the {', '.join(RESUMABLE_SECTIONS)} section; start a new run instead"
+        )
+    remove_stale_temporaries(run_dir)
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise ConfigError(
+            f"cannot resume {str(run_dir)!r}: it has no complete checkpoint under checkpoints/ "
+            "(output.save_every_steps writes them; a run that stops early writes one too)"
+        )
+    # The resumed run is the run now (its step count and output settings may have changed).
+    _write_atomically(saved_file, json.dumps(config_record(config), indent=2) + "\n")
+    return run_dir, checkpoint
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, new value) for every key a resume may not change."""
+    flat_saved, flat_current = _flatten(saved), _flatten(current)
+    out = []
+    for key in sorted(flat_saved.keys() | flat_current.keys()):
+        if key.split(".")[0] in RESUMABLE_SECTIONS or key in RESUMABLE_KEYS:
+            continue
+        old, new = flat_saved.get(key, "<absent>"), flat_current.get(key, "<absent>")
+        if old != new:
+            out.append((key, old, new))
+    return out
+
+
+def set_aside_after(run_dir: Path, step: int) -> dict[str, int]:
+    """Moves metrics/rollouts rows of steps after `step` to `<file>.before-resume`.
+
+    The resumed run writes those steps again, so the main files then read as one run; the
+    rows of the interrupted attempt are kept, not deleted. Returns rows moved per file.
+    """
+    moved = {}
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        keep, later = [], []
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                row_step = json.loads(line).get("step", 0)
+            except json.JSONDecodeError:  # a line cut short by the crash
+                later.append(line)
+                continue
+            (later if row_step > step else keep).append(line)
+        if later:
+            with open(run_dir / f"{name}.before-resume", "a") as f:
+                f.write("\n".join(later) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        _write_atomically(path, "".join(line + "\n" for line in keep))
+        moved[name] = len(later)
+    return moved
+
+
+def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,59 @@
+"""Per-step summaries of rollout groups: reward and env metrics, and the rows of rollouts.jsonl."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from titanrl.types import Group
+
+
+def summarize_groups(groups: list[Group]) -> dict[str, float]:
+    rewards = [s.reward for g in groups for s in g.samples]
+    lengths = [len(s.completion_ids) for g in groups for s in g.samples]
+    n = len(rewards)
+    mean = sum(rewards) / n
+    solved = sum(any(r > 0 for r in g.rewards) for g in groups)
+    env_stats: dict[str, float] = {}
+    stats = [s.stats for g in groups for s in g.samples if s.stats]
+    if stats:
+        # Per-step totals for counters, a mean for turns: what a dashboard should show.
+        env_stats = {
+            "env/turns_mean": sum(st.get("turns", 0.0) for st in stats) / len(stats),
+            "env/tool_calls": sum(st.get("tool_calls", 0.0) for st in stats),
+            "env/errors": sum(st.get("errors", 0.0) for st in stats),
+            "env/sandbox_s": sum(st.get("sandbox_s", 0.0) for st in stats),
+        }
+        total_tests = sum(st.get("tests_total", 0.0) for st in stats)
+        if total_tests:
+            env_stats["env/tests_pass_rate"] = sum(st.get("tests_passed", 0.0) for st in stats) / total_tests
+    return {
+        **env_stats,
+        "reward/mean": mean,
+        # Samples whose reward (or environment) failed and got RunConfig.reward_error_value.
+        "reward/errors": sum(s.reward_error is not None for g in groups for s in g.samples),
+        "reward/std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+        "reward/group_any_positive_frac": solved / len(groups),
+        "completion/len_mean": sum(lengths) / n,
+        "completion/truncated_frac": sum(not s.finished for g in groups for s in g.samples) / n,
+    }
+
+
+def rollout_rows(groups: list[Group], first_groups: int) -> list[dict[str, Any]]:
+    """Samples of the first `first_groups` groups, plus every sample whose reward failed."""
+    rows = []
+    for index, group in enumerate(groups):
+        for s in group.samples:
+            if index >= first_groups and s.reward_error is None:
+                continue
+            row = {
+                "group_id": s.group_id,
+                "prompt": s.prompt,
+                "completion": s.completion,
+                "reward": s.reward,
+                "policy_version": s.policy_version,
+                "num_tokens": len(s.completion_ids),
+            }
+            if s.reward_error is not None:
+                row["reward_error"] = s.reward_error
+            rows.append(row)
+    return rows
