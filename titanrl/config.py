@@ -220,6 +220,10 @@ class RunConfig:
     """Multi-turn environment, episode budgets and sandbox pool size."""
     seed: int = 0
     """Seed of sampling and of anything random in the trainer."""
+    batch_invariant: bool = False
+    """Trainer and generators compute every op with `titanrl.kernels`, so the generator's logprobs
+    equal the trainer's bit for bit (parity/logprob_diff_max is 0) and runs are bitwise reproducible;
+    False uses the faster library kernels."""
     reward_timeout_s: float | None = 60.0
     """A reward call (one sample) running longer than this gets `reward_error_value`; None: no limit."""
     reward_error_value: float = 0.0

@@ -61,13 +61,16 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
     init_ray()
     ship_user_code_by_value(config.rewards + ([config.env.factory] if config.env.factory is not None else []))
     rc, tc = config.rollout, config.train
-    trainer = ray.remote(GRPOTrainer).options(num_cpus=0).remote(config.model, tc, rc.temperature, config.seed)
+    trainer = ray.remote(GRPOTrainer).options(num_cpus=0).remote(
+        config.model, tc, rc.temperature, config.seed, batch_invariant=config.batch_invariant
+    )
     workers = [
         ray.remote(RolloutWorker)
         .options(num_cpus=0)
         .remote(
             i, config.model, rc, config.rewards, config.data.prompt_field, config.seed, config.env,
             reward_timeout_s=config.reward_timeout_s, reward_error_value=config.reward_error_value,
+            batch_invariant=config.batch_invariant,
         )
         for i in range(rc.num_workers)
     ]

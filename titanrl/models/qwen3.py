@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanrl import kernels
+
 HF_ARCHITECTURE = "Qwen3ForCausalLM"
 
 
@@ -106,8 +108,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.variance_epsilon = eps
+        self.batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return kernels.rms_norm(x, self.weight, self.variance_epsilon)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -121,16 +126,35 @@ class RotaryEmbedding(nn.Module):
     meta-device construction and dtype casts of the model can never corrupt them.
     """
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, max_positions: int = 0) -> None:
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
+        self.batch_invariant = False
+
+    def _angles(self, positions: torch.Tensor) -> torch.Tensor:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device)
+        inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
+        freqs = positions[..., None].float() * inv_freq
+        return torch.cat((freqs, freqs), dim=-1)
 
     def forward(self, positions_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions_BT.device)
-        inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
-        freqs_BTF = positions_BT[..., None].float() * inv_freq
-        emb_BTD = torch.cat((freqs_BTF, freqs_BTF), dim=-1)
+        if self.batch_invariant:
+            # cos/sin take a vectorised or a scalar path depending on where an element falls in
+            # the tensor, so compute them once over a fixed-shape table and gather rows.
+            span = max(self.max_positions, int(positions_BT.max()) + 1 if positions_BT.numel() else 1)
+            table = self._angles(torch.arange(span, device=positions_BT.device))
+            return table.cos().to(dtype)[positions_BT], table.sin().to(dtype)[positions_BT]
+        emb_BTD = self._angles(positions_BT)
         return emb_BTD.cos().to(dtype), emb_BTD.sin().to(dtype)
+
+
+def _call(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return layer(x)
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A bias-free projection through the batch-invariant matmul."""
+    return kernels.linear(x, layer.weight, layer.bias)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -153,8 +177,11 @@ class CausalSDPA(nn.Module):
         super().__init__()
         self.num_groups = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
+        self.batch_invariant = False
 
     def forward(self, q_BTHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return kernels.attention(q_BTHD, k_BTKD, v_BTKD, scale=self.scale)
         q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTKD, v_BTKD))
         if self.num_groups > 1:
             k = k.repeat_interleave(self.num_groups, dim=1)
@@ -181,17 +208,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.backend = backend
+        self.batch_invariant = False
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
+        proj = _linear if self.batch_invariant else _call
         # Head counts come from the projections' widths (-1), not the config: under tensor
         # parallelism each rank holds num_heads / tp of them.
-        q = self.q_norm(self.q_proj(x_BTD).view(B, T, -1, self.head_dim))
-        k = self.k_norm(self.k_proj(x_BTD).view(B, T, -1, self.head_dim))
-        v = self.v_proj(x_BTD).view(B, T, -1, self.head_dim)
+        q = self.q_norm(proj(self.q_proj, x_BTD).view(B, T, -1, self.head_dim))
+        k = self.k_norm(proj(self.k_proj, x_BTD).view(B, T, -1, self.head_dim))
+        v = proj(self.v_proj, x_BTD).view(B, T, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out_BTHD = self.backend(q, k, v)
-        return self.o_proj(out_BTHD.reshape(B, T, -1))
+        return proj(self.o_proj, out_BTHD.reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -202,8 +231,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            hidden = kernels.silu_gate(_linear(self.gate_proj, x), _linear(self.up_proj, x))
+            return _linear(self.down_proj, hidden)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -232,7 +265,7 @@ class Qwen3Backbone(nn.Module):
             DecoderLayer(config, attention_backend(i)) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -250,6 +283,19 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.batch_invariant = False
+
+    def set_batch_invariant(self, enabled: bool = True) -> Qwen3ForCausalLM:
+        """Routes every op through `titanrl.kernels` (True) or the fast library kernels (False).
+
+        In batch-invariant mode a token's logits have the same bits whatever else is in the
+        batch, however the sequence was padded or chunked, and in a training forward, a
+        prefill or a decode step. Parameters are untouched; only the arithmetic changes.
+        """
+        for module in self.modules():
+            if hasattr(module, "batch_invariant"):
+                module.batch_invariant = enabled
+        return self
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
         """Fresh normal(0, std) weights and unit norms; deterministic for a given seed."""
@@ -272,7 +318,7 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return _linear(self.lm_head, hidden) if self.batch_invariant else self.lm_head(hidden)
 
     def forward(self, input_ids_BT: torch.Tensor, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
         return self.compute_logits(self.hidden_states(input_ids_BT, positions_BT))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from titanrl.rollout.vllm_plugin import ARCHITECTURE, register
+from titanrl.rollout.vllm_plugin import ARCHITECTURE, BATCH_INVARIANT_KEY, register
 from titanrl.rollout.vllm_worker_extension import EXTENSION_QUALNAME
 
 
@@ -52,6 +52,9 @@ class VllmEngineConfig:
     multiprocess: bool = False
     """Run the engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1); needs the
     titanrl `vllm.general_plugins` entry point installed. In-process starts ~5x faster."""
+    batch_invariant: bool = False
+    """Run our model through `titanrl.kernels` (including attention over the paged cache), so
+    its logprobs equal the trainer's bit for bit; see `titanrl.rollout.paged_attention`."""
     extra_llm_kwargs: dict = field(default_factory=dict)
     """Passed to `vllm.LLM(...)` last, for options not surfaced here."""
 
@@ -137,7 +140,7 @@ class VllmEngine:
             self.llm = LLM(
                 model=str(config.checkpoint),
                 tokenizer=str(config.checkpoint),
-                hf_overrides={"architectures": [ARCHITECTURE]},
+                hf_overrides={"architectures": [ARCHITECTURE], BATCH_INVARIANT_KEY: config.batch_invariant},
                 dtype=config.dtype,
                 max_model_len=config.max_model_len,
                 max_num_seqs=config.max_num_seqs,

@@ -21,9 +21,9 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from titanrl.models.qwen3 import HF_ARCHITECTURE, Qwen3Config, Qwen3ForCausalLM
+from titanrl.rollout.paged_attention import paged_batch_invariant_attention
+from titanrl.rollout.vllm_plugin import ARCHITECTURE, BATCH_INVARIANT_KEY
 
-ARCHITECTURE = "TitanRLQwen3ForCausalLM"
-"""Architecture name our class is registered under in vLLM's ModelRegistry."""
 
 
 def _join(prefix: str, name: str) -> str:
@@ -50,10 +50,14 @@ class VllmPagedAttention(nn.Module):
             prefix=prefix,
         )
 
+        self.batch_invariant = False
+
     def forward(self, q_BTHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor) -> torch.Tensor:
         B, T, H, D = q_BTHD.shape
         if B != 1:
             raise ValueError(f"vLLM runs a flattened batch: expected B == 1, got q of shape {tuple(q_BTHD.shape)}")
+        if self.batch_invariant:
+            return paged_batch_invariant_attention(self.attn, q_BTHD[0], k_BTKD[0], v_BTKD[0])[None]
         kv = self.num_kv_heads * D
         out_NHD = self.attn(q_BTHD.reshape(T, H * D), k_BTKD.reshape(T, kv), v_BTKD.reshape(T, kv))
         return out_NHD.view(B, T, H, D)
@@ -98,6 +102,8 @@ class TitanQwen3ForVLLM(Qwen3ForCausalLM):
 
         super().__init__(config, attention_backend=attention_backend)
         self.vllm_config = vllm_config
+        hf = vllm_config.model_config.hf_config
+        self.set_batch_invariant(bool(getattr(hf, BATCH_INVARIANT_KEY, False)))
 
     # --- vLLM model interface -------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -117,9 +123,6 @@ class TitanQwen3ForVLLM(Qwen3ForCausalLM):
             raise NotImplementedError(f"{ARCHITECTURE} does not accept prompt embeddings (inputs_embeds)")
         assert input_ids is not None
         return self.hidden_states(input_ids[None, :], positions[None, :])[0]
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies HF-named tensors into the parameters in place; returns the names loaded.

@@ -9,7 +9,10 @@ so the in-process engine works even without the package installed.
 from __future__ import annotations
 
 ARCHITECTURE = "TitanRLQwen3ForCausalLM"
-"""Keep equal to `titanrl.rollout.vllm_model.ARCHITECTURE` (duplicated so this module imports nothing heavy)."""
+"""The architecture name our model class is registered under."""
+BATCH_INVARIANT_KEY = "titanrl_batch_invariant"
+"""HF-config key (set through `hf_overrides`) that builds the model in batch-invariant mode;
+it reaches spawned engine processes with the rest of the config."""
 
 
 def register() -> None:

@@ -34,10 +34,12 @@ class RolloutWorker:
         *,
         reward_timeout_s: float | None = 60.0,
         reward_error_value: float = 0.0,
+        batch_invariant: bool = False,
     ) -> None:
         """`reward_timeout_s` and `reward_error_value` are RunConfig's: a reward call (or an
         episode's environment) that fails gives its sample `reward_error_value` instead of
-        crashing the run (see `titanrl.rewards.scoring.score_sample`)."""
+        crashing the run (see `titanrl.rewards.scoring.score_sample`). `batch_invariant` runs the
+        engine's model through `titanrl.kernels` (RunConfig.batch_invariant)."""
         rc = rollout_config
         self.reward_timeout_s, self.reward_error_value = reward_timeout_s, reward_error_value
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,6 +63,7 @@ class RolloutWorker:
                 kv_cache_gib=rc.kv_cache_gib,
                 seed=seed + 1000 * worker_id,
                 multiprocess=rc.vllm_multiprocess,
+                batch_invariant=batch_invariant,
             )
         )
         self.eos_id = self.engine.model_config.eos_token_id
