@@ -1,0 +1,144 @@
+"""Functions that run inside spawned gloo worlds for tests/test_parallel_*.py (one world per file:
+starting processes and importing torch costs ~10 s, so each world runs many checks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from titanrl.config import ParallelConfig
+from titanrl.models.hf_checkpoint import load_model
+from titanrl.models.qwen3 import CausalSDPA
+from titanrl.trainer.parallel import (
+    ParallelGRPOStep,
+    build_mesh,
+    build_optimizers,
+    iter_full_weights,
+    load_model_optim,
+    parallelize,
+)
+from titanrl.trainer.parallel.checkpoint import save_training_checkpoint
+from titanrl.trainer.parallel.layout_check import Case, check_layout
+from titanrl.trainer.parallel.ring_attention import ContextLayout, RingAttention
+
+
+def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, tuple]]) -> dict[str, Any]:
+    """Runs each (function name in this module, args) in order on every rank; rank 0's results by job index."""
+    out = {}
+    for i, (fn, args) in enumerate(jobs):
+        out[i] = globals()[fn](*args)
+    return out
+
+
+def layouts(names: list[str], case: Case, ref) -> dict[str, dict]:
+    reports = {name: check_layout(name, case, ref) for name in names}
+    return reports if dist.get_rank() == 0 else {}
+
+
+def ring_attention(seq_per_rank: int = 8) -> dict[str, float]:
+    """Max abs difference of RingAttention (output, dq, dk, dv) vs causal SDPA on the full sequence."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K, D = 2, seq_per_rank * cp, 4, 2, 16
+    q, k, v = (torch.randn(B, T, h, D, generator=gen, requires_grad=True) for h in (H, K, K))
+    dout = torch.randn(B, T, H, D, generator=gen)
+    ref = CausalSDPA(H, K, D)(q, k, v)
+    ref.backward(dout)
+    diffs = {}
+    for balanced in (True, False):
+        layout = ContextLayout(cp, rank, balanced)
+        local = [layout.shard(t.detach(), 1).requires_grad_() for t in (q, k, v)]
+        out = RingAttention(dist.group.WORLD, layout)(*local)
+        out.backward(layout.shard(dout, 1))
+        pairs = [(out, ref), *((t.grad, full.grad) for t, full in zip(local, (q, k, v), strict=True))]
+        for what, (got, want) in zip(("out", "dq", "dk", "dv"), pairs, strict=True):
+            key = f"{'balanced' if balanced else 'contiguous'}_{what}"
+            diffs[key] = (got - layout.shard(want.detach(), 1)).abs().max().item()
+    top = torch.tensor(list(diffs.values()))
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return dict(zip(diffs, top.tolist(), strict=True))
+
+
+def _setup(case: Case, layout: dict):
+    parallel = ParallelConfig(**layout)
+    model, _ = load_model(case.checkpoint)
+    pm = parallelize(model, parallel, build_mesh(parallel, "cpu"))
+    optimizers = build_optimizers(pm, case.train)
+    return pm, optimizers, ParallelGRPOStep(pm, optimizers, case.train, case.temperature)
+
+
+def _loss(step: ParallelGRPOStep, case: Case) -> float:
+    """Token-mean loss on the case's batch at the current weights (gradients dropped)."""
+    stats = step.accumulate_gradients(case.batch)
+    for opt in step.optimizers:
+        opt.zero_grad(set_to_none=True)
+    return stats.loss_sum / stats.tokens
+
+
+def _full_weights(pm, bucket_bytes: int = 1 << 20) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Gathered weights on rank 0 and the byte size of each bucket (empty elsewhere)."""
+    weights, sizes = {}, []
+    for bucket in iter_full_weights(pm, bucket_bytes):
+        sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
+        weights.update({n: t.detach().clone().cpu() for n, t in bucket})
+    return weights, sizes
+
+
+def publish(case: Case, layouts: dict[str, dict], bucket_bytes: int) -> dict[str, Any]:
+    """Weights gathered by iter_full_weights right after parallelize, per layout, with bucket sizes."""
+    out = {}
+    for name, layout in layouts.items():
+        pm, _, _ = _setup(case, layout)
+        weights, sizes = _full_weights(pm, bucket_bytes)
+        out[name] = {"names": list(weights), "weights": weights, "sizes": sizes, "rank": dist.get_rank()}
+    return out
+
+
+def resharding(case: Case, workdir: str, save_layout: dict, load_layouts: dict[str, dict],
+               trainer_ckpt: str | None) -> dict[str, Any]:
+    """Train one step under save_layout, save; load under each other layout (and GRPOTrainer's
+    checkpoint under save_layout): weights, loss at load and loss after one more step."""
+    out: dict[str, Any] = {}
+    pm, opts, step = _setup(case, save_layout)
+    step.clip_and_step(step.accumulate_gradients(case.batch))
+    ckpt = Path(workdir) / "ckpt"
+    save_training_checkpoint(pm, opts, ckpt, dtype=torch.float32, tokenizer_dir=case.checkpoint,
+                             trainer_state={"version": 1, "optimizer_stepped": True})
+    saved, _ = _full_weights(pm)
+    loss_at_save = _loss(step, case)
+    step.clip_and_step(step.accumulate_gradients(case.batch))
+    out["saved"] = {"weights": saved, "loss": loss_at_save, "loss_after_step": _loss(step, case)}
+    for name, layout in load_layouts.items():
+        pm, opts, step = _setup(case, layout)
+        load_model_optim(pm, opts, ckpt / "model_optim")
+        weights, _ = _full_weights(pm)
+        loss = _loss(step, case)
+        step.clip_and_step(step.accumulate_gradients(case.batch))
+        out[name] = {"weights": weights, "loss": loss, "loss_after_step": _loss(step, case)}
+    if trainer_ckpt is not None:
+        pm, opts, step = _setup(case, save_layout)
+        load_model_optim(pm, opts, Path(trainer_ckpt) / "model_optim")
+        loss = _loss(step, case)
+        step.clip_and_step(step.accumulate_gradients(case.batch))
+        out["from_trainer"] = {"loss": loss, "loss_after_step": _loss(step, case)}
+    out["checkpoint"] = str(ckpt)
+    return out if dist.get_rank() == 0 else {}
+
+
+def batch_invariant(case: Case, layouts: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """ParallelGRPOStep(batch_invariant=True) per layout: the step's parity counts against the
+    case's generator logprobs (tokens compared, tokens not bitwise equal)."""
+    out = {}
+    for name, layout in layouts.items():
+        parallel = ParallelConfig(**layout)
+        model, _ = load_model(case.checkpoint)
+        pm = parallelize(model, parallel, build_mesh(parallel, "cpu"))
+        step = ParallelGRPOStep(pm, build_optimizers(pm, case.train), case.train, case.temperature,
+                                batch_invariant=True)
+        stats = step.accumulate_gradients(case.batch)
+        out[name] = {"checked": stats.parity.checked, "different": stats.parity.different,
+                     "diff_max": stats.parity.diff_max, "loss": stats.loss_sum / stats.tokens}
+    return out if dist.get_rank() == 0 else {}

@@ -1,0 +1,70 @@
+"""validate_parallel's errors name the field and the fix; context-parallel chunking; no processes spawned."""
+
+import pytest
+import torch
+
+from titanrl.config import ConfigError, ParallelConfig
+from titanrl.models.tiny import tiny_config
+from titanrl.trainer.parallel.ring_attention import ContextLayout
+from titanrl.trainer.parallel.validate import sequence_multiple, validate_parallel
+
+MODEL = tiny_config(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, tie_word_embeddings=False)
+
+
+def test_valid_layouts_pass():
+    """Layouts that fit the model and the world raise nothing (world size and seq_len optional)."""
+    for kw, world in [(dict(), 1), (dict(dp_shard=2, tp=2), 4), (dict(pp=2, pp_schedule="Interleaved1F1B"), 2),
+                      (dict(dp_replicate=2, dp_shard=2, cp=2), 8), (dict(tp=2, sequence_parallel=True), None)]:
+        validate_parallel(ParallelConfig(**kw), MODEL, world, seq_len=64)
+
+
+@pytest.mark.parametrize(
+    "kw, world, seq_len, model, needles",
+    [
+        (dict(dp_shard=2, tp=2), 2, None, MODEL, ["multiply to 4", "trainer has 2 processes", "product is 2"]),
+        (dict(tp=4), 4, None, MODEL, ["tp=4 must divide", "num_key_value_heads (2)", "pick tp from [1, 2]"]),
+        (dict(tp=3), 3, None, tiny_config(num_attention_heads=3, num_key_value_heads=3, intermediate_size=128),
+         ["intermediate_size (128)"]),
+        (dict(pp=3), 3, None, MODEL, ["3 stages", "num_hidden_layers (4)"]),
+        (dict(pp=4, pp_schedule="Interleaved1F1B"), 4, None, MODEL, ["8 stages", "pp x 2 divides 4"]),
+        (dict(pp=2, pp_schedule="ZeroBubble"), 2, None, MODEL, ["pp_schedule='ZeroBubble'", "'1F1B'", "'GPipe'"]),
+        (dict(pp=2), 2, None, tiny_config(num_hidden_layers=4), ["untied embeddings", "train.parallel.pp=1"]),
+        (dict(ep=2), 2, None, MODEL, ["expert parallelism", "train.parallel.ep=1"]),
+        (dict(cp=2), 2, 30, MODEL, ["multiple of 4", "2 x cp=2 chunks", "pad it to 32"]),
+        (dict(cp=2, tp=2, sequence_parallel=True), 4, 36, MODEL, ["multiple of 8", "tp=2 sequence-parallel", "40"]),
+        (dict(dp_shard=0), 0, None, MODEL, ["train.parallel.dp_shard must be an integer >= 1"]),
+    ],
+)
+def test_errors_say_what_to_change(kw, world, seq_len, model, needles):
+    """Each invalid layout raises ConfigError whose message names the field and the fix."""
+    with pytest.raises(ConfigError) as err:
+        validate_parallel(ParallelConfig(**kw), model, world, seq_len=seq_len)
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_sequence_multiple():
+    """Padding granularity: 2*cp for load-balanced ring attention, times tp under sequence parallel."""
+    assert sequence_multiple(ParallelConfig()) == 1
+    assert sequence_multiple(ParallelConfig(tp=2)) == 1
+    assert sequence_multiple(ParallelConfig(tp=2, sequence_parallel=True)) == 2
+    assert sequence_multiple(ParallelConfig(cp=2)) == 4
+    assert sequence_multiple(ParallelConfig(cp=2, tp=2, sequence_parallel=True)) == 8
+
+
+def test_context_layout_chunks_cover_the_sequence_once():
+    """Load-balanced: rank r holds chunks r and 2cp-1-r; over all ranks the shards and positions
+    cover every position exactly once, and shard() picks exactly those positions' values."""
+    T, cp = 24, 3
+    x = torch.arange(T).repeat(2, 1)
+    for balanced in (True, False):
+        seen = []
+        for r in range(cp):
+            layout = ContextLayout(cp, r, balanced)
+            pos = layout.positions(T // cp)
+            assert torch.equal(layout.shard(x, 1), pos.expand(2, -1))
+            seen += pos.tolist()
+        assert sorted(seen) == list(range(T))
+    assert ContextLayout(3, 0).chunk_ids() == (0, 5) and ContextLayout(3, 2).chunk_ids() == (2, 3)
+    with pytest.raises(ValueError, match="not a multiple of the 6 context-parallel chunks"):
+        ContextLayout(3, 0).shard(torch.zeros(1, 20), 1)

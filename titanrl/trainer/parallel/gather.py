@@ -1,0 +1,96 @@
+"""Full, HF-named tensors out of a sharded model, one parameter at a time, for weight publishing.
+
+Rank 0 receives every full tensor and yields them in buckets; the other ranks take part in the
+gathers (FSDP / TP shards: DTensor.full_tensor(); other pipeline stages: point-to-point sends
+to rank 0) and yield nothing. Only one bucket of full tensors exists at a time, next to the
+ranks' own shards: never a second full copy of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titanrl.models.qwen3 import Qwen3ForCausalLM
+from titanrl.trainer.parallel.mesh import coord
+from titanrl.trainer.parallel.parallelize import ParallelModel
+from titanrl.trainer.parallel.pipeline import stage_of_layer
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def hf_parameter_shapes(pm: ParallelModel) -> list[tuple[str, torch.Size]]:
+    """Names and shapes of the full model's parameters in HF order (tied LM head omitted, as in HF files)."""
+    with torch.device("meta"):
+        ref = Qwen3ForCausalLM(pm.config)
+    return [(n, p.shape) for n, p in ref.named_parameters()]  # named_parameters lists a tied weight once
+
+
+def _owner_stage(name: str, pm: ParallelModel) -> int:
+    n = pm.num_stages
+    if name.startswith("model.embed_tokens."):
+        return 0
+    if name.startswith("model.layers."):
+        return stage_of_layer(int(name.split(".")[2]), pm.config.num_hidden_layers, n)
+    return n - 1
+
+
+def _stage_leader(pm: ParallelModel, pp_rank: int) -> int:
+    """Global rank at pipeline index `pp_rank` with every other mesh coordinate 0."""
+    ranks = pm.mesh.mesh
+    if "pp" in pm.mesh.mesh_dim_names:
+        ranks = ranks.select(pm.mesh.mesh_dim_names.index("pp"), pp_rank)
+    return int(ranks.flatten()[0])
+
+
+def _iter_full(pm: ParallelModel, pick: Callable[[nn.Parameter], torch.Tensor | None], bucket_bytes: int
+               ) -> Iterator[Bucket]:
+    me = dist.get_rank()
+    local = dict(pm.named_parameters())
+    dtype = next(iter(local.values())).dtype
+    my_pp = coord(pm.mesh, "pp")
+    bucket: Bucket = []
+    size = 0
+    for name, shape in hf_parameter_shapes(pm):
+        owner = _owner_stage(name, pm) % pm.parallel.pp
+        full = None
+        if my_pp == owner:
+            t = pick(local[name])
+            if t is None:
+                raise ValueError(f"{name} has no gradient to gather (was accumulate_gradients called?)")
+            full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+        if owner != 0:
+            src = _stage_leader(pm, owner)
+            if me == src:
+                dist.send(full.contiguous(), dst=0)
+            elif me == 0:
+                full = torch.empty(shape, dtype=dtype, device=pm.device)
+                dist.recv(full, src=src)
+        if me == 0:
+            bucket.append((name, full))
+            size += full.numel() * full.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        del full
+    if me == 0 and bucket:
+        yield bucket
+
+
+def iter_full_weights(pm: ParallelModel, bucket_bytes: int = 64 << 20) -> Iterator[Bucket]:
+    """Buckets of (HF name, full tensor) of at least `bucket_bytes` (the last may be smaller) on rank 0.
+
+    Every rank must iterate it to the end (the others yield nothing but join the collectives).
+    A tensor that was not sharded may share storage with the live parameter: copy what you keep
+    past the next optimizer step.
+    """
+    yield from _iter_full(pm, lambda p: p, bucket_bytes)
+
+
+def iter_full_gradients(pm: ParallelModel, bucket_bytes: int = 64 << 20) -> Iterator[Bucket]:
+    """Like iter_full_weights, for the accumulated gradients (checks and debugging)."""
+    yield from _iter_full(pm, lambda p: p.grad, bucket_bytes)

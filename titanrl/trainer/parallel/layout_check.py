@@ -1,0 +1,241 @@
+"""Checks a parallel layout against the single-process trainer: same batch, same loss and gradients.
+
+    python -m titanrl.trainer.parallel.layout_check fsdp tp_sp pp ...   (one JSON line per layout)
+
+`reference` runs GRPOTrainer.accumulate_gradients (and its optimizer step) in this process;
+`check_layouts` runs ParallelGRPOStep under each layout inside a torch.distributed world and
+compares the global loss and the full gathered gradient with the reference. Used by
+benchmarks/parallel_layouts.py and tests/test_parallel_*.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from titanrl.config import ModelConfig, ParallelConfig, TrainConfig
+from titanrl.models.hf_checkpoint import load_model
+from titanrl.models.tiny import write_tiny_checkpoint
+from titanrl.trainer.grpo import token_logprobs
+from titanrl.trainer.parallel.gather import iter_full_gradients, iter_full_weights
+from titanrl.trainer.parallel.mesh import build_mesh
+from titanrl.trainer.parallel.parallelize import build_optimizers, parallelize
+from titanrl.trainer.parallel.step import ParallelGRPOStep
+from titanrl.trainer.parallel.validate import validate_parallel
+from titanrl.trainer.trainer import GRPOTrainer, PackedBatch, pack
+from titanrl.types import Group, Sample
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    # 2 processes
+    "fsdp": dict(dp_shard=2),
+    "ddp": dict(dp_replicate=2),
+    "tp": dict(tp=2),
+    "tp_sp": dict(tp=2, sequence_parallel=True),
+    "pp": dict(pp=2, pp_schedule="1F1B"),
+    "pp_gpipe": dict(pp=2, pp_schedule="GPipe"),
+    "pp_interleaved": dict(pp=2, pp_schedule="Interleaved1F1B"),
+    "cp": dict(cp=2),
+    # 4 processes
+    "hsdp": dict(dp_replicate=2, dp_shard=2),
+    "fsdp+tp": dict(dp_shard=2, tp=2),
+    "fsdp+tp_sp": dict(dp_shard=2, tp=2, sequence_parallel=True),
+    "fsdp+cp": dict(dp_shard=2, cp=2),
+    "cp+tp_sp": dict(cp=2, tp=2, sequence_parallel=True),
+    "pp+fsdp": dict(pp=2, dp_shard=2),
+    "pp+tp": dict(pp=2, tp=2),
+    "pp+cp": dict(pp=2, cp=2),
+    "cp4": dict(cp=4),
+}
+"""Named layouts; each runs with exactly ParallelConfig(**kwargs).world_size processes."""
+
+TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, std=0.1)
+"""A ~0.1M-parameter Qwen3 with 4 layers (Interleaved1F1B over pp=2 needs 4 stages) and GQA."""
+
+
+@dataclass
+class Case:
+    """One GRPO batch to check layouts on."""
+
+    checkpoint: str
+    """HF checkpoint directory of the policy."""
+    batch: PackedBatch
+    """The packed batch every layout (and the reference) trains on."""
+    train: TrainConfig
+    """Loss / micro-batching / optimizer settings."""
+    temperature: float = 1.0
+    """Sampling temperature the trainer scores under."""
+    tied: bool = False
+    """Whether the policy ties its embedding and LM head."""
+
+
+@dataclass
+class Reference:
+    """What the single-process GRPOTrainer computed on the case."""
+
+    loss: float
+    """Token-mean loss."""
+    grads: dict[str, torch.Tensor]
+    """Gradient of every HF-named parameter (tied head omitted)."""
+    grad_norm: float
+    """Global gradient L2 norm before clipping."""
+    update: dict[str, torch.Tensor]
+    """Parameter change made by the first optimizer step (clipped AdamW)."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """GradStats fields."""
+    step_s: float = 0.0
+    """Wall time of accumulate_gradients + optimizer step."""
+    warm_step_s: float = 0.0
+    """Wall time of a second step on the same batch."""
+
+
+def make_case(workdir: str | Path, *, tied: bool = False, groups: int = 4, group_size: int = 4,
+              micro_batch_size: int = 3, seed: int = 0) -> Case:
+    """A tiny policy and a batch of random groups: varied lengths, env-inserted tokens, noisy
+    generator logprobs (so some ratios clip), micro-batches that split unevenly."""
+    ckpt = write_tiny_checkpoint(Path(workdir) / ("tied" if tied else "untied"), seed=seed,
+                                 tie_word_embeddings=tied, **TINY_MODEL)
+    model, config = load_model(ckpt)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    out: list[Group] = []
+    for g in range(groups):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(3, 10))]
+        samples = []
+        for _ in range(group_size):
+            completion = [rng.randrange(256) for _ in range(rng.randint(1, 14))]
+            seq = torch.tensor([prompt + completion])
+            with torch.no_grad():
+                lp = token_logprobs(model(seq[:, :-1]), seq[:, 1:])[0, len(prompt) - 1:]
+            noisy = (lp + 0.3 * torch.randn(lp.shape, generator=gen)).tolist()
+            mask = [0 if rng.random() < 0.15 else 1 for _ in completion] if rng.random() < 0.5 else None
+            samples.append(Sample(prompt="", completion="", prompt_ids=prompt, completion_ids=completion,
+                                  gen_logprobs=noisy, reward=rng.random(), group_id=g, policy_version=0,
+                                  loss_mask=mask))
+        out.append(Group(samples))
+    batch = pack(out, pad_id=config.eos_token_id or 0, current_version=0)
+    train = TrainConfig(micro_batch_size=micro_batch_size, lr=1e-3, grad_clip=1.0, clip_eps=0.2)
+    return Case(str(ckpt), batch, train, tied=tied)
+
+
+def reference(case: Case) -> Reference:
+    """GRPOTrainer's loss and gradients on the case (one process, one thread)."""
+    trainer = GRPOTrainer(ModelConfig(checkpoint=case.checkpoint), case.train, case.temperature, seed=0)
+    t0 = time.perf_counter()
+    stats = trainer.accumulate_gradients(case.batch)
+    t1 = time.perf_counter()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+    norm = torch.nn.utils.get_total_norm(list(grads.values())).item()
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    t2 = time.perf_counter()
+    trainer._optimizer_step(stats)
+    step_s = (t1 - t0) + (time.perf_counter() - t2)
+    update = {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}
+    t3 = time.perf_counter()
+    trainer._optimizer_step(trainer.accumulate_gradients(case.batch))
+    warm_s = time.perf_counter() - t3
+    return Reference(stats.loss_sum / stats.tokens, grads, norm, update, vars(stats).copy(), step_s, warm_s)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu") -> dict[str, Any] | None:
+    """Runs one ParallelGRPOStep under LAYOUTS[name] (call on every rank); rank 0 returns the report.
+
+    Report: loss_rel_diff = |loss - ref| / |ref|; grad_rel_diff = ||g - g_ref|| / ||g_ref|| over
+    all parameters concatenated (relative L2); grad_max_param_rel_diff = the largest per-parameter
+    relative L2; grad_norm_rel_diff for the distributed norm; update_rel_diff for the parameter
+    change of the first (clipped AdamW) step, gathered with iter_full_weights; step_s = slowest
+    rank's wall time of accumulate_gradients + clip_and_step (first step, cold); warm_step_s =
+    the same for a second step on the batch.
+    """
+    parallel = ParallelConfig(**LAYOUTS[name])
+    model, config = load_model(case.checkpoint)
+    validate_parallel(parallel, config, dist.get_world_size())
+    mesh = build_mesh(parallel, device_type)
+    pm = parallelize(model, parallel, mesh)
+    optimizers = build_optimizers(pm, case.train)
+    step = ParallelGRPOStep(pm, optimizers, case.train, case.temperature)
+    dist.barrier()
+    t0 = time.perf_counter()
+    stats = step.accumulate_gradients(case.batch)
+    t1 = time.perf_counter()
+    grads = {n: g.clone() for bucket in iter_full_gradients(pm, bucket_bytes=1 << 20) for n, g in bucket}
+    norm = step.grad_norm()
+    t2 = time.perf_counter()
+    step.clip_and_step(stats)
+    first_s = (t1 - t0) + (time.perf_counter() - t2)
+    # Every rank takes part in the gathers; rank 0 receives.
+    weights = {n: w.clone() for bucket in iter_full_weights(pm, bucket_bytes=1 << 20) for n, w in bucket}
+    t3 = time.perf_counter()
+    step.clip_and_step(step.accumulate_gradients(case.batch))  # warm: DTensor / pipeline set-up cached
+    elapsed = torch.tensor([first_s, time.perf_counter() - t3], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    if dist.get_rank() != 0:
+        return None
+    names = sorted(ref.grads)
+    if sorted(grads) != names or sorted(weights) != names:
+        raise AssertionError(f"{name}: gathered names differ from the reference's: {sorted(grads)} vs {names}")
+    loss = stats.loss_sum / stats.tokens
+    initial = dict(load_model(case.checkpoint)[0].named_parameters())
+    update = torch.cat([(weights[n].cpu() - initial[n].detach()).flatten() for n in names])
+    flat = torch.cat([grads[n].flatten().cpu() for n in names])
+    flat_ref = torch.cat([ref.grads[n].flatten() for n in names])
+    return {
+        "layout": name,
+        "world_size": parallel.world_size,
+        "parallel": LAYOUTS[name],
+        "tied_embeddings": case.tied,
+        "loss_rel_diff": abs(loss - ref.loss) / abs(ref.loss),
+        "grad_rel_diff": _rel(flat, flat_ref),
+        "grad_max_param_rel_diff": max(_rel(grads[n].cpu(), ref.grads[n]) for n in names),
+        "grad_norm_rel_diff": abs(norm - ref.grad_norm) / ref.grad_norm,
+        "update_rel_diff": _rel(update, torch.cat([ref.update[n].flatten() for n in names])),
+        "clipped_tokens_equal": stats.clipped_tokens == ref.stats["clipped_tokens"],
+        "logprob_diff_sum_rel_diff": abs(stats.abs_logprob_diff_sum - ref.stats["abs_logprob_diff_sum"])
+        / ref.stats["abs_logprob_diff_sum"],
+        "parity_tokens_equal": stats.parity.checked == ref.stats["parity"].checked > 0,
+        "step_s": round(elapsed[0].item(), 4),
+        "warm_step_s": round(elapsed[1].item(), 4),
+        "ref_step_s": round(ref.step_s, 4),
+        "ref_warm_step_s": round(ref.warm_step_s, 4),
+    }
+
+
+def check_layouts(rank: int, world_size: int, names: list[str], case: Case, ref: Reference) -> list[dict]:
+    """World entry point (see launch.run_local_world): every layout in `names` in turn."""
+    reports = [check_layout(name, case, ref) for name in names]
+    return [r for r in reports if r is not None]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from titanrl.trainer.parallel.launch import run_local_world
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("layouts", nargs="*", default=list(LAYOUTS), help=f"from {sorted(LAYOUTS)}")
+    parser.add_argument("--tied", action="store_true", help="tied embeddings (pipeline layouts need untied)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        case = make_case(tmp, tied=args.tied)
+        ref = reference(case)
+        by_world: dict[int, list[str]] = {}
+        for name in args.layouts:
+            by_world.setdefault(ParallelConfig(**LAYOUTS[name]).world_size, []).append(name)
+        for world, names in sorted(by_world.items()):
+            for report in run_local_world(check_layouts, world, names, case, ref)[0]:
+                print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The device mesh: one named dimension per kind of parallelism, size-1 dimensions left out.
+
+Dimension order, outermost first: pp, dp_replicate, dp_shard, cp, tp. TP is innermost so its
+ranks are neighbours (one host, the fastest links); PP is outermost (least traffic).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from titanrl.config import ParallelConfig
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Mesh dimension names, outermost first (ep joins when the MoE model does)."""
+
+FLATTENED = {"dp_shard_cp": ("dp_shard", "cp")}
+"""Flattened dimensions built by `build_mesh`: FSDP shards over dp_shard x cp, since CP ranks
+hold the same parameters and their gradients must be summed like data-parallel ones."""
+
+
+def resolve_device_type(device: str) -> str:
+    """'auto' | 'cpu' | 'cuda' -> 'cpu' or 'cuda' ('auto' picks CUDA when present)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"train.device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    return device
+
+
+def init_distributed(device_type: str, timeout_s: float = 300.0) -> None:
+    """Joins the torch.distributed world described by the usual env vars (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT, LOCAL_RANK): NCCL on CUDA, gloo on CPU. No-op when already joined."""
+    if dist.is_initialized():
+        return
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def _degrees(parallel: ParallelConfig) -> dict[str, int]:
+    return {name: getattr(parallel, name) for name in MESH_DIMS}
+
+
+def build_mesh(parallel: ParallelConfig, device_type: str) -> DeviceMesh:
+    """A DeviceMesh over the whole world with the dimensions of `parallel` that are > 1.
+
+    dp_shard stays (size 1) when dp_replicate > 1, so HSDP / pure replication always find a 2-D
+    (dp_replicate, dp_shard) mesh; a world of one gets a single size-1 "dp_shard" dimension.
+    `parallel.ep` must be 1 (checked by validate_parallel).
+    """
+    degrees = _degrees(parallel)
+    names = [n for n in MESH_DIMS if degrees[n] > 1 or (n == "dp_shard" and degrees["dp_replicate"] > 1)]
+    if not names:
+        names = ["dp_shard"]
+    shape = tuple(degrees[n] for n in names)
+    world = dist.get_world_size()
+    if parallel.world_size != world:
+        raise ValueError(f"the parallel layout needs {parallel.world_size} processes, the world has {world}")
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=tuple(names))
+    # Flattened views are kept here: slicing them back out of the root mesh is deprecated.
+    mesh.titanrl_flattened = {}
+    if "dp_shard" in names and "cp" in names:
+        mesh.titanrl_flattened["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh
+
+
+def has_dim(mesh: DeviceMesh, name: str) -> bool:
+    return name in (mesh.mesh_dim_names or ())
+
+
+def dim_size(mesh: DeviceMesh, name: str) -> int:
+    """Size of a (base) mesh dimension; 1 when it was left out."""
+    return mesh.size(mesh.mesh_dim_names.index(name)) if has_dim(mesh, name) else 1
+
+
+def coord(mesh: DeviceMesh, name: str) -> int:
+    """This rank's index along a (base) mesh dimension; 0 when it was left out."""
+    return mesh.get_local_rank(name) if has_dim(mesh, name) else 0
+
+
+def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh | None:
+    """The 1-D mesh of a base or flattened dimension, or None when it is absent."""
+    if has_dim(mesh, name):
+        return mesh[name]
+    return getattr(mesh, "titanrl_flattened", {}).get(name)
+
+
+def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
+    """This rank's data-parallel index and the data-parallel degree (replicate x shard)."""
+    shard = dim_size(mesh, "dp_shard")
+    return coord(mesh, "dp_replicate") * shard + coord(mesh, "dp_shard"), dim_size(mesh, "dp_replicate") * shard
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh FSDP2 shards over: dp_shard (x cp), with dp_replicate as HSDP's outer dimension."""
+    shard = [d for d in ("dp_shard", "cp") if has_dim(mesh, d)]
+    if not shard:
+        return None
+    shard_name = "dp_shard_cp" if len(shard) == 2 else shard[0]
+    if has_dim(mesh, "dp_replicate"):
+        return mesh["dp_replicate", shard_name]  # HSDP: a 2-D slice (with a flattened dim when cp > 1)
+    return submesh(mesh, shard_name)
+
+
+def _base_dims(name: str) -> tuple[str, ...]:
+    return FLATTENED.get(name, (name,))
+
+
+def replicated_dims(mesh: DeviceMesh, tensor: torch.Tensor) -> set[str]:
+    """Base mesh dimensions over which `tensor` holds the same values on every rank.
+
+    A DTensor is replicated over its Replicate mesh dims and over every world dim outside its
+    mesh; a plain tensor over every dim. pp never counts: stages hold different parameters.
+    """
+    world = {n for n in mesh.mesh_dim_names if n not in FLATTENED} - {"pp"}
+    if not isinstance(tensor, DTensor):
+        return world
+    covered, replicated = set(), set()
+    for name, placement in zip(tensor.device_mesh.mesh_dim_names, tensor.placements, strict=True):
+        dims = set(_base_dims(name))
+        covered |= dims
+        if isinstance(placement, Replicate):
+            replicated |= dims
+        elif placement.is_partial():
+            raise ValueError(f"unexpected placement {placement} on mesh dim {name!r}: reduce partial gradients first")
+    return replicated | (world - covered)
+
+
+def owns(mesh: DeviceMesh, tensor: torch.Tensor) -> bool:
+    """Whether this rank is the one that counts `tensor`'s local values in a world-wide sum."""
+    return all(coord(mesh, d) == 0 for d in replicated_dims(mesh, tensor))

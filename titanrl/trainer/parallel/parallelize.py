@@ -1,0 +1,113 @@
+"""`parallelize`: applies a ParallelConfig's layout to a Qwen3ForCausalLM on a device mesh.
+
+Order: context parallel (swap attention backends), pipeline split, then per stage tensor
+parallel and finally FSDP2 / HSDP over the data-parallel (x context-parallel) ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from titanrl.config import ParallelConfig, TrainConfig
+from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from titanrl.trainer.parallel.fsdp import apply_fsdp
+from titanrl.trainer.parallel.mesh import coord, fsdp_mesh
+from titanrl.trainer.parallel.pipeline import PipelineStageModel, num_stages, stages_of_rank
+from titanrl.trainer.parallel.ring_attention import ContextLayout, RingAttention
+from titanrl.trainer.parallel.tensor_parallel import apply_tensor_parallel
+
+
+@dataclass
+class ParallelModel:
+    """This rank's share of a parallelized policy."""
+
+    parts: list[nn.Module]
+    """Model parts on this rank: the whole (sharded) model, or its pipeline stages (HF parameter names)."""
+    parallel: ParallelConfig
+    """The layout applied."""
+    mesh: DeviceMesh
+    """World mesh with named dimensions (see mesh.build_mesh)."""
+    config: Qwen3Config
+    """Architecture of the full model."""
+    context: ContextLayout | None
+    """Which sequence chunks this rank holds under context parallel; None without it."""
+    device: torch.device
+    """Device of this rank's parameters and activations."""
+
+    @property
+    def pipelined(self) -> bool:
+        return self.parallel.pp > 1
+
+    @property
+    def num_stages(self) -> int:
+        return num_stages(self.parallel)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """HF-named parameters held on this rank (sharded ones as DTensors), tied ones once."""
+        for part in self.parts:
+            yield from part.named_parameters()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+
+def _layers(part: nn.Module) -> list[nn.Module]:
+    return part.layers() if isinstance(part, PipelineStageModel) else list(part.model.layers)
+
+
+def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceMesh,
+                load_balance: bool = True) -> ParallelModel:
+    """Shards `model` (a full copy, identical on every rank) for this rank; returns its parts.
+
+    `model` must not be used directly afterwards: its modules now live in the returned parts.
+    load_balance: context-parallel chunking that balances causal attention work (2 * cp chunks).
+    Call `validate_parallel` first for readable errors.
+    """
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+        else torch.device(mesh.device_type)
+    model = model.to(device)
+    context = None
+    if parallel.cp > 1:
+        context = ContextLayout(parallel.cp, coord(mesh, "cp"), load_balance)
+        group = mesh["cp"].get_group()
+        for layer in model.model.layers:
+            layer.self_attn.backend = RingAttention(group, context)
+    if parallel.pp > 1:
+        n = num_stages(parallel)
+        parts: list[nn.Module] = [
+            PipelineStageModel(model, s, n, context) for s in stages_of_rank(parallel, coord(mesh, "pp"))
+        ]
+    else:
+        parts = [model]
+    dp_mesh = fsdp_mesh(mesh)
+    for part in parts:
+        if parallel.tp > 1:
+            apply_tensor_parallel(_layers(part), mesh["tp"], parallel.sequence_parallel)
+        if dp_mesh is not None:
+            apply_fsdp(part, _layers(part), dp_mesh)
+        part.train()
+    return ParallelModel(parts, parallel, mesh, model.config, context, device)
+
+
+def build_optimizers(pm: ParallelModel, train_config: TrainConfig) -> list[torch.optim.AdamW]:
+    """One AdamW per model part (as GRPOTrainer configures it), so each part's distributed state
+    dict pairs its own parameters with its own optimizer state."""
+    optimizers = []
+    for part in pm.parts:
+        params = list(part.parameters())
+        # foreach kernels cannot mix DTensors and plain tensors (e.g. replicated embeddings under TP).
+        mixed = len({isinstance(p, DTensor) for p in params}) > 1
+        optimizers.append(
+            torch.optim.AdamW(
+                params, lr=train_config.lr, betas=train_config.betas, weight_decay=train_config.weight_decay,
+                foreach=False if mixed else None,
+            )
+        )
+    return optimizers

@@ -1,0 +1,82 @@
+"""Pipeline parallel: the decoder split into consecutive stages, run by torch.distributed.pipelining.
+
+A stage module keeps Hugging Face parameter names (`model.layers.5.mlp.up_proj.weight` stays
+that on whichever stage holds layer 5), so distributed checkpoints and weight publishing see
+the same names in every layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from titanrl.config import ParallelConfig
+from titanrl.models.qwen3 import Qwen3ForCausalLM
+from titanrl.trainer.parallel.ring_attention import ContextLayout
+from titanrl.trainer.parallel.validate import PP_SCHEDULES
+
+
+def num_stages(parallel: ParallelConfig) -> int:
+    return parallel.pp * PP_SCHEDULES[parallel.pp_schedule] if parallel.pp > 1 else 1
+
+
+def stages_of_rank(parallel: ParallelConfig, pp_rank: int) -> list[int]:
+    """Stage indices run by pipeline rank `pp_rank`: one, or r and r + pp when interleaved."""
+    return [pp_rank + k * parallel.pp for k in range(num_stages(parallel) // parallel.pp)]
+
+
+def stage_of_layer(layer: int, num_layers: int, n_stages: int) -> int:
+    return layer // (num_layers // n_stages)
+
+
+class PipelineStageModel(nn.Module):
+    """One pipeline stage of a Qwen3ForCausalLM: a contiguous run of its decoder layers.
+
+    The first stage maps token ids [B, T] to hidden states (embedding + layers); middle stages
+    map hidden states to hidden states; the last one ends with the final norm and LM head and
+    returns logits [B, T, V]. Modules are shared with (taken from) the full model.
+    """
+
+    def __init__(self, model: Qwen3ForCausalLM, stage: int, n_stages: int, context: ContextLayout | None) -> None:
+        super().__init__()
+        num_layers = model.config.num_hidden_layers
+        per = num_layers // n_stages
+        self.config = model.config
+        self.stage, self.is_first, self.is_last = stage, stage == 0, stage == n_stages - 1
+        self.context = context
+        self.model = nn.Module()
+        if self.is_first:
+            self.model.embed_tokens = model.model.embed_tokens
+        # A ModuleDict keyed by the global layer index keeps HF parameter names.
+        ids = range(stage * per, (stage + 1) * per)
+        self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in ids})
+        self.model.rotary_emb = model.model.rotary_emb
+        if self.is_last:
+            self.model.norm = model.model.norm
+            self.lm_head = model.lm_head
+
+    def layers(self) -> list[nn.Module]:
+        return list(self.model.layers.values())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(x) if self.is_first else x
+        B, T = h.shape[:2]
+        pos = self.context.positions(T, h.device) if self.context else torch.arange(T, device=h.device)
+        cos, sin = self.model.rotary_emb(pos.expand(B, T), h.dtype)
+        for layer in self.model.layers.values():
+            h = layer(h, cos, sin)
+        return self.lm_head(self.model.norm(h)) if self.is_last else h
+
+
+def build_schedule(parts: list[PipelineStageModel], parallel: ParallelConfig, mesh: DeviceMesh,
+                   device: torch.device, n_microbatches: int, loss_fn):
+    """A fresh pipeline schedule over this rank's stages (shapes are inferred on its first step)."""
+    group = mesh["pp"].get_group()
+    n = num_stages(parallel)
+    stages = [PipelineStage(part, part.stage, n, device, group=group) for part in parts]
+    if parallel.pp_schedule == "Interleaved1F1B":
+        return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[parallel.pp_schedule]
+    return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)

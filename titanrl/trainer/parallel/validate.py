@@ -1,0 +1,91 @@
+"""Checks a parallel layout against the model and the world before any process starts."""
+
+from __future__ import annotations
+
+import math
+
+from titanrl.config import ConfigError, ParallelConfig
+from titanrl.models.qwen3 import Qwen3Config
+
+PP_SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
+"""Pipeline schedule names and the number of stages each rank runs."""
+
+
+def sequence_multiple(parallel: ParallelConfig) -> int:
+    """Sequence lengths the parallel step runs must be a multiple of this (it pads to it).
+
+    Load-balanced causal ring attention cuts a sequence into 2 * cp chunks; sequence parallel
+    then splits each rank's part into tp pieces.
+    """
+    multiple = 2 * parallel.cp if parallel.cp > 1 else 1
+    if parallel.sequence_parallel and parallel.tp > 1:
+        multiple *= parallel.tp
+    return multiple
+
+
+def validate_parallel(
+    parallel: ParallelConfig, model_config: Qwen3Config, world_size: int | None, seq_len: int | None = None
+) -> None:
+    """Raises ConfigError, naming the field to change, when `parallel` cannot run this model.
+
+    world_size: the trainer's process count (None skips that check). seq_len: a sequence length
+    the trainer must handle without padding (e.g. rollout.max_model_len); None skips that check.
+    """
+    p, m = parallel, model_config
+    for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):
+        value = getattr(p, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"train.parallel.{name} must be an integer >= 1, got {value!r}")
+    if world_size is not None and p.world_size != world_size:
+        raise ConfigError(
+            f"train.parallel degrees multiply to {p.world_size} (dp_replicate={p.dp_replicate} x "
+            f"dp_shard={p.dp_shard} x tp={p.tp} x pp={p.pp} x cp={p.cp} x ep={p.ep}) but the trainer "
+            f"has {world_size} processes: change the degrees so that their product is {world_size}"
+        )
+    if p.ep != 1:
+        raise ConfigError(
+            f"train.parallel.ep={p.ep}: expert parallelism needs a mixture-of-experts model, and "
+            f"{type(m).__name__} is dense; set train.parallel.ep=1"
+        )
+    if p.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError(
+            f"train.parallel.pp_schedule={p.pp_schedule!r} is not a schedule; use one of {sorted(PP_SCHEDULES)}"
+        )
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(m, field)
+        if heads % p.tp:
+            raise ConfigError(
+                f"train.parallel.tp={p.tp} must divide the model's {field} ({heads}): each tensor-parallel "
+                f"rank holds whole heads; pick tp from {_divisors(math.gcd(m.num_attention_heads, m.num_key_value_heads))}"
+            )
+    if m.intermediate_size % p.tp:
+        raise ConfigError(
+            f"train.parallel.tp={p.tp} must divide the model's intermediate_size ({m.intermediate_size})"
+        )
+    if p.pp > 1:
+        stages = p.pp * PP_SCHEDULES[p.pp_schedule]
+        if m.num_hidden_layers % stages:
+            raise ConfigError(
+                f"train.parallel.pp={p.pp} with pp_schedule={p.pp_schedule!r} splits the model into {stages} "
+                f"stages, which must divide num_hidden_layers ({m.num_hidden_layers}); choose pp so that "
+                f"pp{' x 2' if stages > p.pp else ''} divides {m.num_hidden_layers}"
+            )
+        if m.tie_word_embeddings:
+            raise ConfigError(
+                f"train.parallel.pp={p.pp} needs untied embeddings: with tie_word_embeddings=True the "
+                "embedding (first stage) and LM head (last stage) share one matrix, which pipeline stages "
+                "cannot share yet; set train.parallel.pp=1 (use dp_shard / tp instead) or train an untied model"
+            )
+    multiple = sequence_multiple(p)
+    if seq_len is not None and seq_len % multiple:
+        why = f"2 x cp={p.cp} chunks for load-balanced causal ring attention" if p.cp > 1 else ""
+        if p.sequence_parallel and p.tp > 1:
+            why += (" times " if why else "") + f"tp={p.tp} sequence-parallel pieces"
+        raise ConfigError(
+            f"sequence length {seq_len} must be a multiple of {multiple} ({why}); pad it to "
+            f"{-(-seq_len // multiple) * multiple} or change train.parallel.cp / tp"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
