@@ -62,7 +62,8 @@ def test_rewriting_a_step_replaces_it_whole(tmp_path):
 
 
 def test_resume_refuses_changed_config_naming_the_keys(tmp_path):
-    """Resume accepts new step counts and output settings, and refuses anything else, naming each key."""
+    """Resume accepts new step counts, output settings and trainer layouts, and refuses anything
+    else, naming each key."""
     config = _config(tmp_path)
     run_dir = create_run_dir(config)
     with writing_checkpoint(run_dir, 5, {"policy_version": 5}):
@@ -70,6 +71,9 @@ def test_resume_refuses_changed_config_naming_the_keys(tmp_path):
     longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=500),
                                  output=dataclasses.replace(config.output, progress_bar=False))
     assert reopen_run_dir(longer)[1].step == 5
+    relaid = dataclasses.replace(config, train=dataclasses.replace(
+        config.train, parallel=dataclasses.replace(config.train.parallel, tp=2)))
+    assert reopen_run_dir(relaid)[1].step == 5  # checkpoints reshard: the layout may change
     changed = dataclasses.replace(config, seed=7, train=dataclasses.replace(config.train, lr=0.5))
     with pytest.raises(ConfigError) as info:
         reopen_run_dir(changed)

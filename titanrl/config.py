@@ -511,7 +511,7 @@ def validate(config: RunConfig) -> None:
     from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, read_config
 
     try:
-        read_config(config.model.checkpoint)
+        model_config = read_config(config.model.checkpoint)
     except CheckpointError as e:
         raise ConfigError(f"model.checkpoint: {e}") from e
     ckpt = Path(config.model.checkpoint)
@@ -536,3 +536,20 @@ def validate(config: RunConfig) -> None:
         )
     for i, spec in enumerate(config.rewards):
         resolve_reward(spec, i)
+    _validate_trainer_layout(config, model_config)
+
+
+def _validate_trainer_layout(config: RunConfig, model_config: Any) -> None:
+    """The trainer's device and parallel layout against the model (the layout sets the world size)."""
+    from titanrl.trainer.parallel.validate import validate_parallel
+
+    if config.train.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device must be 'auto', 'cpu' or 'cuda', got {config.train.device!r}")
+    p = config.train.parallel
+    validate_parallel(p, model_config, world_size=None)
+    if config.batch_invariant and (p.tp > 1 or p.pp > 1 or p.cp > 1):
+        raise ConfigError(
+            f"batch_invariant=True runs the trainer with data parallelism only (its kernels take whole "
+            f"weights and whole sequences), but train.parallel has tp={p.tp}, pp={p.pp}, cp={p.cp}: set them "
+            f"to 1 and use train.parallel.dp_shard / dp_replicate, or set batch_invariant=False"
+        )

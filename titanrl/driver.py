@@ -56,12 +56,15 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
 
     from titanrl.rollout.worker import RolloutWorker
     from titanrl.trainer.trainer import GRPOTrainer
+    from titanrl.trainer.trainer_group import TrainerGroup
 
     say(f"run directory {run_dir}; starting Ray")
     init_ray()
     ship_user_code_by_value(config.rewards + ([config.env.factory] if config.env.factory is not None else []))
     rc, tc = config.rollout, config.train
-    trainer = ray.remote(GRPOTrainer).options(num_cpus=0).remote(
+    # A parallel layout runs as a group of rank actors behind the same interface.
+    trainer_cls = TrainerGroup if tc.parallel.world_size > 1 else GRPOTrainer
+    trainer = ray.remote(trainer_cls).options(num_cpus=0).remote(
         config.model, tc, rc.temperature, config.seed, batch_invariant=config.batch_invariant
     )
     workers = [

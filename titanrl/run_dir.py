@@ -17,6 +17,9 @@ RESUMABLE_SECTIONS = ("output",)
 """Config sections a resumed run may change; everything else must match the checkpointed run."""
 RESUMABLE_KEYS = ("train.steps",)
 """Single keys a resumed run may change (a longer or shorter run of the same job)."""
+RESUMABLE_PREFIXES = ("train.parallel.", "train.device")
+"""Keys a resumed run may change because checkpoints reshard on load: a run saved with
+dp_shard=2 can continue with tp=2 (the same training, not the same bits: reduction orders differ)."""
 
 
 def config_record(config: RunConfig) -> dict[str, Any]:
@@ -58,7 +61,8 @@ def reopen_run_dir(config: RunConfig) -> tuple[Path, RunCheckpoint]:
         shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in differences[:8])
         raise ConfigError(
             f"cannot resume {str(run_dir)!r} with a different config ({shown}). A resumed run may only change "
-            f"{', '.join(RESUMABLE_KEYS)} and the {', '.join(RESUMABLE_SECTIONS)} section; start a new run instead"
+            f"{', '.join(RESUMABLE_KEYS)}, the {', '.join(RESUMABLE_SECTIONS)} section and the trainer layout "
+            "(train.parallel, train.device); start a new run instead"
         )
     remove_stale_temporaries(run_dir)
     checkpoint = latest_checkpoint(run_dir)
@@ -77,7 +81,7 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[t
     flat_saved, flat_current = _flatten(saved), _flatten(current)
     out = []
     for key in sorted(flat_saved.keys() | flat_current.keys()):
-        if key.split(".")[0] in RESUMABLE_SECTIONS or key in RESUMABLE_KEYS:
+        if key.split(".")[0] in RESUMABLE_SECTIONS or key in RESUMABLE_KEYS or key.startswith(RESUMABLE_PREFIXES):
             continue
         old, new = flat_saved.get(key, "<absent>"), flat_current.get(key, "<absent>")
         if old != new:

@@ -31,7 +31,8 @@ def _join(prefix: str, name: str) -> str:
 
 
 class VllmPagedAttention(nn.Module):
-    """Attention backend for our model that runs vLLM's paged-KV `Attention` layer.
+    """Attention backend for our model that runs vLLM's paged-KV `Attention` layer, or, in
+    batch-invariant mode, our own attention over the same cache (`paged_attention`).
 
     Called as `backend(q_BTHD, k_BTKD, v_BTKD)` with rope and q/k norms applied and KV
     heads not repeated; B must be 1 (vLLM's flattened batch). vLLM takes `[N, heads*D]`.
@@ -49,8 +50,8 @@ class VllmPagedAttention(nn.Module):
             quant_config=vllm_config.quant_config,
             prefix=prefix,
         )
-
         self.batch_invariant = False
+        """In batch-invariant mode the layer's cache is ours to lay out (see paged_attention)."""
 
     def forward(self, q_BTHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor) -> torch.Tensor:
         B, T, H, D = q_BTHD.shape

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -35,6 +36,9 @@ from titanrl.models.hf_checkpoint import TOKENIZER_FILES, CheckpointError, read_
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 MODEL_OPTIM_DIR = "model_optim"
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+"""One optimizer-state format for every layout: flattened per-parameter keys, which pipeline
+stages can save and load their own share of (the single-process trainer uses it too)."""
 TRAINER_STATE_FILE = "trainer_state.pt"
 HF_CONFIG_DIR = "hf_config"
 FORMAT_VERSION = 1

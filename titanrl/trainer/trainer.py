@@ -357,7 +357,7 @@ class GRPOTrainer:
         # so that saving never changes how training continues.
         self.optimizer.zero_grad(set_to_none=True)
         stepped = bool(self.optimizer.state)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=ckpt_io.STATE_DICT_OPTIONS)
         ckpt_io.dcp_save({"model": model_sd, "optim": optim_sd}, out / ckpt_io.MODEL_OPTIM_DIR)
         if not stepped:
             self.optimizer.state.clear()
@@ -389,10 +389,11 @@ class GRPOTrainer:
             )
         state = ckpt_io.read_trainer_state(ckpt)
         self.optimizer.zero_grad(set_to_none=True)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=ckpt_io.STATE_DICT_OPTIONS)
         loaded = {"model": model_sd, "optim": optim_sd}
         ckpt_io.dcp_load(loaded, ckpt / ckpt_io.MODEL_OPTIM_DIR)
-        set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
+                       options=ckpt_io.STATE_DICT_OPTIONS)
         if not state["optimizer_stepped"]:
             self.optimizer.state.clear()  # saved before any optimizer step: AdamW starts fresh
         self.scheduler.load_state_dict(state["scheduler"])

@@ -5,8 +5,10 @@ Same directory layout as `GRPOTrainer.save_state` (see titanrl.trainer.checkpoin
 `titanrl.trainer.checkpoint.export_hf` reads a checkpoint from any layout. The optimizer state
 is saved flattened (`state.<name>.<key>`, `param_groups.<name>.<key>`): every entry is keyed
 by one parameter, so pipeline stages, which each hold some parameters and their own optimizer,
-save and load their part. Its tensor keys coincide with the nested form that GRPOTrainer
-writes; loading such a checkpoint takes its tensors and keeps the current param-group settings.
+save and load their part. GRPOTrainer writes the same flattened form
+(`titanrl.trainer.checkpoint.STATE_DICT_OPTIONS`). Checkpoints in the older nested form
+(param groups keyed by index) still load: their tensors are taken and the current
+param-group settings kept.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.parallel.parallelize import ParallelModel
 
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_OPTIONS = ckpt_io.STATE_DICT_OPTIONS
 
 
 def _part_states(pm: ParallelModel, optimizers: list[torch.optim.Optimizer]) -> list[tuple[dict, dict]]:
@@ -55,7 +57,7 @@ def load_model_optim(pm: ParallelModel, optimizers: list[torch.optim.Optimizer],
     """
     parts = _part_states(pm, optimizers)
     saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    # GRPOTrainer's nested optimizer format keys param groups by index ("optim.param_groups.0.lr").
+    # The older nested optimizer format keys param groups by index ("optim.param_groups.0.lr").
     nested = any(k.startswith("optim.param_groups.0.") for k in saved_keys)
     request = {"model": {k: v for m, _ in parts for k, v in m.items()},
                "optim": {k: v for _, o in parts for k, v in o.items()

@@ -1,0 +1,171 @@
+"""One rank of the parallel trainer: a Ray actor that joins a torch.distributed world.
+
+`ParallelTrainerRank` is a `GRPOTrainer` whose model is this rank's share of a parallelized
+policy: it keeps GRPOTrainer.step (packing, minibatches, PPO epochs, skip rules, metrics) and
+replaces the parts that touch the model (gradients, parity, optimizer step, weights out,
+checkpoints) with their distributed versions. Every rank gets every call, in the same order
+(`titanrl.trainer.trainer_group.TrainerGroup` sees to that); the calls are collective.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from titanrl.config import ModelConfig, TrainConfig
+from titanrl.models.hf_checkpoint import CheckpointError, load_model, load_state_dict_into, save_checkpoint
+from titanrl.trainer import checkpoint as ckpt_io
+from titanrl.trainer.lr_schedule import build_scheduler
+from titanrl.trainer.parallel.checkpoint import load_model_optim, save_training_checkpoint
+from titanrl.trainer.parallel.gather import iter_full_weights
+from titanrl.trainer.parallel.mesh import build_mesh, init_distributed
+from titanrl.trainer.parallel.parallelize import build_optimizers, parallelize
+from titanrl.trainer.parallel.step import ParallelGRPOStep
+from titanrl.trainer.trainer import GradStats, GRPOTrainer, LogprobParity, PackedBatch
+from titanrl.types import Group
+
+PUSH_BUCKET_BYTES = 64 << 20
+"""Bucket size of the weight gather: the only full tensors alive at once besides what rank 0 keeps."""
+
+
+class ParallelTrainerRank(GRPOTrainer):
+    """This process's rank of a parallel GRPO trainer (run it as a Ray actor, one per rank).
+
+    Methods that return data (step's metrics, the pushed state dict, save's path) return it on
+    rank 0 and None elsewhere, except get_version and load_state, which every rank answers.
+    """
+
+    def __init__(
+        self, rank: int, world_size: int, master_addr: str, master_port: int, device_type: str,
+        model_config: ModelConfig, train_config: TrainConfig, temperature: float, seed: int,
+        batch_invariant: bool = False,
+    ) -> None:
+        """Loads the full policy, joins the world (blocks until every rank has), then shards it.
+
+        device_type: 'cpu' (gloo) or 'cuda' (NCCL; the actor holds one GPU, so LOCAL_RANK is 0).
+        """
+        os.environ.update(
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size),
+            LOCAL_RANK="0" if device_type == "cuda" else str(rank),
+        )
+        # The same initialisation as GRPOTrainer.__init__, so rank 0 matches a single-process run.
+        torch.manual_seed(seed)
+        torch.set_num_threads(train_config.threads)
+        self.cfg = train_config
+        self.temperature = temperature
+        self.dtype = getattr(torch, model_config.dtype)
+        # Loaded before the world exists: DCP then reads a training checkpoint on its own.
+        if ckpt_io.is_training_checkpoint(model_config.checkpoint):
+            model, self.model_config = ckpt_io.load_policy(model_config.checkpoint)
+            model = model.to(self.dtype)
+            self.tokenizer_dir = str(Path(model_config.checkpoint) / ckpt_io.HF_CONFIG_DIR)
+        else:
+            model, self.model_config = load_model(model_config.checkpoint, dtype=self.dtype)
+            self.tokenizer_dir = model_config.checkpoint
+        self.pad_id = self.model_config.eos_token_id or 0
+        init_distributed(device_type)
+        self.rank = dist.get_rank()
+        self.pm = parallelize(model, train_config.parallel, build_mesh(train_config.parallel, device_type))
+        self.optimizers = build_optimizers(self.pm, train_config)
+        self.schedulers = [build_scheduler(opt, train_config) for opt in self.optimizers]
+        self.scheduler = self.schedulers[0]  # GRPOTrainer.step reads the lr from here; all agree
+        self.grpo = ParallelGRPOStep(self.pm, self.optimizers, train_config, temperature, batch_invariant)
+        self.version = 0
+        self.skipped_steps = 0
+        self.consecutive_skipped = 0
+
+    def ready(self) -> int:
+        """This actor's rank, once the world is joined and the model sharded."""
+        return self.rank
+
+    # ------------------------------------------------------------------------- GRPOTrainer hooks
+
+    def accumulate_gradients(self, batch: PackedBatch) -> GradStats:
+        return self.grpo.accumulate_gradients(batch)
+
+    def measure_parity(self, batch: PackedBatch) -> LogprobParity:
+        """Parity over the whole batch before any update. The parallel step has no forward-only
+        path (pipeline schedules train), so this runs a gradient pass and discards it."""
+        parity = self.grpo.accumulate_gradients(batch).parity
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        return parity
+
+    def _optimizer_step(self, stats: GradStats) -> tuple[float, float, bool]:
+        loss, norm, taken = self.grpo.clip_and_step(stats)
+        if taken:
+            for scheduler in self.schedulers:
+                scheduler.step()
+        return loss, norm, taken
+
+    def step(self, groups: list[Group]) -> dict[str, float] | None:  # type: ignore[override]
+        metrics = super().step(groups)
+        return metrics if self.rank == 0 else None
+
+    # ------------------------------------------------------------------------- weights out
+
+    def state_dict_for_push(self) -> dict[str, torch.Tensor] | None:  # type: ignore[override]
+        """Rank 0: HF-named full CPU tensors (tied head omitted), gathered bucket by bucket."""
+        out: dict[str, torch.Tensor] = {}
+        for bucket in iter_full_weights(self.pm, PUSH_BUCKET_BYTES):
+            for name, tensor in bucket:
+                # A copy: an unsharded tensor may share storage with the live parameter.
+                out[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        return out if self.rank == 0 else None
+
+    def save(self, out_dir: str) -> str | None:
+        """Exports the current policy as an HF checkpoint directory (written by rank 0)."""
+        weights = self.state_dict_for_push()
+        path = None
+        if self.rank == 0:
+            model = ckpt_io.empty_model(self.model_config, self.dtype)
+            load_state_dict_into(model, weights, source="the gathered parallel policy")
+            path = str(save_checkpoint(model, out_dir, tokenizer_dir=self.tokenizer_dir))
+        dist.barrier()
+        return path
+
+    # ------------------------------------------------------------------------- full state
+
+    def save_state(self, dir: str) -> None:
+        """GRPOTrainer.save_state's layout, written collectively (DCP shards from every rank)."""
+        Path(dir).mkdir(parents=True, exist_ok=True)
+        stepped = any(bool(opt.state) for opt in self.optimizers)
+        save_training_checkpoint(
+            self.pm, self.optimizers, dir, dtype=self.dtype, tokenizer_dir=self.tokenizer_dir,
+            trainer_state={
+                "version": self.version,
+                "skipped_steps": self.skipped_steps,
+                "consecutive_skipped": self.consecutive_skipped,
+                "optimizer_stepped": stepped,
+                "scheduler": self.scheduler.state_dict(),
+                "rng": ckpt_io.rng_state(),
+            },
+        )
+
+    def load_state(self, dir: str) -> int:
+        """Restores a training checkpoint written under any layout (or by GRPOTrainer); returns the version."""
+        ckpt = ckpt_io.check_training_checkpoint(dir)
+        config, dtype = ckpt_io.read_hf_config(ckpt)
+        if config != self.model_config:
+            raise CheckpointError(
+                f"{str(ckpt)!r} holds a different model than the trainer's: {config} vs {self.model_config}"
+            )
+        if dtype != self.dtype:
+            raise CheckpointError(f"{str(ckpt)!r} was trained in {dtype}; set model.dtype to match (it is {self.dtype})")
+        state = ckpt_io.read_trainer_state(ckpt)
+        load_model_optim(self.pm, self.optimizers, ckpt / ckpt_io.MODEL_OPTIM_DIR,
+                         optimizer_stepped=state["optimizer_stepped"])
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(state["scheduler"])
+            # A GRPOTrainer checkpoint's param groups are not loaded (see load_model_optim):
+            # the schedule's current lr is the one the next step must use.
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+                group["lr"] = lr
+        self.version = state["version"]
+        self.skipped_steps = state["skipped_steps"]
+        self.consecutive_skipped = state["consecutive_skipped"]
+        ckpt_io.set_rng_state(state["rng"])
+        return self.version
