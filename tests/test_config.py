@@ -59,7 +59,7 @@ def _fails(config: RunConfig, *needles: str) -> str:
 
 def test_good_config_validates(good_config):
     """A complete config (checkpoint, existing train file, callable reward) passes validate."""
-    validate(good_config)
+    assert validate(good_config) is None  # no ConfigError
 
 
 def test_module_function_reward_string_validates(good_config):

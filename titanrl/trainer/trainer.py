@@ -362,21 +362,22 @@ class GRPOTrainer:
         if not stepped:
             self.optimizer.state.clear()
         ckpt_io.write_hf_config(out / ckpt_io.HF_CONFIG_DIR, self.model_config, self.dtype, self.tokenizer_dir)
-        torch.save(
-            {
-                "format_version": ckpt_io.FORMAT_VERSION,
-                "version": self.version,
-                "skipped_steps": self.skipped_steps,
-                "consecutive_skipped": self.consecutive_skipped,
-                "optimizer_stepped": stepped,
-                "scheduler": self.scheduler.state_dict(),
-                "rng": ckpt_io.rng_state(),
-            },
-            out / ckpt_io.TRAINER_STATE_FILE,
-        )
+        torch.save({"format_version": ckpt_io.FORMAT_VERSION, **self.trainer_state(stepped)},
+                   out / ckpt_io.TRAINER_STATE_FILE)
 
-    def load_state(self, dir: str) -> int:
-        """Restores a `save_state` directory (weights, optimizer, schedule, counters, RNG); returns the version."""
+    def trainer_state(self, optimizer_stepped: bool) -> dict:
+        """Everything but model and optimizer that an exact resume needs (trainer_state.pt)."""
+        return {
+            "version": self.version,
+            "skipped_steps": self.skipped_steps,
+            "consecutive_skipped": self.consecutive_skipped,
+            "optimizer_stepped": optimizer_stepped,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": ckpt_io.rng_state(),
+        }
+
+    def open_checkpoint(self, dir: str) -> tuple[Path, dict]:
+        """A training checkpoint's directory and trainer state, after checking it holds this model."""
         ckpt = ckpt_io.check_training_checkpoint(dir)
         config, dtype = ckpt_io.read_hf_config(ckpt)
         if config != self.model_config:
@@ -387,7 +388,19 @@ class GRPOTrainer:
             raise CheckpointError(
                 f"{str(ckpt)!r} was trained in {dtype}; set model.dtype to match (it is {self.dtype})"
             )
-        state = ckpt_io.read_trainer_state(ckpt)
+        return ckpt, ckpt_io.read_trainer_state(ckpt)
+
+    def restore_counters(self, state: dict) -> int:
+        """Version, skip counters and RNG from a trainer state; returns the version."""
+        self.version = state["version"]
+        self.skipped_steps = state["skipped_steps"]
+        self.consecutive_skipped = state["consecutive_skipped"]
+        ckpt_io.set_rng_state(state["rng"])
+        return self.version
+
+    def load_state(self, dir: str) -> int:
+        """Restores a `save_state` directory (weights, optimizer, schedule, counters, RNG); returns the version."""
+        ckpt, state = self.open_checkpoint(dir)
         self.optimizer.zero_grad(set_to_none=True)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=ckpt_io.STATE_DICT_OPTIONS)
         loaded = {"model": model_sd, "optim": optim_sd}
@@ -397,8 +410,4 @@ class GRPOTrainer:
         if not state["optimizer_stepped"]:
             self.optimizer.state.clear()  # saved before any optimizer step: AdamW starts fresh
         self.scheduler.load_state_dict(state["scheduler"])
-        self.version = state["version"]
-        self.skipped_steps = state["skipped_steps"]
-        self.consecutive_skipped = state["consecutive_skipped"]
-        ckpt_io.set_rng_state(state["rng"])
-        return self.version
+        return self.restore_counters(state)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from titanrl.config import ModelConfig, TrainConfig
-from titanrl.models.hf_checkpoint import CheckpointError, load_model, load_state_dict_into, save_checkpoint
+from titanrl.models.hf_checkpoint import load_model, load_state_dict_into, save_checkpoint
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.lr_schedule import build_scheduler
 from titanrl.trainer.parallel.checkpoint import load_model_optim, save_training_checkpoint
@@ -135,27 +135,12 @@ class ParallelTrainerRank(GRPOTrainer):
         stepped = any(bool(opt.state) for opt in self.optimizers)
         save_training_checkpoint(
             self.pm, self.optimizers, dir, dtype=self.dtype, tokenizer_dir=self.tokenizer_dir,
-            trainer_state={
-                "version": self.version,
-                "skipped_steps": self.skipped_steps,
-                "consecutive_skipped": self.consecutive_skipped,
-                "optimizer_stepped": stepped,
-                "scheduler": self.scheduler.state_dict(),
-                "rng": ckpt_io.rng_state(),
-            },
+            trainer_state=self.trainer_state(stepped),
         )
 
     def load_state(self, dir: str) -> int:
         """Restores a training checkpoint written under any layout (or by GRPOTrainer); returns the version."""
-        ckpt = ckpt_io.check_training_checkpoint(dir)
-        config, dtype = ckpt_io.read_hf_config(ckpt)
-        if config != self.model_config:
-            raise CheckpointError(
-                f"{str(ckpt)!r} holds a different model than the trainer's: {config} vs {self.model_config}"
-            )
-        if dtype != self.dtype:
-            raise CheckpointError(f"{str(ckpt)!r} was trained in {dtype}; set model.dtype to match (it is {self.dtype})")
-        state = ckpt_io.read_trainer_state(ckpt)
+        ckpt, state = self.open_checkpoint(dir)
         load_model_optim(self.pm, self.optimizers, ckpt / ckpt_io.MODEL_OPTIM_DIR,
                          optimizer_stepped=state["optimizer_stepped"])
         for scheduler in self.schedulers:
@@ -164,8 +149,4 @@ class ParallelTrainerRank(GRPOTrainer):
             # the schedule's current lr is the one the next step must use.
             for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
                 group["lr"] = lr
-        self.version = state["version"]
-        self.skipped_steps = state["skipped_steps"]
-        self.consecutive_skipped = state["consecutive_skipped"]
-        ckpt_io.set_rng_state(state["rng"])
-        return self.version
+        return self.restore_counters(state)
