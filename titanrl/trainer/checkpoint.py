@@ -170,3 +170,17 @@ def export_hf(training_ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike) 
     """Writes the checkpoint's policy as an HF directory (config.json, model.safetensors, tokenizer)."""
     model, _ = load_policy(training_ckpt_dir)
     return save_checkpoint(model, out_dir, tokenizer_dir=Path(training_ckpt_dir) / HF_CONFIG_DIR)
+
+
+def load_initial_policy(checkpoint: str, dtype: torch.dtype) -> tuple[Qwen3ForCausalLM, Qwen3Config, str]:
+    """The policy a trainer starts from: an HF checkpoint directory or a training checkpoint.
+
+    Returns (model in `dtype`, its config, the directory holding its tokenizer files).
+    """
+    if is_training_checkpoint(checkpoint):
+        model, config = load_policy(checkpoint)
+        return model.to(dtype), config, str(Path(checkpoint) / HF_CONFIG_DIR)
+    from titanrl.models.hf_checkpoint import load_model
+
+    model, config = load_model(checkpoint, dtype=dtype)
+    return model, config, checkpoint

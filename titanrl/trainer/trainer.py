@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from titanrl import kernels
 from titanrl.config import ModelConfig, TrainConfig
-from titanrl.models.hf_checkpoint import CheckpointError, hf_state_dict, load_model, save_checkpoint
+from titanrl.models.hf_checkpoint import CheckpointError, hf_state_dict, save_checkpoint
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.grpo import clipped_surrogate_loss, group_advantages, token_logprobs
 from titanrl.trainer.lr_schedule import build_scheduler
@@ -163,13 +163,9 @@ class GRPOTrainer:
         self.cfg = train_config
         self.temperature = temperature
         self.dtype = getattr(torch, model_config.dtype)
-        if ckpt_io.is_training_checkpoint(model_config.checkpoint):
-            model, self.model_config = ckpt_io.load_policy(model_config.checkpoint)
-            self.model = model.to(self.dtype)
-            self.tokenizer_dir = str(Path(model_config.checkpoint) / ckpt_io.HF_CONFIG_DIR)
-        else:
-            self.model, self.model_config = load_model(model_config.checkpoint, dtype=self.dtype)
-            self.tokenizer_dir = model_config.checkpoint
+        self.model, self.model_config, self.tokenizer_dir = ckpt_io.load_initial_policy(
+            model_config.checkpoint, self.dtype
+        )
         self.model.train()
         self.model.set_batch_invariant(batch_invariant)
         self.token_logprobs = kernels.token_logprobs if batch_invariant else token_logprobs

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from titanrl.config import ModelConfig, TrainConfig
-from titanrl.models.hf_checkpoint import load_model, load_state_dict_into, save_checkpoint
+from titanrl.models.hf_checkpoint import load_state_dict_into, save_checkpoint
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.lr_schedule import build_scheduler
 from titanrl.trainer.parallel.checkpoint import load_model_optim, save_training_checkpoint
@@ -58,13 +58,9 @@ class ParallelTrainerRank(GRPOTrainer):
         self.temperature = temperature
         self.dtype = getattr(torch, model_config.dtype)
         # Loaded before the world exists: DCP then reads a training checkpoint on its own.
-        if ckpt_io.is_training_checkpoint(model_config.checkpoint):
-            model, self.model_config = ckpt_io.load_policy(model_config.checkpoint)
-            model = model.to(self.dtype)
-            self.tokenizer_dir = str(Path(model_config.checkpoint) / ckpt_io.HF_CONFIG_DIR)
-        else:
-            model, self.model_config = load_model(model_config.checkpoint, dtype=self.dtype)
-            self.tokenizer_dir = model_config.checkpoint
+        model, self.model_config, self.tokenizer_dir = ckpt_io.load_initial_policy(
+            model_config.checkpoint, self.dtype
+        )
         self.pad_id = self.model_config.eos_token_id or 0
         init_distributed(device_type)
         self.rank = dist.get_rank()
