@@ -4,6 +4,7 @@
     titanrl eval CHECKPOINT --config CONFIG.py [--k K] [--samples N] [--section.key=value ...]
     titanrl export RUN_DIR [--step N] --hf OUT
     titanrl plot RUN_DIR
+    titanrl rollouts RUN_DIR [--step N] [--episodes K] [--group G] [--failed] [--full-prompt] [--json]
     titanrl make-tiny OUT_DIR [--hidden-size ...]
 
 CONFIG.py is a Python file that defines `config`, a `titanrl.RunConfig` (or a function
@@ -141,6 +142,25 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p = sub.add_parser("plot", help="redraw RUN_DIR/progress.png from metrics.jsonl", **common)
     p.add_argument("run_dir", metavar="RUN_DIR")
 
+    p = sub.add_parser(
+        "rollouts", help="print a step's episodes turn by turn from rollouts.jsonl",
+        usage="%(prog)s RUN_DIR [--step N] [--episodes K] [--group G] [--failed] [--full-prompt] [--json]",
+        description=_wrap(
+            "Prints the first K episodes of step N from RUN_DIR/rollouts.jsonl as transcripts: step, group, "
+            "reward, policy version, tool calls and errors, the prompt (from its last user turn), then each "
+            "model turn, tool call and tool response in order, and the reward. rollouts.jsonl holds "
+            "output.rollouts_per_step groups per step plus every failed sample."
+        ),
+        **common,
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--step", type=int, metavar="N", help="the step to show (default: the last one with a match)")
+    p.add_argument("--episodes", type=int, default=4, metavar="K", help="episodes to print (default 4)")
+    p.add_argument("--group", type=int, metavar="G", help="only episodes of prompt group G")
+    p.add_argument("--failed", action="store_true", help="only episodes whose reward or environment failed")
+    p.add_argument("--full-prompt", action="store_true", help="print the whole prompt, system part included")
+    p.add_argument("--json", action="store_true", help="print the selected rows as JSON lines instead")
+
     p = sub.add_parser("make-tiny", help="write a tiny random HF checkpoint with a byte tokenizer", add_help=False)
     p.add_argument("out_dir", metavar="OUT_DIR")
     return parser, dict(sub.choices)
@@ -230,6 +250,17 @@ def cmd_plot(args: argparse.Namespace, overrides: list[str]) -> int:
     return EXIT_OK
 
 
+def cmd_rollouts(args: argparse.Namespace, overrides: list[str]) -> int:
+    import os
+
+    from titanrl.commands.rollouts import rollouts_command
+
+    color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")  # no escape codes in pipes and files
+    print(rollouts_command(args.run_dir, step=args.step, episodes=args.episodes, group=args.group,
+                           failed=args.failed, full_prompt=args.full_prompt, as_json=args.json, color=color))
+    return EXIT_OK
+
+
 def cmd_make_tiny(args: argparse.Namespace, rest: list[str]) -> int:
     from titanrl.models.tiny import main as tiny_main
 
@@ -238,7 +269,8 @@ def cmd_make_tiny(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
-    "train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot, "make-tiny": cmd_make_tiny,
+    "train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot, "rollouts": cmd_rollouts,
+    "make-tiny": cmd_make_tiny,
 }
 
 

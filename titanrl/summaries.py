@@ -39,7 +39,11 @@ def summarize_groups(groups: list[Group]) -> dict[str, float]:
 
 
 def rollout_rows(groups: list[Group], first_groups: int) -> list[dict[str, Any]]:
-    """Samples of the first `first_groups` groups, plus every sample whose reward failed."""
+    """Samples of the first `first_groups` groups, plus every sample whose reward failed.
+
+    Episodes also get `turns` (their completion turn by turn) and `stats` (turns, tool_calls,
+    errors, ...); single-turn rows have neither key. `titanrl rollouts` prints these rows.
+    """
     rows = []
     for index, group in enumerate(groups):
         for s in group.samples:
@@ -53,6 +57,10 @@ def rollout_rows(groups: list[Group], first_groups: int) -> list[dict[str, Any]]
                 "policy_version": s.policy_version,
                 "num_tokens": len(s.completion_ids),
             }
+            if s.turns is not None:
+                row["turns"] = s.turns
+            if s.stats:
+                row["stats"] = s.stats
             if s.reward_error is not None:
                 row["reward_error"] = s.reward_error
             rows.append(row)

@@ -40,6 +40,9 @@ class Sample:
     reward_error: str | None = None
     """Why the reward (or the episode's environment) failed, if it did; the sample then got
     `RunConfig.reward_error_value` instead of crashing the run."""
+    turns: list[dict[str, str]] | None = None
+    """An episode's completion turn by turn (`{"role": "model" | "env", "text": ...}`, texts joined
+    equal `completion`; see `titanrl.rollout.episode.Episode.transcript`); None for single-turn."""
 
     def __post_init__(self) -> None:
         if len(self.completion_ids) != len(self.gen_logprobs):

@@ -1,4 +1,4 @@
-"""The `titanrl` subcommands other than `train`: export, eval, plot, and the config field help."""
+"""The `titanrl` subcommands other than `train`: export, eval, plot, rollouts, and the config field help."""
 
 from __future__ import annotations
 

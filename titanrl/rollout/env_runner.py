@@ -143,6 +143,7 @@ class EnvRunner:
                         loss_mask=ep.loss_mask,
                         stats={"turns": float(ep.turns), **ep.stats},
                         reward_error=error,
+                        turns=ep.transcript,
                     )
                 )
             groups.append(Group(samples))

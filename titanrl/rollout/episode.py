@@ -46,7 +46,8 @@ class Episode:
     gen_logprobs: list[float]
     """Generator logprob of each model token; 0.0 for observation tokens."""
     completion_text: str
-    """Decoded turns and observations (plus an error note when the environment failed)."""
+    """Decoded turns and observations (plus an error note when the environment failed):
+    the texts of `transcript` joined."""
     reward: float
     """Sum of the environment's step rewards; `error_value` when the environment failed."""
     turns: int
@@ -59,6 +60,11 @@ class Episode:
     """tool_calls, errors, sandbox_s summed over turns; env_s spent inside env.step."""
     error: str | None = None
     """Why the environment failed (factory, reset, step, its reward, or close), if it did."""
+    transcript: list[dict[str, str]] = field(default_factory=list)
+    """`completion_text` turn by turn, in order: `{"role": "model", "text": ...}` for a model turn
+    exactly as generated, `{"role": "env", "text": ...}` for an observation exactly as inserted.
+    When a step fails, the last entry is the error note (role "env", text `"\\n[<error>]"`, no
+    tokens behind it; `error` says the same). (Not named `turns`: that is the model-turn count.)"""
 
 
 _COUNTERS = ("tool_calls", "errors", "sandbox_s", "tests_passed", "tests_total")
@@ -125,7 +131,7 @@ async def run_episode(
     completion_ids: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
-    text_parts: list[str] = []
+    transcript: list[dict[str, str]] = []
     reward, turns, finished = 0.0, 0, False
     try:
         while turns < budget.max_turns:
@@ -151,7 +157,7 @@ async def run_episode(
             completion_ids += turn.token_ids
             mask += [1] * len(turn.token_ids)
             logprobs += turn.logprobs
-            text_parts.append(turn.text)
+            transcript.append({"role": "model", "text": turn.text})
             t0 = time.perf_counter()
             try:  # a buggy environment ends this episode, not the run
                 result = await env.step(turn.text)
@@ -167,7 +173,7 @@ async def run_episode(
                 errors.append(env_error("step", e))
             stats["env_s"] += time.perf_counter() - t0
             if errors:
-                text_parts.append(f"\n[{errors[-1]}]")
+                transcript.append({"role": "env", "text": f"\n[{errors[-1]}]"})
                 break
             for key, value in counters.items():
                 stats[key] += value
@@ -185,7 +191,7 @@ async def run_episode(
             completion_ids += obs_ids
             mask += [0] * len(obs_ids)
             logprobs += [0.0] * len(obs_ids)
-            text_parts.append(result.observation)
+            transcript.append({"role": "env", "text": result.observation})
     finally:
         close_error = await _close(env)
     if close_error:
@@ -197,13 +203,14 @@ async def run_episode(
         completion_ids=completion_ids,
         loss_mask=mask,
         gen_logprobs=logprobs,
-        completion_text="".join(text_parts),
+        completion_text="".join(part["text"] for part in transcript),
         reward=error_value if errors else reward,
         turns=turns,
         finished=finished and not errors,
         policy_version=version,
         stats=stats,
         error="; ".join(errors) or None,
+        transcript=transcript,
     )
 
 
