@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import time
 
 import pytest
 
-from titanrl.envs import SandboxConfig, SandboxPool, SandboxUnavailableError, run_python
+from titanrl.envs import Sandbox, SandboxConfig, SandboxPool, SandboxUnavailableError, run_python
 
 CONFIG = SandboxConfig()
 SLEEP_60 = "import time\ntime.sleep(60)"
@@ -362,6 +363,83 @@ def test_pool_replaces_a_dead_sandbox():
     (broken, fine), restarts = asyncio.run(main())
     assert broken.killed_reason == "sandbox_error" and broken.returncode == -1
     assert fine.stdout == "2\n" and restarts == 1
+
+
+# --- the host never waits for good --------------------------------------------------------
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _our_bwraps() -> set[int]:
+    """bwrap processes (or setpriv about to exec one) started by this test process."""
+    found = set()
+    for pid in _children(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() in ("bwrap", "setpriv"):
+                    found.add(pid)
+        except OSError:
+            pass
+    return found
+
+
+def test_cancelled_start_ends_at_once_and_leaves_nothing():
+    """Cancelling a start while bwrap is still setting the sandbox up finishes within 3 s, and
+    (through `no_leftovers`) leaves no process behind.
+
+    Regression: asyncio's own clean-up of a cancelled create_subprocess_exec SIGKILLed bwrap
+    alone; bwrap's child, not yet bound by --die-with-parent, lived on holding the pipes, and the
+    cancelled start waited for them forever (a pool.run cancelled by a tool timeout hung its whole
+    episode batch). The loop is blocked while bwrap clones, so the cancel lands in that window
+    every time: without the fix all three starts hang.
+    """
+
+    async def main() -> list[bool]:
+        finished = []
+        for _ in range(3):
+            old = _our_bwraps()
+            task = asyncio.create_task(Sandbox().start())
+            for _ in range(20):  # Let it fork bwrap, but no further than that.
+                await asyncio.sleep(0)
+                if new := _our_bwraps() - old:
+                    break
+            deadline = time.monotonic() + 5
+            while not any(_children(p) for p in new) and time.monotonic() < deadline:
+                time.sleep(0.0005)  # Blocking on purpose: asyncio must not finish wiring the pipes.
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=3)
+            finished.append(task in done)
+            if task not in done:  # Unstick it, so the failure is reported rather than hung.
+                task.cancel()
+                await asyncio.wait({task}, timeout=3)
+        return finished
+
+    assert asyncio.run(main()) == [True, True, True]
+
+
+def test_a_runner_that_never_answers_fails_the_call_in_time():
+    """A runner that stops answering (SIGSTOPped) costs the call about timeout_s + kill_grace_s,
+    then a sandbox_error result; the pool replaces the slot and the next call works."""
+    config = SandboxConfig(kill_grace_s=0.5)
+
+    async def main() -> tuple:
+        async with SandboxPool(size=1, config=config) as pool:
+            (sandbox,) = pool._all
+            (runner,) = _children(sandbox.pid)  # bwrap's child: the sandbox's PID 1, our runner.
+            os.kill(runner, signal.SIGSTOP)
+            start = time.monotonic()
+            stuck = await pool.run("print(1)", timeout_s=0.5)
+            elapsed = time.monotonic() - start
+            return stuck, elapsed, await pool.run("print(2)"), pool.restarts
+
+    stuck, elapsed, after, restarts = asyncio.run(main())
+    assert stuck.killed_reason == "sandbox_error" and stuck.returncode == -1 and "TimeoutError" in stuck.stderr
+    assert 1.0 <= elapsed < 4.0, elapsed
+    assert after.stdout == "2\n" and restarts == 1
 
 
 # --- availability and the weaker mode -----------------------------------------------------

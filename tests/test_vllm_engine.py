@@ -130,3 +130,15 @@ def test_multiprocess_engine_untied_push(tmp_path):
     for c in group:
         assert c.policy_version == 1
         assert _completion_logprob_diff(model, c, 1.0) <= TOL
+
+
+def test_many_long_seeded_prompts_at_once_do_not_split_a_prefill(vllm_engine):
+    """Seeded requests whose prompts together exceed one step's token budget (4096 on CPU):
+    vLLM on CPU crashes ("CPU Generator does not use offset") if it splits a seeded prompt by
+    chunked prefill, which the engine therefore turns off. Also reproducible: same seed, same tokens."""
+    prompts = [[(7 * j + t) % 250 for t in range(200)] for j in range(32)]  # 6400 prompt tokens
+    first = vllm_engine.generate(prompts, n=1, temperature=1.0, max_tokens=8, seed=5)
+    again = vllm_engine.generate(prompts, n=1, temperature=1.0, max_tokens=8, seed=5)
+    assert [c.token_ids for (c,) in first] == [c.token_ids for (c,) in again]
+    assert all(len(c.token_ids) > 0 for (c,) in first)
+    assert vllm_engine.llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill is False

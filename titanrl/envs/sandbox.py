@@ -218,9 +218,7 @@ class Sandbox:
                 raise SandboxUnavailableError("setpriv (util-linux) is needed to drop root for the sandbox")
             uid = self.config.run_as_uid
             argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
-        self._proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env={}, cwd="/", start_new_session=True)
+        self._proc = await self._spawn(argv)
         try:
             ready = await asyncio.wait_for(self._read_header(), self.config.startup_timeout_s)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
@@ -228,9 +226,40 @@ class Sandbox:
             detail = await self._stderr_tail()
             raise SandboxUnavailableError(f"sandbox failed to start ({exc!r}): {detail or 'no output'}; "
                                           f"command: {self.argv[:3]} ...") from None
+        except asyncio.CancelledError:
+            # Nobody will close a sandbox whose start was cancelled: kill it now, not at exit.
+            await self._kill_and_reap()
+            raise
         if ready != {"ready": True}:
             await self.close()
             raise SandboxUnavailableError(f"sandbox runner sent an unexpected greeting: {ready!r}")
+
+    async def _spawn(self, argv: list[str]) -> asyncio.subprocess.Process:
+        """create_subprocess_exec that a cancellation cannot interrupt half-way.
+
+        asyncio's own clean-up of a cancelled create_subprocess_exec SIGKILLs bwrap alone, then
+        waits until all three pipes close (Python 3.11). bwrap arms --die-with-parent in its child
+        only just before exec'ing the runner, so a child caught in set-up outlives bwrap (seen:
+        blocked for good on bwrap's eventfd, or an orphaned idle runner), holds the pipes open,
+        and that wait, with the caller's cancellation, never ends: the hang of two processes whose
+        tool calls timed out. Instead the spawn always finishes (milliseconds) and _kill then
+        takes the whole tree down.
+        """
+        spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env={}, cwd="/", start_new_session=True))
+        try:
+            return await asyncio.shield(spawn)
+        except asyncio.CancelledError as cancel:
+            while not spawn.done():  # Not returning before it is done, or the loop could end first.
+                try:
+                    await asyncio.wait({spawn})
+                except asyncio.CancelledError:
+                    pass
+            if not spawn.cancelled() and spawn.exception() is None:
+                self._proc = spawn.result()
+                await self._kill_and_reap()
+            raise cancel
 
     async def _read_header(self) -> dict[str, Any]:
         assert self._proc is not None and self._proc.stdout is not None
@@ -275,23 +304,57 @@ class Sandbox:
                 await self.close()
                 return _sandbox_error(f"runner failed: {exc!r}; runner stderr: {await self._stderr_tail()!r}")
             except asyncio.CancelledError:
-                # A reply is still pending, so the protocol is out of step: kill now, reap in close().
-                self.broken = True
-                self._kill()
+                # A reply is still pending, so the protocol is out of step: kill it now.
+                await self._kill_and_reap()
                 raise
 
     async def _stderr_tail(self) -> str:
         """What the runner or bwrap said on stderr (only read once the process is gone)."""
         if self._proc is None or self._proc.stderr is None or self._proc.returncode is None:
             return ""
-        return (await self._proc.stderr.read(4096)).decode(errors="replace").strip()
+        try:  # Bounded: EOF needs every writer gone, and a diagnostic must never hang the caller.
+            return (await asyncio.wait_for(self._proc.stderr.read(4096), 0.5)).decode(errors="replace").strip()
+        except asyncio.TimeoutError:
+            return ""
 
     def _kill(self) -> None:
-        if self._proc is not None and self._proc.returncode is None:
+        """SIGKILL bwrap and its child, the sandbox's PID 1 (the kernel then kills the namespace).
+
+        The child is killed by name, not left to --die-with-parent: bwrap arms that only right
+        before exec'ing the runner, so killing bwrap during start-up would leave it running.
+        """
+        proc = self._proc
+        if proc is not None and proc.stdin is not None:
+            proc.stdin.close()  # Else the transport's __del__ closes it, maybe after the loop is gone.
+        if proc is None or proc.returncode is not None:
+            return
+        try:
+            # Stopped first: a pending signal makes clone() fail, so no child appears after the listing.
+            os.kill(proc.pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return
+        try:
+            for child in _child_pids(proc.pid):
+                try:
+                    os.kill(child, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        finally:
             try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    async def _kill_and_reap(self) -> None:
+        """For cancelled calls: _kill, then wait (bounded) until asyncio has seen the exit, so no
+        transport is left for the garbage collector to close after the loop is gone."""
+        self.broken = True
+        self._kill()
+        if self._proc is not None:
+            try:
+                await asyncio.wait_for(self._proc.wait(), self.config.kill_grace_s)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass  # The caller is re-raising its own cancellation anyway.
 
     async def close(self) -> None:
         """Kill the sandbox (the PID namespace takes every process in it along) and reap it."""
@@ -305,7 +368,10 @@ class Sandbox:
             await asyncio.wait_for(proc.wait(), 0.5)
         except asyncio.TimeoutError:
             self._kill()
-            await proc.wait()
+            try:  # Bounded: Process.wait() also waits for the pipes to close (Python 3.11).
+                await asyncio.wait_for(proc.wait(), self.config.kill_grace_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def __aenter__(self) -> Sandbox:
         await self.start()
@@ -313,6 +379,23 @@ class Sandbox:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (bwrap is single-threaded, so its main task has them all)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:  # Kernel without CONFIG_PROC_CHILDREN (or pid gone): scan every process's parent.
+        found = []
+        for name in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    if int(f.read().rsplit(b")", 1)[1].split()[1]) == pid:
+                        found.append(int(name))
+            except (OSError, IndexError, ValueError):
+                continue
+        return found
 
 
 def _run_blocking(coro: Coroutine[Any, Any, _T]) -> _T:

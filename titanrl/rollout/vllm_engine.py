@@ -47,6 +47,11 @@ class VllmEngineConfig:
     """Skip torch.compile/graph capture: saves 35-50 s of start-up on CPU."""
     enable_prefix_caching: bool = True
     """Reuse KV of shared prompt prefixes (a GRPO group shares its prompt); reset on every push."""
+    enable_chunked_prefill: bool = False
+    """Split long prefills across engine steps. Off by default: vLLM on CPU fails a *seeded*
+    request whose prompt gets split (`RuntimeError: CPU Generator does not use offset` in
+    `gpu_model_runner._bookkeeping_sync`), which multi-turn episodes hit when many long
+    contexts arrive at once. Off, a prompt waits until it fits one step's token budget."""
     seed: int = 0
     """Engine seed (requests without their own seed draw from it)."""
     multiprocess: bool = False
@@ -137,7 +142,7 @@ class VllmEngine:
         self.last_push_seconds: float | None = None
         t0 = time.perf_counter()
         with _env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if config.multiprocess else "0"}):
-            self.llm = LLM(
+            kwargs = dict(
                 model=str(config.checkpoint),
                 tokenizer=str(config.checkpoint),
                 hf_overrides={"architectures": [ARCHITECTURE], BATCH_INVARIANT_KEY: config.batch_invariant},
@@ -151,8 +156,12 @@ class VllmEngine:
                 seed=config.seed,
                 logprobs_mode="processed_logprobs",
                 worker_extension_cls=EXTENSION_QUALNAME,
-                **config.extra_llm_kwargs,
+                enable_chunked_prefill=config.enable_chunked_prefill,
             )
+            if not config.enable_chunked_prefill:
+                # Whole prompts only, so one step must fit the longest one.
+                kwargs["max_num_batched_tokens"] = max(config.max_model_len, 4096)  # vLLM's CPU default
+            self.llm = LLM(**{**kwargs, **config.extra_llm_kwargs})
         self.start_seconds = time.perf_counter() - t0
         self._closed = False
         if not config.multiprocess:
