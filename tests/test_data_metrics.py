@@ -181,3 +181,18 @@ def test_plot_run_writes_png(tmp_path):
     assert out == tmp_path / "progress.png"
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_plot_run_adds_an_env_panel_for_episodes(tmp_path):
+    """Runs with an environment get a second panel (tool calls, errors, turns): the PNG is taller
+    than a single-turn run's, and a run without env metrics keeps the one-panel size."""
+    from PIL import Image
+
+    single, env = tmp_path / "single", tmp_path / "env"
+    for run_dir, extra in ((single, {}), (env, {"env/tool_calls": 3.0, "env/errors": 1.0, "env/turns_mean": 1.5})):
+        logger = MetricsLogger(run_dir, tensorboard=False)
+        for step in range(1, 4):
+            logger.log({"step": step, "reward/mean": step / 10, **extra})
+        logger.close()
+    heights = [Image.open(plot_run(run_dir)).size[1] for run_dir in (single, env)]
+    assert heights[1] > heights[0]

@@ -53,25 +53,45 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_run(run_dir: str | Path) -> Path:
-    """Draws reward mean and eval accuracy against step into `run_dir/progress.png`."""
+    """Draws reward mean and eval accuracy against step into `run_dir/progress.png`; for
+    environment runs a second panel shows tool calls, errors (per step) and turns per episode."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    train = [(r["step"], r["reward/mean"]) for r in records if r.get("reward/mean") is not None]
-    evals = [(r["step"], r["eval/accuracy"]) for r in records if r.get("eval/accuracy") is not None]
+
+    def series(key: str) -> list[tuple[int, float]]:
+        return [(r["step"], r[key]) for r in records if r.get(key) is not None]
+
+    has_env = bool(series("env/turns_mean"))
+    fig, axes = plt.subplots(2 if has_env else 1, 1, figsize=(7, 6.5 if has_env else 4), dpi=110, sharex=True,
+                             squeeze=False)
+    ax = axes[0][0]
+    train, evals = series("reward/mean"), series("eval/accuracy")
     if train:
         ax.plot(*zip(*train), label="train reward (mean)", color="tab:blue", alpha=0.8)
     if evals:
         ax.plot(*zip(*evals), label="eval accuracy (greedy)", color="tab:orange", marker="o")
-    ax.set_xlabel("step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(Path(run_dir).name)
+    if has_env:
+        env_ax = axes[1][0]
+        for key, label, color in (("env/tool_calls", "tool calls / step", "tab:green"),
+                                  ("env/errors", "errors / step", "tab:red")):
+            if series(key):
+                env_ax.plot(*zip(*series(key)), label=label, color=color, alpha=0.8)
+        env_ax.set_ylabel("per step")
+        env_ax.grid(alpha=0.3)
+        turns_ax = env_ax.twinx()
+        turns_ax.plot(*zip(*series("env/turns_mean")), label="turns / episode", color="tab:purple", linestyle="--")
+        turns_ax.set_ylabel("turns / episode")
+        lines = env_ax.get_legend_handles_labels()[0] + turns_ax.get_legend_handles_labels()[0]
+        env_ax.legend(lines, [line.get_label() for line in lines], loc="center right")
+    axes[-1][0].set_xlabel("step")
     out = Path(run_dir) / "progress.png"
     fig.tight_layout()
     fig.savefig(out)
