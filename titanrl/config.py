@@ -75,6 +75,10 @@ class RolloutConfig:
     """Run vLLM's engine core in its own process (slower start on CPU, isolates crashes)."""
     threads_per_worker: int = 1
     """Intra-op threads of each worker; 1 is robust on a busy 2-core machine."""
+    reward_concurrency: int = 16
+    """How many sync reward calls run at once per worker (its helper threads); async rewards of
+    all samples are awaited together regardless. 1 (with reward_timeout_s=None) calls sync
+    rewards one after another in the worker's own thread."""
 
 
 @dataclass
@@ -468,6 +472,11 @@ def validate(config: RunConfig) -> None:
         raise ConfigError("rollout.group_size must be >= 2: GRPO compares completions of the same prompt")
     if config.rollout.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 for training rollouts (eval is always greedy)")
+    if config.rollout.reward_concurrency < 1:
+        raise ConfigError(
+            f"rollout.reward_concurrency must be >= 1 (sync reward calls run at once per worker), "
+            f"got {config.rollout.reward_concurrency}"
+        )
     if not 0 < config.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p}")
     for name in ("clip_eps", "clip_eps_high"):

@@ -219,6 +219,8 @@ class GRPOLoop:
             {
                 "staleness/mean": sum(staleness) / len(staleness),
                 "time/gen_s": gen_seconds,
+                # Summed over the step's requests (workers score in parallel, so it can exceed gen_s).
+                "time/reward_s": sum(b.reward_seconds for b in batches),
                 "time/wait_rollout_s": t_wait,
                 "time/push_s": push_s,
                 "time/step_s": time.perf_counter() - t0,

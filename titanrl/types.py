@@ -83,3 +83,6 @@ class RolloutBatch:
     """Wall time spent generating and scoring."""
     policy_version: PolicyVersion
     """Version of the worker's weights during this request."""
+    reward_seconds: float = 0.0
+    """Wall time during which the request's samples were being scored (part of gen_seconds;
+    for episodes, scoring overlaps the generation of the others)."""

@@ -3,7 +3,9 @@
 A reward function is user code run thousands of times per step, so one bad call must cost
 one sample, not the run: `score_sample` turns a reward that raises, runs past `timeout_s`
 or returns something that is not a finite real number into `error_value` plus an error
-string the driver logs (`Sample.reward_error`).
+string the driver logs (`Sample.reward_error`). Workers score a request's samples concurrently
+with `titanrl.rewards.batch_scoring.RewardScorer`, which reuses this module's pieces so each
+sample's result is exactly what `score_sample` gives.
 """
 
 from __future__ import annotations
@@ -63,7 +65,12 @@ def score_sample(
             total += _score_one(fn, prompt, completion, fields, timeout_s)
         except RewardError as e:
             return error_value, str(e)
-    if not math.isfinite(total):  # finite terms can still overflow when summed
+    return summed(total, prompt, error_value)
+
+
+def summed(total: float, prompt: str, error_value: float) -> tuple[float, str | None]:
+    """`(total, None)`, or `(error_value, why)` when finite terms overflowed when summed."""
+    if not math.isfinite(total):
         return error_value, f"rewards summed to {total} (prompt {prompt[:80]!r})"
     return total, None
 
@@ -121,36 +128,55 @@ def reward_name(fn: Any) -> str:
 
 def _score_one(fn: Callable[..., Any], prompt: str, completion: str, fields: dict[str, Any],
                timeout_s: float | None) -> float:
-    where = f"(prompt {prompt[:80]!r})"
-    name = reward_name(fn)
-    if _is_async(fn) and _loop_running():  # a caller's bug, not the reward's: let it raise
+    if is_async(fn) and _loop_running():  # a caller's bug, not the reward's: let it raise
         raise RuntimeError("score_sample must not be called from inside a running event loop")
     start = time.perf_counter()
     try:
-        if _is_async(fn):  # calling it only builds the coroutine; the loop below runs it
+        if is_async(fn):  # calling it only builds the coroutine; the loop below runs it
             value = _run_async(fn(prompt, completion, **fields), timeout_s)
         else:
             value = _call(fn, (prompt, completion), fields, timeout_s)
             if inspect.isawaitable(value):  # a sync callable handing back an awaitable
-                left = None if timeout_s is None else max(timeout_s - (time.perf_counter() - start), 0.0)
-                value = _run_async(value, left)
-    except (TimeoutError, asyncio.TimeoutError) as e:
-        if isinstance(e, _Abandoned) or (timeout_s is not None and time.perf_counter() - start >= timeout_s):
-            raise RewardError(f"reward {name} timed out after {float(timeout_s)} s {where}") from None
-        raise RewardError(f"reward {name} raised {type(e).__name__}: {_short(e)} {where}") from e
+                value = _run_async(value, time_left(start, timeout_s))
     except Exception as e:
-        raise RewardError(f"reward {name} raised {type(e).__name__}: {_short(e)} {where}") from e
+        raise call_failed(fn, prompt, e, start, timeout_s)  # it sets the cause itself
+    return checked(fn, prompt, value)
+
+
+def time_left(start: float, timeout_s: float | None) -> float | None:
+    """What remains of a reward call's `timeout_s` that began at `start` (perf_counter)."""
+    return None if timeout_s is None else max(timeout_s - (time.perf_counter() - start), 0.0)
+
+
+def call_failed(fn: Any, prompt: str, e: Exception, start: float, timeout_s: float | None) -> RewardError:
+    """The error of reward `fn`'s call that began at `start` and raised `e`: 'timed out' when `e`
+    is the scorer's own deadline (or a TimeoutError raised at or after it), else 'raised'."""
+    where = f"(prompt {prompt[:80]!r})"
+    name = reward_name(fn)
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError)) and (
+        isinstance(e, Abandoned) or (timeout_s is not None and time.perf_counter() - start >= timeout_s)
+    ):
+        error = RewardError(f"reward {name} timed out after {float(timeout_s)} s {where}")
+        error.__suppress_context__ = True  # as `from None`: the deadline's own traceback says nothing
+        return error
+    error = RewardError(f"reward {name} raised {type(e).__name__}: {_short(e)} {where}")
+    error.__cause__ = e  # as `from e`
+    return error
+
+
+def checked(fn: Any, prompt: str, value: Any) -> float:
+    """`value` as a reward (see `as_reward`), or a RewardError naming `fn` and why it is not one."""
     try:
         return as_reward(value)
     except (TypeError, ValueError) as e:
-        raise RewardError(f"reward {name} {e} {where}") from None
+        raise RewardError(f"reward {reward_name(fn)} {e} (prompt {prompt[:80]!r})") from None
 
 
-class _Abandoned(TimeoutError):
+class Abandoned(TimeoutError):
     """The helper thread running a sync reward was still busy at the deadline."""
 
 
-def _is_async(fn: Any) -> bool:
+def is_async(fn: Any) -> bool:
     # Callable objects with an `async def __call__` count too.
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
@@ -160,20 +186,20 @@ def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
         return fn(*args, **kwargs)
     helper = getattr(_helpers, "thread", None)
     if helper is None:
-        helper = _helpers.thread = _RewardThread()
-    job = _Job(fn, args, kwargs)
+        helper = _helpers.thread = RewardThread()
+    job = Job(fn, args, kwargs)
     helper.jobs.put(job)
     if not job.done.wait(timeout_s):
         # Abandon the busy thread (it exits once the call returns); the next call gets a new one.
         helper.jobs.put(None)
         _helpers.thread = None
-        raise _Abandoned
+        raise Abandoned
     if job.error is not None:
         raise job.error
     return job.value
 
 
-class _Job:
+class Job:
     """One sync reward call handed to a helper thread."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -181,6 +207,8 @@ class _Job:
         self.value: Any = None
         self.error: BaseException | None = None
         self.done = threading.Event()
+        self.on_done: Callable[[], None] | None = None
+        """Called in the helper thread once the call returned (wakes an event loop); must not raise."""
 
     def run(self) -> None:
         try:
@@ -188,18 +216,20 @@ class _Job:
         except BaseException as e:  # even SystemExit: in a helper thread it would otherwise vanish
             self.error = e
         self.done.set()
+        if self.on_done is not None:
+            self.on_done()
 
 
-class _RewardThread:
+class RewardThread:
     """A daemon thread running one calling thread's sync rewards, one at a time.
 
     Reused across calls (starting a thread per call costs ~10x the handoff); a daemon, so an
     abandoned one never blocks the process from exiting.
     """
 
-    def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None: stop
-        threading.Thread(target=self._serve, name="titanrl-reward", daemon=True).start()
+    def __init__(self, name: str = "titanrl-reward") -> None:
+        self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # None: stop
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
 
     def _serve(self) -> None:
         while (job := self.jobs.get()) is not None:
@@ -207,13 +237,13 @@ class _RewardThread:
 
 
 _helpers = threading.local()
-"""`thread`: the calling thread's current _RewardThread (None after one was abandoned)."""
+"""`thread`: the calling thread's current RewardThread (None after one was abandoned)."""
 
 
 def _run_async(awaitable: Any, timeout_s: float | None) -> Any:
     loop = asyncio.new_event_loop()
     try:
-        return loop.run_until_complete(asyncio.wait_for(_await(awaitable), timeout_s))
+        return loop.run_until_complete(asyncio.wait_for(awaited(awaitable), timeout_s))
     finally:
         # Not asyncio.run: its shutdown joins the default executor, so a timed-out reward that
         # awaits asyncio.to_thread would block right here; loop.close() leaves that thread behind.
@@ -233,7 +263,7 @@ def _loop_running() -> bool:
     return True
 
 
-async def _await(value: Any) -> Any:
+async def awaited(value: Any) -> Any:
     # wait_for needs a coroutine or future; a reward may return any awaitable.
     return await value
 

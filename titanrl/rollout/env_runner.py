@@ -3,7 +3,8 @@
 Every episode of every group is its own asyncio task; an `AsyncGenerator` pump steps vLLM
 for whichever episodes are waiting on the model, while others wait on their environments.
 The worker keeps one event loop (and one pre-warmed SandboxPool) for its whole life, so
-sandboxes are started once, not per batch.
+sandboxes are started once, not per batch. An episode's extra rewards are scored as soon as
+it ends, on the same loop, while the other episodes keep generating.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 
 from titanrl.config import EnvConfig, RewardFn, RolloutConfig
 from titanrl.envs.base import EnvContext, EnvFactory
-from titanrl.rewards.scoring import eval_summary, row_fields, score_sample
+from titanrl.rewards.batch_scoring import RewardScorer, ToScore
+from titanrl.rewards.scoring import eval_summary, row_fields
 from titanrl.rollout.async_engine import AsyncGenerator
 from titanrl.rollout.episode import Episode, EpisodeBudget, env_error, failed_episode, run_episode
 from titanrl.rollout.seeds import episode_seed
@@ -47,6 +49,8 @@ class EnvRunner:
         self.rewards, self.prompt_field = rewards, prompt_field
         # A failing reward function or environment gives its sample this instead of crashing.
         self.reward_timeout_s, self.reward_error_value = reward_timeout_s, reward_error_value
+        self.scorer = RewardScorer(rewards, timeout_s=reward_timeout_s, error_value=reward_error_value,
+                                   concurrency=rollout_config.reward_concurrency)
         self.tokenizer = engine.llm.get_tokenizer()
         # A turn ends at eos, or at <|im_end|> for chat models whose eos is <|endoftext|>.
         self.stop_token_ids = [t for t in (engine.model_config.eos_token_id, _token_id(self.tokenizer, "<|im_end|>"))
@@ -68,7 +72,9 @@ class EnvRunner:
             max_model_len=self.rc.max_model_len,
         )
 
-    async def _episodes(self, rows: list[dict[str, Any]], n: int, temperature: float, seed: int | None) -> list[Episode]:
+    async def _episodes(self, rows: list[dict[str, Any]], n: int, temperature: float,
+                        seed: int | None) -> list[tuple[Episode, tuple[float, str | None]]]:
+        """Every episode of every row with its (reward, error), in row order."""
         async with AsyncGenerator(self.engine) as generator:
             tasks = [
                 self._episode(
@@ -84,7 +90,12 @@ class EnvRunner:
             return await asyncio.gather(*tasks)
 
     async def _episode(self, row: dict[str, Any], generator: AsyncGenerator, temperature: float,
-                       seed: int | None) -> Episode:
+                       seed: int | None) -> tuple[Episode, tuple[float, str | None]]:
+        episode = await self._run(row, generator, temperature, seed)
+        return episode, await self._score(episode, row)
+
+    async def _run(self, row: dict[str, Any], generator: AsyncGenerator, temperature: float,
+                   seed: int | None) -> Episode:
         try:
             env = self.env_factory(self.context)
         except Exception as e:  # a broken factory costs this episode, not the run
@@ -104,30 +115,28 @@ class EnvRunner:
             error_value=self.reward_error_value,
         )
 
-    def _score(self, episode: Episode, row: dict[str, Any]) -> tuple[float, str | None]:
+    async def _score(self, episode: Episode, row: dict[str, Any]) -> tuple[float, str | None]:
         """The episode's reward plus the extra reward functions'; an env or reward error gives error_value."""
         if episode.error is not None:  # its reward is already error_value; rewards would see a broken transcript
             return episode.reward, episode.error
         if not self.rewards:
             return episode.reward, None
-        extra, error = score_sample(
-            self.rewards, episode.prompt, episode.completion_text, row_fields(row, self.prompt_field),
-            timeout_s=self.reward_timeout_s, error_value=self.reward_error_value,
+        ((extra, error),) = await self.scorer.score_async(
+            [ToScore(episode.prompt, episode.completion_text, row_fields(row, self.prompt_field))]
         )
         return (extra, error) if error is not None else (episode.reward + extra, None)
 
     def generate(self, rows: list[dict[str, Any]], seed: int, first_group_id: int) -> RolloutBatch:
         """`seed` is `titanrl.rollout.seeds.request_seed(run_seed, first_group_id, group_size, env.max_turns)`."""
-        start = time.perf_counter()
+        start, scoring_s = time.perf_counter(), self.scorer.seconds
         n = self.rc.group_size
         episodes = self.loop.run_until_complete(self._episodes(rows, n, self.rc.temperature, seed))
         groups, gen_tokens = [], 0
         for j, row in enumerate(rows):
             fields = row_fields(row, self.prompt_field)
             samples = []
-            for ep in episodes[j * n : (j + 1) * n]:
+            for ep, (reward, error) in episodes[j * n : (j + 1) * n]:
                 gen_tokens += sum(ep.loss_mask)
-                reward, error = self._score(ep, row)
                 samples.append(
                     Sample(
                         prompt=ep.prompt,
@@ -147,15 +156,16 @@ class EnvRunner:
                     )
                 )
             groups.append(Group(samples))
-        return RolloutBatch(groups, gen_tokens, time.perf_counter() - start, self.engine.policy_version)
+        return RolloutBatch(groups, gen_tokens, time.perf_counter() - start, self.engine.policy_version,
+                            reward_seconds=self.scorer.seconds - scoring_s)
 
     def evaluate(self, rows: list[dict[str, Any]], correct_threshold: float) -> dict[str, Any]:
-        episodes = self.loop.run_until_complete(self._episodes(rows, 1, 0.0, None))
-        scored = [self._score(ep, row) for ep, row in zip(episodes, rows, strict=True)]
+        scored = [s for _, s in self.loop.run_until_complete(self._episodes(rows, 1, 0.0, None))]
         return eval_summary([r for r, _ in scored], correct_threshold, self.engine.policy_version,
                             [e for _, e in scored])
 
     def close(self) -> None:
         if self.pool is not None:
             self.loop.run_until_complete(self.pool.close())
+        self.scorer.close()
         self.loop.close()

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from titanrl.config import EnvConfig, ModelConfig, RolloutConfig, resolve_env_factory, resolve_reward
-from titanrl.rewards.scoring import eval_summary, row_fields, score_sample
+from titanrl.rewards.batch_scoring import RewardScorer, ToScore
+from titanrl.rewards.scoring import eval_summary, row_fields
 from titanrl.types import Group, RolloutBatch, Sample
 
 
@@ -38,8 +39,9 @@ class RolloutWorker:
     ) -> None:
         """`reward_timeout_s` and `reward_error_value` are RunConfig's: a reward call (or an
         episode's environment) that fails gives its sample `reward_error_value` instead of
-        crashing the run (see `titanrl.rewards.scoring.score_sample`). `batch_invariant` runs the
-        engine's model through `titanrl.kernels` (RunConfig.batch_invariant)."""
+        crashing the run (see `titanrl.rewards.scoring.score_sample`); all samples of a request
+        are scored concurrently (`titanrl.rewards.batch_scoring`, `rollout.reward_concurrency`).
+        `batch_invariant` runs the engine's model through `titanrl.kernels` (RunConfig.batch_invariant)."""
         rc = rollout_config
         self.reward_timeout_s, self.reward_error_value = reward_timeout_s, reward_error_value
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -54,6 +56,9 @@ class RolloutWorker:
 
         self.worker_id, self.cfg, self.prompt_field = worker_id, rc, prompt_field
         self.rewards = [resolve_reward(r, i) for i, r in enumerate(rewards)]
+        # Helper threads start on first use, so an episode worker (EnvRunner scores) pays nothing.
+        self.scorer = RewardScorer(self.rewards, timeout_s=reward_timeout_s, error_value=reward_error_value,
+                                   concurrency=rc.reward_concurrency)
         self.engine = VllmEngine(
             VllmEngineConfig(
                 checkpoint=model_config.checkpoint,
@@ -101,13 +106,17 @@ class RolloutWorker:
             seed=seed,
             stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
         )
+        # vLLM returns the whole batch at once, so scoring starts after generation (no overlap).
+        scoring_s = self.scorer.seconds
+        scored = iter(self._score([(row, c.text) for row, completions in zip(rows, outputs, strict=True)
+                                   for c in completions]))
         groups, gen_tokens = [], 0
         for j, (row, completions) in enumerate(zip(rows, outputs, strict=True)):
             fields = row_fields(row, self.prompt_field)
             samples = []
             for c in completions:
                 gen_tokens += len(c.token_ids)
-                reward, error = self._score(row, c.text)
+                reward, error = next(scored)
                 samples.append(
                     Sample(
                         prompt=row[self.prompt_field],
@@ -124,7 +133,8 @@ class RolloutWorker:
                     )
                 )
             groups.append(Group(samples))
-        return RolloutBatch(groups, gen_tokens, time.perf_counter() - start, self.engine.policy_version)
+        return RolloutBatch(groups, gen_tokens, time.perf_counter() - start, self.engine.policy_version,
+                            reward_seconds=self.scorer.seconds - scoring_s)
 
     def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int, correct_threshold: float) -> dict[str, Any]:
         """Greedy completions of held-out rows: rewards, how many are correct, how many errored."""
@@ -135,16 +145,15 @@ class RolloutWorker:
             prompts, n=1, temperature=0.0, max_tokens=max_new_tokens,
             stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
         )
-        scored = [self._score(row, c.text) for row, (c,) in zip(rows, outputs, strict=True)]
+        scored = self._score([(row, c.text) for row, (c,) in zip(rows, outputs, strict=True)])
         return eval_summary([r for r, _ in scored], correct_threshold, self.engine.policy_version,
                             [e for _, e in scored])
 
-    def _score(self, row: dict[str, Any], completion: str) -> tuple[float, str | None]:
-        """(reward, None), or (reward_error_value, why) when a reward function failed."""
-        return score_sample(
-            self.rewards, row[self.prompt_field], completion, row_fields(row, self.prompt_field),
-            timeout_s=self.reward_timeout_s, error_value=self.reward_error_value,
-        )
+    def _score(self, completions: list[tuple[dict[str, Any], str]]) -> list[tuple[float, str | None]]:
+        """For each (row, completion), concurrently: (reward, None), or (reward_error_value, why)
+        when a reward function failed."""
+        return self.scorer.score([ToScore(row[self.prompt_field], text, row_fields(row, self.prompt_field))
+                                  for row, text in completions])
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         """Loads the trainer's weights in place; returns the push time in seconds."""
@@ -157,4 +166,5 @@ class RolloutWorker:
     def close(self) -> None:
         if self.env_factory is not None:
             self.env_runner.close()
+        self.scorer.close()
         self.engine.close()
