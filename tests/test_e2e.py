@@ -41,7 +41,7 @@ def test_grpo_run_writes_metrics_changes_weights_and_syncs_versions(tmp_path, ra
     steps = [m for m in result.metrics if m["step"] > 0]
     assert [m["step"] for m in steps] == [1, 2, 3]
     for m in steps:
-        for key in ("reward/mean", "loss", "time/step_s", "throughput/gen_tokens_per_s"):
+        for key in ("reward/mean", "loss", "time/step_s", "time/reward_s", "throughput/gen_tokens_per_s"):
             assert isinstance(m[key], float), key
         assert m["staleness/mean"] == 0.0
         assert m["train/mismatch_max_abs"] < 1e-4  # same model code in vLLM and trainer
