@@ -519,3 +519,21 @@ def test_plot_without_metrics_is_a_clear_error(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 2
     assert "not JSON" in capsys.readouterr().err
     assert not (tmp_path / "progress.png").exists()
+
+
+def test_configs_in_different_folders_import_their_own_neighbours(tmp_path):
+    """Two config files whose folders both have a `task.py`: loading the second in the same
+    process gets its own `task`, not the first one's cached module."""
+    from titanrl.cli import load_config_file
+
+    checkpoints = []
+    for name in ("first", "second"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "task.py").write_text(f"CHECKPOINT = {str(tmp_path / name)!r}\n")
+        (folder / "config.py").write_text(
+            "import titanrl\nfrom task import CHECKPOINT\n"
+            "config = titanrl.RunConfig(model=titanrl.ModelConfig(checkpoint=CHECKPOINT))\n"
+        )
+        checkpoints.append(load_config_file(str(folder / "config.py")).model.checkpoint)
+    assert checkpoints == [str(tmp_path / "first"), str(tmp_path / "second")]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from titanrl.cli import load_config_file
+from titanrl.cli import forget_shadowed_modules, load_config_file
 from titanrl.config import validate
 from titanrl.models.hf_checkpoint import load_model
 
@@ -16,6 +16,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic"
 @pytest.fixture(scope="module")
 def task():
     sys.path.insert(0, str(EXAMPLE))
+    forget_shadowed_modules(EXAMPLE)  # another example's `task` / `env` may be cached
     import task as task_module
 
     yield task_module

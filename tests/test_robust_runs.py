@@ -35,8 +35,11 @@ def digit_share(prompt, completion, **fields):
     return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
 
 def flaky(prompt, completion, **fields):
-    """Raises on ~10 % and returns NaN on ~5 % of samples (hash of the text: reproducible)."""
-    h = hash(completion) % 100
+    """Raises on ~10 % and returns NaN on ~5 % of samples (CRC of the text: reproducible, unlike
+    hash(), which each worker process salts differently)."""
+    import zlib
+
+    h = zlib.crc32(completion.encode()) % 100
     if h < 10:
         raise ValueError("grader crashed")
     if h < 15:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from titanrl.cli import load_config_file
+from titanrl.cli import forget_shadowed_modules, load_config_file
 from titanrl.config import TrainConfig, validate
 from titanrl.models.hf_checkpoint import load_model
 
@@ -26,6 +26,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tool_agent"
 def example():
     """The example's task.py and env.py, imported as a run would (its folder on sys.path)."""
     sys.path.insert(0, str(EXAMPLE))
+    forget_shadowed_modules(EXAMPLE)  # another example's `task` / `env` may be cached
     import env as env_module
     import task as task_module
 

@@ -38,6 +38,7 @@ def load_config_file(path: str) -> RunConfig:
     if not file.is_file():
         raise ConfigError(f"config file {path!r} does not exist")
     sys.path.insert(0, str(file.parent))
+    forget_shadowed_modules(file.parent)
     spec = importlib.util.spec_from_file_location(f"titanrl_user_config_{file.stem}", file)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -52,6 +53,19 @@ def load_config_file(path: str) -> RunConfig:
     if not isinstance(config, RunConfig):
         raise ConfigError(f"{path}: `config` must be a titanrl.RunConfig, got {type(config).__name__}")
     return config
+
+
+def forget_shadowed_modules(folder: Path) -> None:
+    """Drops cached modules that a file in `folder` should provide instead.
+
+    Example folders all have a `task.py` or `env.py`; once one config imported its `task`, a
+    second config (in the same process: tests, notebooks, drivers comparing runs) would
+    silently get the first one's from the module cache instead of its own neighbour.
+    """
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if "." not in name and path and (folder / f"{name}.py").is_file() and Path(path).parent != folder:
+            del sys.modules[name]
 
 
 def split_overrides(args: list[str], own_options: set[str]) -> tuple[list[str], list[str]]:
