@@ -53,15 +53,24 @@ def test_shipped_data_is_held_out_and_correct(example):
         assert int(r["answer"]) == eval(r["expression"])  # noqa: S307 - digits and + - * only
 
 
-def test_warm_start_is_the_configured_model_and_leaves_room_to_learn(example):
-    """The shipped warm start is an HF checkpoint of MODEL_CONFIG's size, and its recorded
-    held-out success (greedy and sampled) is at most 40 %."""
+def test_warm_start_is_the_configured_model(example):
+    """The shipped warm start is an HF checkpoint of MODEL_CONFIG's size."""
     task, _ = example
     _, config = load_model(EXAMPLE / "warm_start")
     for key, value in task.MODEL_CONFIG.items():
         assert getattr(config, key) == value, key
-    meta = json.loads((EXAMPLE / "warm_start" / "warm_start.json").read_text())
-    assert meta["eval_greedy_accuracy"] <= 0.4 and meta["eval_sampled_success"] <= 0.4
+
+
+@pytest.mark.own_vllm_engine
+def test_warm_start_leaves_room_to_learn():
+    """Re-measured, not read back: the shipped warm start's greedy held-out episode success
+    (real vLLM engine, real sandbox, the config's eval rows) is at most 40 %."""
+    from titanrl.commands.evaluate import evaluate_checkpoint
+
+    config = load_config_file(str(EXAMPLE / "config.py"))
+    report = evaluate_checkpoint(config, EXAMPLE / "warm_start")
+    assert report.prompts == 100 and report.reward_errors == 0
+    assert report.accuracy <= 0.4
 
 
 def _play(env_module, pool, row: dict, actions: list[str]) -> tuple[float, dict]:
