@@ -49,8 +49,8 @@ def _helper_threads() -> list[threading.Thread]:
 
 
 def test_sync_rewards_of_a_batch_run_concurrently_in_a_bounded_pool():
-    """64 samples of a sync reward sleeping 50 ms (3.2 s one after another) finish in well under
-    1 s with reward_concurrency 16, never more than 16 calls at once, each sample's own reward
+    """64 samples of a sync reward sleeping 50 ms (3.2 s one after another) run 16 at a time with
+    reward_concurrency 16 (the limit is reached, never exceeded), each sample's own reward
     in input order; a second batch reuses the same helper threads instead of starting new ones."""
     peak = Peak()
 
@@ -65,8 +65,9 @@ def test_sync_rewards_of_a_batch_run_concurrently_in_a_bounded_pool():
         results = scorer.score(_items(64))
         elapsed = time.perf_counter() - t0
         assert results == [(i + 0.5, None) for i in range(64)]
-        assert elapsed < 1.0, f"64 x 50 ms took {elapsed:.2f} s"
-        assert 1 < peak.most <= 16
+        # Concurrency shown by behaviour, not a wall-clock bound: the 16-thread limit is reached
+        # (64 calls of 50 ms overlap) and never exceeded.
+        assert peak.most == 16
         assert 0.05 <= scorer.seconds <= elapsed
         helpers = set(_helper_threads())
         assert scorer.score(_items(16)) == [(i + 0.5, None) for i in range(16)]
