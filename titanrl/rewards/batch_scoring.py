@@ -25,6 +25,7 @@ from titanrl.rewards.scoring import (
     call_failed,
     checked,
     is_async,
+    loop_running,
     summed,
     time_left,
 )
@@ -73,7 +74,7 @@ class RewardScorer:
         """`score_sample`'s `(reward, error)` for each item, in order, scored concurrently."""
         if self._closed:
             raise RuntimeError("the reward scorer is closed")
-        if _loop_running():
+        if loop_running():
             raise RuntimeError("RewardScorer.score must not be called from inside a running event loop; "
                                "await score_async instead")
         if self._loop is None:
@@ -234,10 +235,3 @@ def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():  # wait_for cancels it at the deadline
         future.set_result(None)
 
-
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True

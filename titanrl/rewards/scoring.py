@@ -128,7 +128,7 @@ def reward_name(fn: Any) -> str:
 
 def _score_one(fn: Callable[..., Any], prompt: str, completion: str, fields: dict[str, Any],
                timeout_s: float | None) -> float:
-    if is_async(fn) and _loop_running():  # a caller's bug, not the reward's: let it raise
+    if is_async(fn) and loop_running():  # a caller's bug, not the reward's: let it raise
         raise RuntimeError("score_sample must not be called from inside a running event loop")
     start = time.perf_counter()
     try:
@@ -255,7 +255,8 @@ def _run_async(awaitable: Any, timeout_s: float | None) -> Any:
         loop.close()
 
 
-def _loop_running() -> bool:
+def loop_running() -> bool:
+    """True inside a running asyncio event loop (where a blocking run_until_complete would fail)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
