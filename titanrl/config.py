@@ -79,6 +79,20 @@ class RolloutConfig:
     """How many sync reward calls run at once per worker (its helper threads); async rewards of
     all samples are awaited together regardless. 1 (with reward_timeout_s=None) calls sync
     rewards one after another in the worker's own thread."""
+    continuous: bool = False
+    """Workers generate group by group, without waiting for the trainer, into a trajectory buffer
+    (`titanrl.buffer`) that admits a group only while it can be trained within train.max_staleness
+    versions, and take new weights between engine steps (partial rollouts; Sample.token_versions).
+    Off: each step's prompts go to the workers as one fixed batch per worker, which makes a run
+    reproducible to the bit even without batch_invariant."""
+    on_weight_update: str = "continue"
+    """Continuous mode, when new weights arrive while requests are running: 'continue' keeps their
+    tokens and recomputes their KV cache with the new weights (each token keeps the version that
+    sampled it); 'regenerate' aborts unfinished groups and generates them again from scratch."""
+    weight_transport: str = "object_store"
+    """How new weights reach the workers: 'object_store' (Ray's object store), 'shared_memory'
+    (one shared-memory copy read by every worker of the machine) or 'broadcast' (a
+    torch.distributed group from the trainer to the workers: gloo on CPU, NCCL on GPU)."""
 
 
 @dataclass
@@ -232,6 +246,9 @@ class RunConfig:
     """A reward call (one sample) running longer than this gets `reward_error_value`; None: no limit."""
     reward_error_value: float = 0.0
     """Reward given to a sample whose reward function raised, timed out or returned a non-finite number."""
+    ray_address: str | None = None
+    """Address of an existing Ray cluster to join (e.g. '10.0.0.1:6379' or 'auto'); None starts a
+    local single-machine Ray on loopback."""
     max_reward_error_frac: float = 0.5
     """A step where more than this fraction of samples had reward errors stops the run (after a checkpoint)."""
 
@@ -477,6 +494,11 @@ def validate(config: RunConfig) -> None:
             f"rollout.reward_concurrency must be >= 1 (sync reward calls run at once per worker), "
             f"got {config.rollout.reward_concurrency}"
         )
+    for key, allowed in (("on_weight_update", ("continue", "regenerate")),
+                         ("weight_transport", ("object_store", "shared_memory", "broadcast"))):
+        if getattr(config.rollout, key) not in allowed:
+            raise ConfigError(f"rollout.{key} must be one of {', '.join(map(repr, allowed))}, "
+                              f"got {getattr(config.rollout, key)!r}")
     if not 0 < config.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p}")
     for name in ("clip_eps", "clip_eps_high"):

@@ -1,14 +1,14 @@
-"""The GRPO loop: take the oldest finished request, train on it, push the weights, queue the next.
+"""The GRPO loop: take the next step's rollouts, train on them, publish the weights, admit more.
 
-`1 + train.max_staleness` requests stay queued. Each step trains on the oldest one, queues
-the new weights to every worker behind the requests already there (Ray runs an actor's
-calls in order, so a request never mixes two policy versions), then queues the next
-request. With `max_staleness=0` this is synchronous on-policy GRPO; with 1, generating the
-next batch overlaps training on the current one.
+The rollout side is one of two sources with the same interface: `LockstepRollouts`
+(`titanrl.rollout_requests`: one fixed batch per worker per step, `1 + max_staleness`
+requests queued, reproducible to the bit) or `ContinuousRollouts` (`titanrl.continuous`:
+group by group into the trajectory buffer, weights taken between engine steps). With
+`max_staleness=0` both are synchronous on-policy GRPO.
 
-Everything the loop needs to continue exactly is in a checkpoint (`save`): the trainer's
-model, optimizer, scheduler and RNG; the data-stream position; the request counters; and
-the finished rollouts of older policies that no step has trained on yet.
+Everything the loop needs to continue is in a checkpoint (`save`): the trainer's model,
+optimizer, scheduler and RNG; the data-stream position; the rollout side's queue or buffer,
+with the finished rollouts of older policies that no step has trained on yet.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ import numpy as np
 import torch
 
 from titanrl.config import RunConfig
-from titanrl.data import PromptStream
 from titanrl.errors import RunStopped
 from titanrl.metrics import MetricsLogger
-from titanrl.rollout_requests import RequestQueue
-from titanrl.run_checkpoints import RunCheckpoint, checkpoint_path, writing_checkpoint
+from titanrl.continuous import ContinuousRollouts, RolloutWorkersFailed
+from titanrl.rollout_requests import LockstepRollouts
+from titanrl.run_checkpoints import RunCheckpoint, checkpoint_path, latest_checkpoint, writing_checkpoint
 from titanrl.summaries import rollout_rows, summarize_groups
-from titanrl.types import Group, RolloutBatch
+from titanrl.types import Group, StepRollouts
+from titanrl.weight_sync import WeightPush
 
 DRIVER_STATE = "driver.pt"
 TRAINER_STATE = "trainer"
@@ -40,25 +41,20 @@ def say(message: str) -> None:
 
 
 class GRPOLoop:
-    """Drives one run's trainer and rollout workers (Ray actor handles) step by step."""
+    """Drives one run's trainer (a Ray actor handle) and rollout side step by step."""
 
     def __init__(
         self,
         config: RunConfig,
         trainer: Any,
-        workers: list[Any],
+        rollouts: LockstepRollouts | ContinuousRollouts,
         logger: MetricsLogger,
         run_dir: Path,
-        train_rows: list[dict[str, Any]],
         eval_rows: list[dict[str, Any]],
         started: float,
     ) -> None:
-        self.config, self.trainer, self.workers, self.logger = config, trainer, workers, logger
+        self.config, self.trainer, self.rollouts, self.logger = config, trainer, rollouts, logger
         self.run_dir, self.eval_rows, self.started = run_dir, eval_rows, started
-        rc = config.rollout
-        stream = PromptStream(train_rows, rc.prompts_per_step, config.data.shuffle_seed + config.seed)
-        turns = config.env.max_turns if config.env.factory is not None else 1
-        self.queue = RequestQueue(workers, stream, config.seed, rc.group_size, turns)
         self.step = 0
         """Last completed training step."""
         self.version = 0
@@ -76,14 +72,13 @@ class GRPOLoop:
         if version != state["policy_version"]:
             raise RuntimeError(f"{checkpoint.path}: trainer state has version {version}, driver state {state['policy_version']}")
         self.step, self.version = state["step"], version
-        self.queue.restore(state["queue"])
+        self.rollouts.restore(state["queue"], version)
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
-        weights = self.trainer.state_dict_for_push.remote()
-        ray.get([w.update_weights.remote(weights, version) for w in self.workers])
+        self.rollouts.publish(version).wait()
         self.saved_steps.add(self.step)
-        exact = "" if state["queue"].exact else " (inexact: some rollouts were lost and are regenerated)"
+        exact = "" if state["queue"].exact else " (inexact: some rollouts are generated again)"
         say(f"resumed from {checkpoint.path} at step {self.step}, policy version {version}{exact}")
 
     # ------------------------------------------------------------------ checkpoints
@@ -92,7 +87,7 @@ class GRPOLoop:
         """Writes `checkpoints/step_N/` of the last completed step, atomically."""
         import ray
 
-        queue_state = self.queue.checkpoint(self.version, wait_s=wait_s, drop_first=drop_first)
+        queue_state = self.rollouts.checkpoint(self.version, wait_s=wait_s, drop_first=drop_first)
         driver_state = {
             "step": self.step,
             "policy_version": self.version,
@@ -114,8 +109,8 @@ class GRPOLoop:
         try:
             # A step the trainer finished but the loop never recorded (interrupted while waiting).
             actual = ray.get(self.trainer.get_version.remote(), timeout=600)
-            if actual > self.version and len(self.queue):
-                self.queue.pop()
+            if actual > self.version and self.rollouts.has_untrained():
+                self.rollouts.trained(self.step + 1)
                 self.step, self.version = self.step + 1, actual
             if self.step == 0:
                 return None  # nothing was trained yet: the initial checkpoint is the starting point
@@ -123,8 +118,10 @@ class GRPOLoop:
                 return checkpoint_path(self.run_dir, self.step)
             return self.save(reason, wait_s=30)
         except BaseException as e:  # the trainer itself may be what died
-            say(f"could not save a checkpoint after the failure ({type(e).__name__}: {e})")
-            return None
+            newest = latest_checkpoint(self.run_dir)
+            where = f"the newest checkpoint is {newest.path}" if newest else "there is no checkpoint yet"
+            say(f"could not save a checkpoint after the failure ({type(e).__name__}: {e}); {where}")
+            return newest.path if newest else None
 
     # ------------------------------------------------------------------ the loop
 
@@ -140,9 +137,13 @@ class GRPOLoop:
                 self.logger.log({"step": 0, **initial_eval, "time/elapsed_s": time.perf_counter() - self.started})
         bar = tqdm(total=tc.steps, initial=self.step, desc="GRPO", unit="step",
                    disable=not config.output.progress_bar, dynamic_ncols=True)
-        self._fill_queue()
+        self.rollouts.fill(self.step, self.version)
         for step in range(self.step + 1, tc.steps + 1):
-            record = self._one_step(step)
+            try:
+                record = self._one_step(step)
+            except RolloutWorkersFailed as e:
+                where = self.save("rollout workers failed")
+                raise RunStopped(f"{e}. Step {self.step} is saved in {where}; resume with --resume") from e
             postfix = {"reward": f"{record['reward/mean']:.2f}", "loss": f"{record['loss']:.3f}"}
             if "eval/accuracy" in record:
                 postfix["eval_acc"] = f"{record['eval/accuracy']:.2f}"
@@ -154,33 +155,25 @@ class GRPOLoop:
         bar.close()
         return Path(ray.get(self.trainer.save.remote(str(self.run_dir / "final"))))
 
-    def _fill_queue(self) -> None:
-        tc = self.config.train
-        while len(self.queue) < 1 + tc.max_staleness and self.queue.next_index < tc.steps:
-            self.queue.submit(self.version)
-
     def _one_step(self, step: int) -> dict[str, Any]:
         import ray
 
         config, tc = self.config, self.config.train
         t0 = time.perf_counter()
-        request, batches = self.queue.peek()
+        rollouts = self.rollouts.next_step(step)
         t_wait = time.perf_counter() - t0
-        groups = [g for b in batches for g in b.groups]
+        groups = rollouts.groups
         self._stop_if_rewards_broken(step, groups)
         staleness = [self.version - g.policy_version for g in groups]
         if max(staleness) > tc.max_staleness:  # the loop's invariant; never train on older data
             raise RuntimeError(f"rollout staleness {max(staleness)} exceeds train.max_staleness={tc.max_staleness}")
         train_metrics = ray.get(self.trainer.step.remote(groups))
-        self.queue.pop()
+        self.rollouts.trained(step)
         self.step, self.version = step, int(train_metrics["policy_version"])
         skipped = bool(train_metrics.get("train/skipped", 0.0))
-        push_refs = []
-        if not skipped:  # a refused step changed nothing, so there is nothing to push
-            weights = self.trainer.state_dict_for_push.remote()
-            push_refs = [w.update_weights.remote(weights, self.version) for w in self.workers]
-        self._fill_queue()
-        record = self._record(step, groups, batches, train_metrics, staleness, t0, t_wait, push_refs)
+        push = None if skipped else self.rollouts.publish(self.version)  # a refused step changed nothing
+        self.rollouts.fill(self.step, self.version)
+        record = self._record(step, rollouts, train_metrics, staleness, t0, t_wait, push)
         self.logger.log(record)
         self.logger.log_rollouts(step, rollout_rows(groups, config.output.rollouts_per_step))
         if skipped and train_metrics.get("train/consecutive_skipped", 0) >= tc.max_skipped_steps:
@@ -205,26 +198,27 @@ class GRPOLoop:
                 f"Step {self.step} is saved in {where}; fix the reward and resume with --resume"
             )
 
-    def _record(self, step, groups, batches: list[RolloutBatch], train_metrics, staleness, t0, t_wait, push_refs):
-        import ray
-
+    def _record(self, step: int, rollouts: StepRollouts, train_metrics: dict[str, Any], staleness: list[int],
+                t0: float, t_wait: float, push: WeightPush | None) -> dict[str, Any]:
         tc, ec = self.config.train, self.config.eval
-        record: dict[str, Any] = {"step": step, **summarize_groups(groups), **train_metrics}
-        gen_tokens = sum(b.gen_tokens for b in batches)
-        gen_seconds = max(b.gen_seconds for b in batches)
-        push_s = max(ray.get(push_refs)) if tc.max_staleness == 0 and push_refs else None
+        record: dict[str, Any] = {"step": step, **summarize_groups(rollouts.groups), **train_metrics}
+        # Lock-step on-policy: the next requests wait for the push anyway, so measure it here.
+        if push is not None and tc.max_staleness == 0 and not self.config.rollout.continuous:
+            record["time/weight_sync_s"] = push.wait()
         if ec.every_steps > 0 and (step % ec.every_steps == 0 or step == tc.steps):
             record.update(self.evaluate(step))
         record.update(
             {
                 "staleness/mean": sum(staleness) / len(staleness),
-                "time/gen_s": gen_seconds,
-                # Summed over the step's requests (workers score in parallel, so it can exceed gen_s).
-                "time/reward_s": sum(b.reward_seconds for b in batches),
+                "staleness/max": max(staleness),
+                # Samples whose tokens came from more than one version (continuous in-flight updates).
+                "staleness/mixed_version_frac": _mixed_version_frac(rollouts.groups),
+                "time/gen_s": rollouts.gen_seconds,
+                "time/reward_s": rollouts.reward_seconds,
                 "time/wait_rollout_s": t_wait,
-                "time/push_s": push_s,
                 "time/step_s": time.perf_counter() - t0,
-                "throughput/gen_tokens_per_s": gen_tokens / max(gen_seconds, 1e-9),
+                "throughput/gen_tokens_per_s": rollouts.gen_tokens / max(rollouts.gen_seconds, 1e-9),
+                **rollouts.metrics,
                 # Wall time since train() was called, start-up included.
                 "time/elapsed_s": time.perf_counter() - self.started,
             }
@@ -232,15 +226,18 @@ class GRPOLoop:
         return record
 
     def evaluate(self, step: int) -> dict[str, float]:
-        import ray
-
         rc, ec = self.config.rollout, self.config.eval
         if not self.eval_rows or ec.every_steps <= 0:
             return {}
         max_tokens = ec.max_new_tokens or rc.max_new_tokens
-        out = ray.get(self.workers[0].evaluate.remote(self.eval_rows, max_tokens, ec.correct_threshold))
+        out = self.rollouts.evaluate(self.eval_rows, max_tokens, ec.correct_threshold, self.version)
         return {
             "eval/accuracy": out["correct"] / len(self.eval_rows),
             "eval/reward_mean": sum(out["rewards"]) / len(self.eval_rows),
             "eval/policy_version": out["policy_version"],
         }
+
+
+def _mixed_version_frac(groups: list[Group]) -> float:
+    samples = [s for g in groups for s in g.samples]
+    return sum(s.policy_version_max != s.policy_version for s in samples) / len(samples)

@@ -1,4 +1,4 @@
-"""Ray for TitanRL's actors: a local instance on loopback, and user code shipped to the actors."""
+"""Ray for TitanRL's actors: a local instance on loopback or a joined cluster, and user code shipped to the actors."""
 
 from __future__ import annotations
 
@@ -8,28 +8,37 @@ from pathlib import Path
 from typing import Any
 
 
-def init_ray(num_cpus: int | None = None) -> None:
-    """Starts a local Ray instance for TitanRL's actors, unless one is already running.
+def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
+    """Starts a local Ray instance for TitanRL's actors, or joins the cluster at `address`
+    (`RunConfig.ray_address`, e.g. '10.0.0.1:6379' or 'auto'); nothing if Ray is already up.
 
-    Its traffic stays on loopback: Ray turns "127.0.0.1" into the host's routable address
-    unless its multi-node mode is off (the switch it uses on macOS), so turn it off here;
-    export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 to opt back in.
+    A local instance's traffic stays on loopback: Ray turns "127.0.0.1" into the host's routable
+    address unless its multi-node mode is off (the switch it uses on macOS), so turn it off here;
+    export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 to opt back in. A cluster keeps the addresses its
+    nodes were started with (`ray start --node-ip-address`), and its own CPU count.
     """
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if address is None:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
-    from ray._private import ray_constants
 
     if ray.is_initialized():
         return
-    # The constant is read when Ray is imported, which may have happened before this call.
-    ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"].lower() in ("1", "true")
+    if address is None:
+        from ray._private import ray_constants
+
+        # The constant is read when Ray is imported, which may have happened before this call.
+        ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"].lower() in ("1", "true")
+        # Keep Ray's own traffic on loopback: a single-machine run needs no other address.
+        start: dict[str, Any] = dict(_node_ip_address="127.0.0.1", num_cpus=num_cpus or os.cpu_count() or 1,
+                                     include_dashboard=False)
+    else:
+        if num_cpus is not None:
+            raise ValueError("init_ray: num_cpus is the joined Ray cluster's own; leave it None with an address")
+        start = dict(address=address)
     # Actors must import whatever the driver imported the reward functions from.
     pythonpath = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
     ray.init(
-        # Keep Ray's own traffic on loopback: a single-machine run needs no other address.
-        _node_ip_address="127.0.0.1",
-        num_cpus=num_cpus or os.cpu_count() or 1,
-        include_dashboard=False,
+        **start,
         logging_level="WARNING",
         log_to_driver=True,
         runtime_env={"env_vars": {

@@ -20,7 +20,8 @@ from typing import Any
 
 from titanrl.data import PromptStream
 from titanrl.rollout.seeds import request_seed
-from titanrl.types import RolloutBatch
+from titanrl.types import RolloutBatch, StepRollouts
+from titanrl.weight_sync import WeightPush, WeightSync
 
 
 @dataclass
@@ -133,3 +134,64 @@ class RequestQueue:
             self.pending.append(dataclasses.replace(request, refs=[ray.put(batch) for batch in results]))
         self.next_index, self.next_group_id = saved.next_index, saved.next_group_id
         self.stream.load_state_dict(saved.stream_state)
+
+
+class LockstepRollouts:
+    """The rollout side of a lock-step run, as the GRPO loop sees it (`ContinuousRollouts`'s interface).
+
+    `1 + train.max_staleness` requests stay queued. Each step trains on the oldest one; the new
+    weights are queued to every worker behind the requests already there (Ray runs an actor's
+    calls in order, so a request never mixes two policy versions).
+    """
+
+    def __init__(self, workers: list[Any], stream: PromptStream, run_seed: int, group_size: int,
+                 turns_per_sample: int, max_staleness: int, steps: int) -> None:
+        self.workers = workers
+        self.queue = RequestQueue(workers, stream, run_seed, group_size, turns_per_sample)
+        self.max_staleness, self.steps = max_staleness, steps
+
+    def fill(self, completed_steps: int, version: int) -> None:
+        while len(self.queue) < 1 + self.max_staleness and self.queue.next_index < self.steps:
+            self.queue.submit(version)
+
+    def next_step(self, step: int) -> StepRollouts:
+        request, batches = self.queue.peek()
+        if request.index != step - 1:
+            raise RuntimeError(f"the oldest queued request feeds step {request.index + 1}, not step {step}")
+        return StepRollouts(
+            [g for b in batches for g in b.groups],
+            sum(b.gen_tokens for b in batches),
+            max(b.gen_seconds for b in batches),
+            # Summed over the step's requests (workers score in parallel, so it can exceed gen_s).
+            sum(b.reward_seconds for b in batches),
+        )
+
+    def trained(self, step: int) -> None:
+        self.queue.pop()
+
+    def open_weight_sync(self, trainer: Any, transport: str) -> None:
+        """Connects the trainer to every worker with `rollout.weight_transport`."""
+        self.sync = WeightSync.open(trainer, self.workers, transport)
+
+    def publish(self, version: int) -> WeightPush:
+        """Sends the trainer's weights as `version`; each worker loads them behind its queued requests."""
+        return self.sync.push(version)
+
+    def evaluate(self, rows: list[dict[str, Any]], max_tokens: int, threshold: float, version: int) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.workers[0].evaluate.remote(rows, max_tokens, threshold))
+
+    def checkpoint(self, version: int, wait_s: float | None = None, drop_first: bool = False) -> QueueCheckpoint:
+        return self.queue.checkpoint(version, wait_s=wait_s, drop_first=drop_first)
+
+    def restore(self, state: QueueCheckpoint, version: int) -> None:
+        self.queue.restore(state)
+
+    def has_untrained(self) -> bool:
+        return len(self.queue) > 0
+
+    def close(self) -> None:
+        """Closes the weight transport (shared memory, broadcast group); the actors stay up."""
+        if getattr(self, "sync", None) is not None:
+            self.sync.close()

@@ -57,6 +57,8 @@ def rollout_rows(groups: list[Group], first_groups: int) -> list[dict[str, Any]]
                 "policy_version": s.policy_version,
                 "num_tokens": len(s.completion_ids),
             }
+            if s.policy_version_max != s.policy_version:  # new weights arrived mid-sample
+                row["policy_version_max"] = s.policy_version_max
             if s.turns is not None:
                 row["turns"] = s.turns
             if s.stats:

@@ -28,7 +28,7 @@ class Sample:
     group_id: int
     """Index of the prompt group this sample belongs to; GRPO normalizes within a group."""
     policy_version: PolicyVersion
-    """Version of the weights that generated every token of this completion."""
+    """Oldest version of the weights that sampled its tokens (staleness is measured by it)."""
     fields: dict[str, Any] = field(default_factory=dict)
     """The dataset row's other fields (e.g. the reference answer), passed to rewards."""
     finished: bool = True
@@ -40,6 +40,10 @@ class Sample:
     reward_error: str | None = None
     """Why the reward (or the episode's environment) failed, if it did; the sample then got
     `RunConfig.reward_error_value` instead of crashing the run."""
+    token_versions: list[int] | None = None
+    """Per completion token, the version of the weights that sampled it (observation tokens: the
+    version of the model token before them). They differ only when new weights arrived while the
+    sample was being generated (`rollout.continuous`); None means all `policy_version`."""
     turns: list[dict[str, str]] | None = None
     """An episode's completion turn by turn (`{"role": "model" | "env", "text": ...}`, texts joined
     equal `completion`; see `titanrl.rollout.episode.Episode.transcript`); None for single-turn."""
@@ -49,10 +53,19 @@ class Sample:
             raise ValueError(
                 f"sample has {len(self.completion_ids)} completion tokens but {len(self.gen_logprobs)} logprobs"
             )
+        if self.token_versions is not None and len(self.token_versions) != len(self.completion_ids):
+            raise ValueError(
+                f"sample has {len(self.completion_ids)} completion tokens but {len(self.token_versions)} token versions"
+            )
         if self.loss_mask is not None and len(self.loss_mask) != len(self.completion_ids):
             raise ValueError(
                 f"sample has {len(self.completion_ids)} completion tokens but a loss mask of {len(self.loss_mask)}"
             )
+
+    @property
+    def policy_version_max(self) -> PolicyVersion:
+        """Newest version among its tokens (equals `policy_version` unless weights changed mid-sample)."""
+        return max(self.token_versions, default=self.policy_version) if self.token_versions else self.policy_version
 
 
 @dataclass
@@ -86,3 +99,25 @@ class RolloutBatch:
     reward_seconds: float = 0.0
     """Wall time during which the request's samples were being scored (part of gen_seconds;
     for episodes, scoring overlaps the generation of the others)."""
+
+
+def group_tokens(group: Group) -> int:
+    """Tokens the model generated in a group (observation tokens of episodes excluded)."""
+    return sum(sum(s.loss_mask) if s.loss_mask is not None else len(s.completion_ids) for s in group.samples)
+
+
+@dataclass
+class StepRollouts:
+    """The rollouts one training step consumes, with how they were produced."""
+
+    groups: list[Group]
+    """The step's prompt groups, in group-id order."""
+    gen_tokens: int
+    """Tokens the model generated in them."""
+    gen_seconds: float
+    """Wall time of their generation (lock-step: the slowest worker's request; continuous: since
+    the previous step's rollouts were ready)."""
+    reward_seconds: float | None
+    """Summed wall time their requests spent scoring; None where not measured (continuous)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Extra per-step metrics of the rollout side (buffer, idle times, restarts, weight sync)."""

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from titanrl.rollout.vllm_engine import Completion, VllmEngine
+
+
+class WeightsChanged(Exception):
+    """Raised into the requests that `update_weights(..., regenerate=True)` aborted."""
 
 
 class AsyncGenerator:
@@ -23,8 +27,11 @@ class AsyncGenerator:
         self.engine = engine
         self._ids = itertools.count()
         self._pending: dict[str, asyncio.Future[Completion]] = {}
+        self._versions: dict[str, list[int]] = {}
+        """Per running request, the policy version of each token generated so far."""
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
+        self._version_changed = asyncio.Condition()
 
     async def __aenter__(self) -> AsyncGenerator:
         self._pump = asyncio.create_task(self._run())
@@ -40,10 +47,11 @@ class AsyncGenerator:
         if self._pending:  # an episode failed mid-turn: free the engine for the next batch
             self.engine.llm.llm_engine.abort_request(list(self._pending))
             self._pending.clear()
+            self._versions.clear()
 
     async def generate(
         self,
-        prompt_ids: Sequence[int],
+        prompt: str | Sequence[int],
         *,
         temperature: float,
         top_p: float = 1.0,
@@ -52,7 +60,8 @@ class AsyncGenerator:
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] | None = None,
     ) -> Completion:
-        """One completion of `prompt_ids`; the text of a matched stop string stays in the output."""
+        """One completion of `prompt` (text, tokenized by the engine, or token ids); the text of a
+        matched stop string stays in the output."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -72,7 +81,9 @@ class AsyncGenerator:
         )
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
-        self.engine.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), params)
+        self._versions[request_id] = []
+        inputs = {"prompt": prompt} if isinstance(prompt, str) else TokensPrompt(prompt_token_ids=list(prompt))
+        self.engine.llm.llm_engine.add_request(request_id, inputs, params)
         self._wake.set()
         return await future
 
@@ -83,23 +94,63 @@ class AsyncGenerator:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            version = self.engine.policy_version  # weights change only between steps (update_weights)
             for output in llm_engine.step():
+                versions = self._versions.get(output.request_id)
+                if versions is None:
+                    continue  # aborted meanwhile
+                versions += [version] * (len(output.outputs[0].token_ids) - len(versions))
                 if not output.finished:
                     continue
                 future = self._pending.pop(output.request_id, None)
+                self._versions.pop(output.request_id, None)
                 if future is not None and not future.done():
-                    future.set_result(self._completion(output))
+                    future.set_result(self._completion(output, versions))
             # Let episodes whose tools finished queue their next turn before the next step.
             await asyncio.sleep(0)
 
-    def _completion(self, output) -> Completion:
+    async def update_weights(self, state_dict: dict, version: int, regenerate: bool = False) -> None:
+        """Loads new weights (a state dict) between two engine steps, with requests in flight.
+
+        A coroutine on the pump's loop runs only while the pump is not inside `step()`, so no
+        step ever mixes two versions. Running requests keep their tokens and get their KV cache
+        recomputed with the new weights; with `regenerate` they are aborted instead and their
+        callers get `WeightsChanged` (to start over with the new weights).
+        """
+        await self.apply_update(
+            lambda: self.engine.update_weights(state_dict, version, recompute_running=True), version, regenerate)
+
+    async def apply_update(self, load: Callable[[], object], version: int, regenerate: bool = False) -> None:
+        """`update_weights` for any loader: `load()` must install `version` in the engine with
+        `recompute_running=True` (e.g. a `titanrl.weight_sync.WeightReceiver.receive` call)."""
+        if regenerate and self._pending:
+            self.engine.llm.llm_engine.abort_request(list(self._pending))
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(WeightsChanged(f"weights changed to version {version}"))
+            self._pending.clear()
+            self._versions.clear()
+        load()
+        if self.engine.policy_version != version:
+            raise RuntimeError(f"loading version {version} left the engine at version {self.engine.policy_version}")
+        async with self._version_changed:
+            self._version_changed.notify_all()
+
+    async def wait_for_version(self, version: int) -> None:
+        """Returns once the engine holds weights of `version` or newer."""
+        async with self._version_changed:
+            await self._version_changed.wait_for(lambda: self.engine.policy_version >= version)
+
+    def _completion(self, output, versions: list[int]) -> Completion:
         c = output.outputs[0]
         ids = list(c.token_ids)
+        versions = versions[: len(ids)] if ids else []
         return Completion(
             prompt_token_ids=list(output.prompt_token_ids or []),
             token_ids=ids,
             text=c.text,
             logprobs=[float(pos[t].logprob) for pos, t in zip(c.logprobs or [], ids, strict=False)],
             finish_reason=c.finish_reason,
-            policy_version=self.engine.policy_version,
+            policy_version=min(versions, default=self.engine.policy_version),
+            token_versions=versions,
         )

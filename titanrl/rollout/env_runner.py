@@ -21,7 +21,7 @@ from titanrl.rollout.async_engine import AsyncGenerator
 from titanrl.rollout.episode import Episode, EpisodeBudget, env_error, failed_episode, run_episode
 from titanrl.rollout.seeds import episode_seed
 from titanrl.rollout.vllm_engine import VllmEngine
-from titanrl.types import Group, RolloutBatch, Sample
+from titanrl.types import Group, RolloutBatch, Sample, group_tokens
 
 
 def _token_id(tokenizer: Any, token: str) -> int | None:
@@ -72,22 +72,30 @@ class EnvRunner:
             max_model_len=self.rc.max_model_len,
         )
 
-    async def _episodes(self, rows: list[dict[str, Any]], n: int, temperature: float,
-                        seed: int | None) -> list[tuple[Episode, tuple[float, str | None]]]:
-        """Every episode of every row with its (reward, error), in row order."""
-        async with AsyncGenerator(self.engine) as generator:
-            tasks = [
-                self._episode(
-                    row,
-                    generator,
-                    temperature,
-                    # One seed per (episode, turn) of the run: see titanrl.rollout.seeds.
-                    None if seed is None else episode_seed(seed, j * n + i, self.cfg.max_turns),
-                )
-                for j, row in enumerate(rows)
-                for i in range(n)
-            ]
-            return await asyncio.gather(*tasks)
+    async def _episodes(self, rows: list[dict[str, Any]], n: int, temperature: float, seed: int | None,
+                        generator: AsyncGenerator | None = None) -> list[tuple[Episode, tuple[float, str | None]]]:
+        """Every episode of every row with its (reward, error), in row order (on `generator`, or
+        on one made for this call)."""
+        if generator is None:
+            async with AsyncGenerator(self.engine) as own:
+                return await self._episodes(rows, n, temperature, seed, own)
+        tasks = [
+            self._episode(
+                row,
+                generator,
+                temperature,
+                # One seed per (episode, turn) of the run: see titanrl.rollout.seeds.
+                None if seed is None else episode_seed(seed, j * n + i, self.cfg.max_turns),
+            )
+            for j, row in enumerate(rows)
+            for i in range(n)
+        ]
+        # Every episode ends (none is left running unowned) before an error of one is raised.
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
 
     async def _episode(self, row: dict[str, Any], generator: AsyncGenerator, temperature: float,
                        seed: int | None) -> tuple[Episode, tuple[float, str | None]]:
@@ -131,36 +139,46 @@ class EnvRunner:
         start, scoring_s = time.perf_counter(), self.scorer.seconds
         n = self.rc.group_size
         episodes = self.loop.run_until_complete(self._episodes(rows, n, self.rc.temperature, seed))
-        groups, gen_tokens = [], 0
-        for j, row in enumerate(rows):
-            fields = row_fields(row, self.prompt_field)
-            samples = []
-            for ep, (reward, error) in episodes[j * n : (j + 1) * n]:
-                gen_tokens += sum(ep.loss_mask)
-                samples.append(
-                    Sample(
-                        prompt=ep.prompt,
-                        completion=ep.completion_text,
-                        prompt_ids=ep.prompt_ids,
-                        completion_ids=ep.completion_ids,
-                        gen_logprobs=ep.gen_logprobs,
-                        reward=reward,
-                        group_id=first_group_id + j,
-                        policy_version=ep.policy_version,
-                        fields=fields,
-                        finished=ep.finished,
-                        loss_mask=ep.loss_mask,
-                        stats={"turns": float(ep.turns), **ep.stats},
-                        reward_error=error,
-                        turns=ep.transcript,
-                    )
-                )
-            groups.append(Group(samples))
-        return RolloutBatch(groups, gen_tokens, time.perf_counter() - start, self.engine.policy_version,
-                            reward_seconds=self.scorer.seconds - scoring_s)
+        groups = [self._group(row, episodes[j * n : (j + 1) * n], first_group_id + j) for j, row in enumerate(rows)]
+        return RolloutBatch(groups, sum(group_tokens(g) for g in groups), time.perf_counter() - start,
+                            self.engine.policy_version, reward_seconds=self.scorer.seconds - scoring_s)
+
+    async def generate_group(self, row: dict[str, Any], seed: int, group_id: int, generator: AsyncGenerator) -> Group:
+        """One row's `group_size` scored episodes on a running generator (`rollout.continuous`)."""
+        episodes = await self._episodes([row], self.rc.group_size, self.rc.temperature, seed, generator)
+        return self._group(row, episodes, group_id)
+
+    def _group(self, row: dict[str, Any], episodes: list[tuple[Episode, tuple[float, str | None]]],
+               group_id: int) -> Group:
+        fields = row_fields(row, self.prompt_field)
+        return Group([
+            Sample(
+                prompt=ep.prompt,
+                completion=ep.completion_text,
+                prompt_ids=ep.prompt_ids,
+                completion_ids=ep.completion_ids,
+                gen_logprobs=ep.gen_logprobs,
+                reward=reward,
+                group_id=group_id,
+                policy_version=ep.policy_version,
+                fields=fields,
+                finished=ep.finished,
+                loss_mask=ep.loss_mask,
+                stats={"turns": float(ep.turns), **ep.stats},
+                reward_error=error,
+                token_versions=ep.token_versions,
+                turns=ep.transcript,
+            )
+            for ep, (reward, error) in episodes
+        ])
 
     def evaluate(self, rows: list[dict[str, Any]], correct_threshold: float) -> dict[str, Any]:
-        scored = [s for _, s in self.loop.run_until_complete(self._episodes(rows, 1, 0.0, None))]
+        return self.loop.run_until_complete(self.evaluate_async(rows, correct_threshold))
+
+    async def evaluate_async(self, rows: list[dict[str, Any]], correct_threshold: float,
+                             generator: AsyncGenerator | None = None) -> dict[str, Any]:
+        """Greedy episodes of held-out rows (on `generator` if given): rewards, correct count, errors."""
+        scored = [s for _, s in await self._episodes(rows, 1, 0.0, None, generator)]
         return eval_summary([r for r, _ in scored], correct_threshold, self.engine.policy_version,
                             [e for _, e in scored])
 

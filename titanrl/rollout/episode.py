@@ -55,11 +55,14 @@ class Episode:
     finished: bool
     """True when the environment ended the episode (not a budget, not an error)."""
     policy_version: int
-    """Weights version of the last model turn."""
+    """Oldest weights version among its model tokens (the engine's version if it has none)."""
     stats: dict[str, float] = field(default_factory=dict)
     """tool_calls, errors, sandbox_s summed over turns; env_s spent inside env.step."""
     error: str | None = None
     """Why the environment failed (factory, reset, step, its reward, or close), if it did."""
+    token_versions: list[int] = field(default_factory=list)
+    """Per completion token, the weights version that sampled it; an observation token gets the
+    version of the model token before it."""
     transcript: list[dict[str, str]] = field(default_factory=list)
     """`completion_text` turn by turn, in order: `{"role": "model", "text": ...}` for a model turn
     exactly as generated, `{"role": "env", "text": ...}` for an observation exactly as inserted.
@@ -131,6 +134,7 @@ async def run_episode(
     completion_ids: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
+    versions: list[int] = []
     transcript: list[dict[str, str]] = []
     reward, turns, finished = 0.0, 0, False
     try:
@@ -152,7 +156,7 @@ async def run_episode(
                 stop_token_ids=stop_token_ids,
             )
             turns += 1
-            version = turn.policy_version
+            versions += turn.token_versions or [turn.policy_version] * len(turn.token_ids)
             context += turn.token_ids
             completion_ids += turn.token_ids
             mask += [1] * len(turn.token_ids)
@@ -191,6 +195,7 @@ async def run_episode(
             completion_ids += obs_ids
             mask += [0] * len(obs_ids)
             logprobs += [0.0] * len(obs_ids)
+            versions += [versions[-1] if versions else version] * len(obs_ids)
             transcript.append({"role": "env", "text": result.observation})
     finally:
         close_error = await _close(env)
@@ -207,9 +212,10 @@ async def run_episode(
         reward=error_value if errors else reward,
         turns=turns,
         finished=finished and not errors,
-        policy_version=version,
+        policy_version=min((v for v, m in zip(versions, mask, strict=True) if m), default=version),
         stats=stats,
         error="; ".join(errors) or None,
+        token_versions=versions,
         transcript=transcript,
     )
 

@@ -20,11 +20,16 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from titanrl.rollout.vllm_plugin import ARCHITECTURE, BATCH_INVARIANT_KEY, register
 from titanrl.rollout.vllm_worker_extension import EXTENSION_QUALNAME
+
+if TYPE_CHECKING:
+    from titanrl.weight_sync import WeightAnnouncement, WeightSyncPlan
+    from titanrl.weight_sync.shared_memory import SharedMemorySender
 
 
 @dataclass
@@ -87,7 +92,10 @@ class Completion:
     finish_reason: str | None
     """'stop' (EOS / stop token), 'length' (max_tokens) or None."""
     policy_version: int
-    """Policy version whose weights generated every token of this completion."""
+    """Oldest policy version among its tokens (the version it started with)."""
+    token_versions: list[int] = field(default_factory=list)
+    """Per generated token, the policy version whose weights sampled it; they differ only when
+    new weights arrived while it was running (`AsyncGenerator.update_weights`)."""
 
 
 def _has_entry_point() -> bool:
@@ -163,6 +171,8 @@ class VllmEngine:
                 kwargs["max_num_batched_tokens"] = max(config.max_model_len, 4096)  # vLLM's CPU default
             self.llm = LLM(**{**kwargs, **config.extra_llm_kwargs})
         self.start_seconds = time.perf_counter() - t0
+        self._local_sender: SharedMemorySender | None = None
+        """Multiprocess engine: the segments `update_weights` hands to the engine core (made on first use)."""
         self._closed = False
         if not config.multiprocess:
             global _in_process_engines
@@ -221,21 +231,23 @@ class VllmEngine:
                         logprobs=lps,
                         finish_reason=c.finish_reason,
                         policy_version=version,
+                        token_versions=[version] * len(ids),
                     )
                 )
             results.append(group)
         return results
 
     # --- weights ----------------------------------------------------------------------
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, allow_partial: bool = False) -> None:
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, allow_partial: bool = False,
+                       recompute_running: bool = False) -> None:
         """Copies new weights into the running engine in place and invalidates the prefix cache.
 
         `state_dict` uses HF names (our model's `state_dict()`); a tied `lm_head.weight` is
         dropped (the LM head follows the embedding). Every parameter must be present unless
-        `allow_partial`. Must not be called while a `generate` call is running.
+        `allow_partial`. Must not be called while a `generate` call is running; between two
+        engine steps with requests unfinished (`AsyncGenerator`), pass `recompute_running`: those
+        requests keep their tokens and vLLM recomputes their KV cache with the new weights.
         """
-        from safetensors.torch import save
-
         self._check_open()
         t0 = time.perf_counter()
         tensors = {}
@@ -243,16 +255,65 @@ class VllmEngine:
             if name == "lm_head.weight" and self.model_config.tie_word_embeddings:
                 continue
             tensors[name] = t.detach().to("cpu").contiguous()
-        # In-process the worker gets the tensors themselves; only the multiprocess engine needs
-        # bytes (tensors in collective_rpc arguments do not survive its serialization).
-        payload = save(tensors) if self.config.multiprocess else tensors
-        results = self.llm.collective_rpc("titanrl_update_weights", args=(payload, int(version), allow_partial))
+        if self.config.multiprocess:
+            # Tensors in collective_rpc arguments do not survive its serialisation: the engine
+            # core maps them from a shared-memory segment of this process instead (no file format).
+            from titanrl.weight_sync.source import TensorsWeights
+
+            if self._local_sender is None:
+                from titanrl.weight_sync.shared_memory import SharedMemorySender
+
+                self._local_sender = SharedMemorySender(num_receivers=1)
+            source = TensorsWeights(tensors)
+            ann = self._local_sender.publish(int(version), source)
+            self._local_sender.send(int(version), source)  # all written before the engine reads
+            results = self.llm.collective_rpc("titanrl_load_shared_memory",
+                                              args=(ann.to_wire(), int(version), 1, allow_partial))
+        else:
+            results = self.llm.collective_rpc("titanrl_update_weights", args=(tensors, int(version), allow_partial))
+        self._finish_push(results, version, t0, recompute_running)
+
+    def _finish_push(self, results: list[dict], version: int, t0: float, recompute_running: bool = False) -> None:
+        """After a push reached the worker(s): check it, invalidate the prefix cache, record the version."""
         if not all(r["version"] == int(version) for r in results):
             raise RuntimeError(f"weight push to version {version} did not reach every worker: {results}")
-        if not self.llm.reset_prefix_cache():
+        if not self.llm.reset_prefix_cache(reset_running_requests=recompute_running):
             raise RuntimeError("vLLM could not reset its prefix cache after a weight push (requests running?)")
         self.policy_version = int(version)
         self.last_push_seconds = time.perf_counter() - t0
+
+    # --- weight transports (titanrl.weight_sync) ----------------------------------------
+    # The bytes go straight to where the model lives: the worker extension maps the segment or
+    # joins the broadcast group itself (in the engine-core process for the multiprocess engine).
+
+    def load_shared_memory(self, announcement: WeightAnnouncement, version: int, rank: int,
+                           recompute_running: bool = False) -> None:
+        """Loads a 'shared_memory' announcement (its segment, mapped by the model's process) as
+        `version`; `rank` is this receiver's in the plan (1..num_receivers)."""
+        self._check_open()
+        t0 = time.perf_counter()
+        results = self.llm.collective_rpc("titanrl_load_shared_memory",
+                                          args=(announcement.to_wire(), int(version), int(rank), False))
+        self._finish_push(results, version, t0, recompute_running)
+
+    def open_weight_group(self, plan: WeightSyncPlan, rank: int) -> None:
+        """Joins the plan's broadcast group as `rank`; blocks until every member has joined."""
+        self._check_open()
+        self.llm.collective_rpc("titanrl_open_weight_group", args=(plan.to_wire(), int(rank)))
+
+    def receive_broadcast(self, announcement: WeightAnnouncement, version: int,
+                          recompute_running: bool = False) -> None:
+        """Takes part in the broadcast of a 'broadcast' announcement and loads it as `version`."""
+        self._check_open()
+        t0 = time.perf_counter()
+        results = self.llm.collective_rpc("titanrl_receive_broadcast", args=(announcement.to_wire(), int(version)))
+        self._finish_push(results, version, t0, recompute_running)
+
+    def close_weight_sync(self) -> None:
+        """Leaves the broadcast group and unmaps the trainer's segments (the engine's own stay)."""
+        self._check_open()
+        keep = [self._local_sender.sender_id] if self._local_sender is not None else []
+        self.llm.collective_rpc("titanrl_close_weight_sync", args=(keep,))
 
     def worker_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights the (first) worker is running, as CPU tensors (for tests and debugging)."""
@@ -267,6 +328,12 @@ class VllmEngine:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        try:  # leave a broadcast group and unmap segments while the engine still answers
+            self.llm.collective_rpc("titanrl_close_weight_sync", args=([],))
+        except Exception:  # an engine that already died holds nothing
+            pass
+        if self._local_sender is not None:
+            self._local_sender.close()
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
         if not self.config.multiprocess:

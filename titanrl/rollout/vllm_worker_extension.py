@@ -1,9 +1,10 @@
 """Methods vLLM mixes into its worker class (`worker_extension_cls`) for in-place weight pushes.
 
 Reached from the driver with `llm.collective_rpc("titanrl_update_weights", args=(...))`.
-The in-process engine passes the tensors themselves; the multiprocess engine passes plain
-bytes (a `safetensors.torch.save` blob) because tensors in `collective_rpc` arguments do not
-survive its serialisation.
+The in-process engine passes the tensors themselves. Tensors in `collective_rpc` arguments do
+not survive the multiprocess engine's serialisation, so there the tensors come through shared
+memory or a broadcast group (`titanrl.weight_sync`) that this process maps or joins itself;
+`titanrl_update_weights` still accepts a `safetensors.torch.save` blob.
 vLLM refuses extension attributes that clash with the worker's, hence the `titanrl_` prefix.
 """
 
@@ -40,13 +41,14 @@ class TitanRLWorkerExtension:
         Unless `allow_partial`, every parameter must be present (a tied LM head counts as
         the embedding). Returns the version now loaded and how long the copy took.
         """
+        from titanrl.weight_sync.layout import layout_of
+        from titanrl.weight_sync.target import ParameterTarget
+
         t0 = time.perf_counter()
         state = payload if isinstance(payload, dict) else load_safetensors_bytes(payload)
         model = _find_titan_model(self.get_model())  # type: ignore[attr-defined]
-        expected = {name for name, _ in model.named_parameters()}
-        missing = expected - set(state)
-        if missing and not allow_partial:
-            raise KeyError(f"weight push is missing {len(missing)} parameter(s), e.g. {sorted(missing)[:3]}")
+        # Names and shapes all checked before the first copy: a bad push never half-loads.
+        ParameterTarget(model).check(layout_of(state.items()), allow_partial)
         loaded = model.load_weights(state.items())
         self._titanrl_policy_version = int(version)
         return {"version": int(version), "num_tensors": len(loaded), "seconds": time.perf_counter() - t0}
@@ -61,3 +63,59 @@ class TitanRLWorkerExtension:
 
         model = _find_titan_model(self.get_model())  # type: ignore[attr-defined]
         return save({name: p.detach().contiguous() for name, p in model.named_parameters()})
+
+    # --- weight transports (titanrl.weight_sync): the bytes land in this process ---------------
+
+    def titanrl_load_shared_memory(self, announcement: dict, version: int, rank: int,
+                                   allow_partial: bool = False) -> dict:
+        """Copies a shared-memory announcement's tensors from the mapped segment into the parameters."""
+        from titanrl.weight_sync.announcement import WeightAnnouncement
+        from titanrl.weight_sync.shared_memory import SegmentCache, load_from_segment
+        from titanrl.weight_sync.target import ParameterTarget
+
+        t0 = time.perf_counter()
+        ann = WeightAnnouncement.from_wire(announcement)
+        if ann.version != int(version):
+            from titanrl.weight_sync.layout import WeightSyncError
+
+            raise WeightSyncError(f"the announcement is for version {ann.version}, the push says {version}")
+        if getattr(self, "_titanrl_segments", None) is None:
+            self._titanrl_segments = SegmentCache()
+        model = _find_titan_model(self.get_model())  # type: ignore[attr-defined]
+        n = load_from_segment(ParameterTarget(model), ann, int(rank), self._titanrl_segments, allow_partial)
+        self._titanrl_policy_version = int(version)
+        return {"version": int(version), "num_tensors": n, "seconds": time.perf_counter() - t0}
+
+    def titanrl_open_weight_group(self, plan: dict, rank: int) -> None:
+        """Joins the trainer's broadcast group as `rank` (blocks until every member has joined)."""
+        from titanrl.weight_sync.broadcast import BroadcastGroup
+        from titanrl.weight_sync.plan import WeightSyncPlan
+
+        self.titanrl_close_weight_sync([], segments=False)
+        self._titanrl_group = BroadcastGroup(WeightSyncPlan.from_wire(plan), int(rank))
+
+    def titanrl_receive_broadcast(self, announcement: dict, version: int) -> dict:
+        """Receives a broadcast push bucket by bucket, writing each into the parameters."""
+        from titanrl.weight_sync.announcement import WeightAnnouncement
+        from titanrl.weight_sync.broadcast import receive_broadcast
+        from titanrl.weight_sync.layout import WeightSyncError
+        from titanrl.weight_sync.target import ParameterTarget
+
+        t0 = time.perf_counter()
+        group = getattr(self, "_titanrl_group", None)
+        if group is None:
+            raise WeightSyncError("no broadcast group: open_weight_sync(plan, rank) first")
+        model = _find_titan_model(self.get_model())  # type: ignore[attr-defined]
+        n = receive_broadcast(group, ParameterTarget(model), WeightAnnouncement.from_wire(announcement), int(version))
+        self._titanrl_policy_version = int(version)
+        return {"version": int(version), "num_tensors": n, "seconds": time.perf_counter() - t0}
+
+    def titanrl_close_weight_sync(self, keep: list, segments: bool = True) -> None:
+        """Leaves the broadcast group and unmaps segments, except those of the senders in `keep`."""
+        group = getattr(self, "_titanrl_group", None)
+        if group is not None:
+            self._titanrl_group = None
+            group.close()
+        cache = getattr(self, "_titanrl_segments", None)
+        if segments and cache is not None:
+            cache.close(keep=set(keep))

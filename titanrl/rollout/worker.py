@@ -10,14 +10,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from titanrl.config import EnvConfig, ModelConfig, RolloutConfig, resolve_env_factory, resolve_reward
 from titanrl.rewards.batch_scoring import RewardScorer, ToScore
 from titanrl.rewards.scoring import eval_summary, row_fields
-from titanrl.types import Group, RolloutBatch, Sample
+from titanrl.types import Group, RolloutBatch, Sample, group_tokens
+
+if TYPE_CHECKING:
+    from titanrl.rollout.vllm_engine import Completion
 
 
 class RolloutWorker:
@@ -110,31 +113,29 @@ class RolloutWorker:
         scoring_s = self.scorer.seconds
         scored = iter(self._score([(row, c.text) for row, completions in zip(rows, outputs, strict=True)
                                    for c in completions]))
-        groups, gen_tokens = [], 0
-        for j, (row, completions) in enumerate(zip(rows, outputs, strict=True)):
-            fields = row_fields(row, self.prompt_field)
-            samples = []
-            for c in completions:
-                gen_tokens += len(c.token_ids)
-                reward, error = next(scored)
-                samples.append(
-                    Sample(
-                        prompt=row[self.prompt_field],
-                        completion=c.text,
-                        prompt_ids=c.prompt_token_ids,
-                        completion_ids=c.token_ids,
-                        gen_logprobs=c.logprobs,
-                        reward=reward,
-                        group_id=first_group_id + j,
-                        policy_version=c.policy_version,
-                        fields=fields,
-                        finished=c.finish_reason == "stop",
-                        reward_error=error,
-                    )
-                )
-            groups.append(Group(samples))
-        return RolloutBatch(groups, gen_tokens, time.perf_counter() - start, self.engine.policy_version,
-                            reward_seconds=self.scorer.seconds - scoring_s)
+        groups = [
+            Group([self._sample(row, c, *next(scored), first_group_id + j) for c in completions])
+            for j, (row, completions) in enumerate(zip(rows, outputs, strict=True))
+        ]
+        return RolloutBatch(groups, sum(group_tokens(g) for g in groups), time.perf_counter() - start,
+                            self.engine.policy_version, reward_seconds=self.scorer.seconds - scoring_s)
+
+    def _sample(self, row: dict[str, Any], c: Completion, reward: float, error: str | None, group_id: int) -> Sample:
+        """A scored single-turn completion as a training sample."""
+        return Sample(
+            prompt=row[self.prompt_field],
+            completion=c.text,
+            prompt_ids=c.prompt_token_ids,
+            completion_ids=c.token_ids,
+            gen_logprobs=c.logprobs,
+            reward=reward,
+            group_id=group_id,
+            policy_version=c.policy_version,
+            fields=row_fields(row, self.prompt_field),
+            finished=c.finish_reason == "stop",
+            reward_error=error,
+            token_versions=c.token_versions,
+        )
 
     def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int, correct_threshold: float) -> dict[str, Any]:
         """Greedy completions of held-out rows: rewards, how many are correct, how many errored."""
@@ -168,3 +169,26 @@ class RolloutWorker:
             self.env_runner.close()
         self.scorer.close()
         self.engine.close()
+
+    # --- weight sync (titanrl.weight_sync) ------------------------------------------------
+    def open_weight_sync(self, plan: Any, rank: int) -> None:
+        """Joins the trainer's weight transport as receiver `rank` (1..plan.num_receivers); for
+        'broadcast' it returns once the trainer and every worker have joined (call them together)."""
+        from titanrl.weight_sync import WeightReceiver
+
+        if getattr(self, "weight_receiver", None) is None:
+            self.weight_receiver = WeightReceiver(self.engine)
+        self.weight_receiver.open(plan, rank)
+
+    def receive_weights(self, announcement: Any, version: int) -> float:
+        """Loads the version `trainer.publish_weights(version)` announced; returns the seconds it took."""
+        from titanrl.weight_sync import WeightReceiver
+
+        if getattr(self, "weight_receiver", None) is None:  # object_store needs no set-up
+            self.weight_receiver = WeightReceiver(self.engine)
+        return self.weight_receiver.receive(announcement, version)
+
+    def close_weight_sync(self) -> None:
+        """Leaves the transport (broadcast group, mapped segments); idempotent."""
+        if getattr(self, "weight_receiver", None) is not None:
+            self.weight_receiver.close()

@@ -10,6 +10,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -21,6 +22,9 @@ from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.grpo import clipped_surrogate_loss, group_advantages, token_logprobs
 from titanrl.trainer.lr_schedule import build_scheduler
 from titanrl.types import Group, PolicyVersion
+
+if TYPE_CHECKING:
+    from titanrl.weight_sync import WeightAnnouncement, WeightSyncPlan
 
 
 @dataclass
@@ -407,3 +411,49 @@ class GRPOTrainer:
             self.optimizer.state.clear()  # saved before any optimizer step: AdamW starts fresh
         self.scheduler.load_state_dict(state["scheduler"])
         return self.restore_counters(state)
+
+    # ------------------------------------------------------------------------- weight sync
+
+    def open_weight_sync(self, plan: WeightSyncPlan) -> None:
+        """Sets up the transport `publish_weights` uses (titanrl.weight_sync). For 'broadcast' it
+        returns once every worker has joined the group: run the workers' `open_weight_sync(plan,
+        rank)` concurrently. Without this call, pushes go through the object store."""
+        self.close_weight_sync()
+        self._weight_sender = self._make_weight_sender(plan)
+
+    def publish_weights(self, version: int) -> WeightAnnouncement | None:
+        """Publishes the current weights as `version`; the announcement goes to every worker's
+        `receive_weights`. `send_weights(version)` must follow (broadcast and shared memory move
+        the bytes there, while the workers receive)."""
+        return self._weight_sync_sender().publish(version, self._weight_source())
+
+    def send_weights(self, version: int) -> float:
+        """Moves the version just published, while the workers receive it (broadcast: streams it;
+        shared memory on x86: writes it, the workers copying behind); returns seconds (0.0 when
+        the transport has nothing to do here)."""
+        return self._weight_sync_sender().send(version, self._weight_source())
+
+    def close_weight_sync(self) -> None:
+        """Releases the transport (unlinks shared memory, leaves the group); idempotent."""
+        sender = getattr(self, "_weight_sender", None)
+        self._weight_sender = None
+        if sender is not None:
+            sender.close()
+
+    def _make_weight_sender(self, plan: WeightSyncPlan) -> Any:
+        from titanrl.weight_sync import make_sender
+
+        return make_sender(plan)
+
+    def _weight_sync_sender(self) -> Any:
+        if getattr(self, "_weight_sender", None) is None:
+            from titanrl.weight_sync import make_plan
+
+            self._weight_sender = self._make_weight_sender(make_plan("object_store", 1))
+        return self._weight_sender
+
+    def _weight_source(self) -> Any:
+        """The weights as the senders read them: views of the live parameters, no copy."""
+        from titanrl.weight_sync import ModelWeights
+
+        return ModelWeights(self.model)

@@ -4,19 +4,47 @@ The driver starts `TrainerGroup` exactly as it starts `GRPOTrainer`
 (`ray.remote(TrainerGroup).options(num_cpus=0).remote(model, train, temperature, seed, ...)`),
 so the loop's `trainer.step.remote(groups)` etc. work unchanged. The group starts
 `train.parallel.world_size` `ParallelTrainerRank` actors, which rendezvous with torch.distributed
-on 127.0.0.1 and a free port, forwards every call to all of them (collectives need every rank),
-and returns rank 0's answer. The rank actors are owned by the group: killing the group ends them.
+on the Ray address of rank 0's node (127.0.0.1 when Ray runs on loopback) and a port free there,
+forwards every call to all of them (collectives need every rank), and returns rank 0's answer.
+The rank actors are owned by the group: killing the group ends them. Where they run is the
+caller's choice (`rank_options`, e.g. `titanrl.placement.Placement`'s bundles); by default all
+run on the group's own node.
 """
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from titanrl.config import ConfigError, ModelConfig, TrainConfig
 from titanrl.types import Group, PolicyVersion
 
-MASTER_ADDR = "127.0.0.1"
-"""Rendezvous address: this machine (the rank actors run on the local Ray node)."""
+RENDEZVOUS_TIMEOUT_S = 120.0
+"""How long the group waits to learn rank 0's address (its bundle must be placed)."""
+
+
+def rendezvous_point() -> tuple[str, int]:
+    """(address, port) to rendezvous on this node: its address in Ray (127.0.0.1 for a loopback
+    Ray, the node's own address in a cluster) and a port free on it. Call it where rank 0 runs."""
+    import ray
+
+    host = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]
+
+
+def rank0_rendezvous_point(rank0_options: dict[str, Any]) -> tuple[str, int]:
+    """`rendezvous_point()` of the node where an actor with `rank0_options` will run: asked by a
+    zero-resource task scheduled by the same strategy (a placement group bundle, a node)."""
+    import ray
+
+    strategy = rank0_options.get("scheduling_strategy")
+    if strategy is None or isinstance(strategy, str):
+        raise ValueError("rank_options must pin rank 0 to a node or placement group bundle "
+                         "(a scheduling_strategy), or the ranks cannot know its address")
+    probe = ray.remote(rendezvous_point).options(num_cpus=0, scheduling_strategy=strategy)
+    return ray.get(probe.remote(), timeout=RENDEZVOUS_TIMEOUT_S)
 
 
 def trainer_device_type(device: str, world_size: int, cluster_gpus: float) -> str:
@@ -43,21 +71,37 @@ class TrainerGroup:
 
     def __init__(
         self, model_config: ModelConfig, train_config: TrainConfig, temperature: float, seed: int,
-        batch_invariant: bool = False,
+        batch_invariant: bool = False, *, rank_options: list[dict[str, Any]] | None = None,
+        device_type: str | None = None,
     ) -> None:
-        """Starts the rank actors and waits until every one has joined the world and sharded the model."""
+        """Starts the rank actors and waits until every one has joined the world and sharded the model.
+
+        rank_options: Ray actor options per rank (resources and a scheduling strategy that pins
+        it, e.g. `Placement.rank_options(r)`); None runs every rank on this actor's node.
+        device_type: 'cpu' or 'cuda' (what the placement reserved); None decides by
+        `trainer_device_type` from the cluster's GPUs.
+        """
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from titanrl.trainer.parallel.actor import ParallelTrainerRank
-        from titanrl.trainer.parallel.launch import free_port
 
         n = train_config.parallel.world_size
-        device_type = trainer_device_type(train_config.device, n, ray.cluster_resources().get("GPU", 0))
-        port = free_port()
-        rank_cls = ray.remote(ParallelTrainerRank).options(num_cpus=0, num_gpus=1 if device_type == "cuda" else 0)
+        if device_type is None:
+            device_type = trainer_device_type(train_config.device, n, ray.cluster_resources().get("GPU", 0))
+        if rank_options is None:
+            # One machine: this node's address (127.0.0.1 on a loopback Ray) is rank 0's.
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            rank_options = [dict(num_cpus=0, num_gpus=1 if device_type == "cuda" else 0, scheduling_strategy=here)] * n
+            addr, port = rendezvous_point()
+        else:
+            if len(rank_options) != n:
+                raise ValueError(f"rank_options has {len(rank_options)} entries for a world of {n} ranks")
+            addr, port = rank0_rendezvous_point(rank_options[0])
         self.ranks = [
-            rank_cls.remote(r, n, MASTER_ADDR, port, device_type, model_config, train_config, temperature, seed,
-                            batch_invariant)
+            ray.remote(ParallelTrainerRank).options(**rank_options[r]).remote(
+                r, n, addr, port, device_type, model_config, train_config, temperature, seed, batch_invariant
+            )
             for r in range(n)
         ]
         self.broken: str | None = None
@@ -117,3 +161,21 @@ class TrainerGroup:
         if len(set(versions)) != 1:
             raise RuntimeError(f"trainer ranks restored different versions from {dir}: {versions}")
         return versions[0]
+
+    # ------------------------------------------------------------------------- weight sync (rank 0 sends)
+
+    def open_weight_sync(self, plan: Any) -> None:
+        """GRPOTrainer.open_weight_sync: rank 0 opens the transport (broadcast: returns once every
+        worker joined); the other ranks only join the gathers of later pushes."""
+        self._all("open_weight_sync", plan)
+
+    def publish_weights(self, version: int) -> Any:
+        """GRPOTrainer.publish_weights, gathered to rank 0; rank 0's announcement."""
+        return self._all("publish_weights", version)[0]
+
+    def send_weights(self, version: int) -> float:
+        """GRPOTrainer.send_weights (broadcast: gathered and streamed bucket by bucket)."""
+        return self._all("send_weights", version)[0]
+
+    def close_weight_sync(self) -> None:
+        self._all("close_weight_sync")

@@ -146,3 +146,17 @@ class ParallelTrainerRank(GRPOTrainer):
             for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
                 group["lr"] = lr
         return self.restore_counters(state)
+
+    # ------------------------------------------------------------------------- weight sync hooks
+
+    def _make_weight_sender(self, plan):  # type: ignore[no-untyped-def]
+        """Rank 0 sends; the other ranks only join the gathers, in the same call as rank 0."""
+        from titanrl.weight_sync import PassiveSender, make_sender
+
+        return make_sender(plan) if self.rank == 0 else PassiveSender(plan)
+
+    def _weight_source(self):  # type: ignore[no-untyped-def]
+        """Full tensors gathered to rank 0 bucket by bucket, as they are sent (no full copy first)."""
+        from titanrl.weight_sync import GatheredWeights
+
+        return GatheredWeights(self.pm, self.dtype, PUSH_BUCKET_BYTES)

@@ -1,0 +1,115 @@
+"""Synchronous vs asynchronous GRPO on a workload with environment latency, in one script.
+
+The same job (model, data, seed, steps, 2 rollout workers) runs twice:
+  sync   lock-step rollouts, train.max_staleness=0 (today's on-policy default);
+  async  rollout.continuous=True, train.max_staleness=2 (groups of the next two steps generate
+         while the trainer works, new weights land between engine steps).
+Every episode calls a tool that waits a random 50-300 ms before answering (a remote sandbox
+or grader), `--turns` times. Prints one JSON line per run and a summary line:
+  {"sync_s": ..., "async_s": ..., "speedup": ..., "sync_final_reward": ..., "async_final_reward": ...}
+Times are the training loop's wall time (first step to last), without actor start-up; the
+final reward is the mean `reward/mean` of the last 5 steps.
+
+    python benchmarks/async_speedup.py [--steps 20] [--turns 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import titanrl
+from titanrl.data import write_rows
+from titanrl.envs import EnvContext, Environment, StepResult
+from titanrl.models.tiny import write_tiny_checkpoint
+
+TURNS = 3
+"""Tool calls per episode (set from --turns before the runs start; shipped to workers by value)."""
+
+
+class SlowToolEnv(Environment):
+    """Each model turn is sent to a 'tool' that answers after 50-300 ms; the last turn is scored.
+
+    The reward is the share of digits in the final turn, which a tiny random model can learn to
+    raise within a few dozen steps.
+    """
+
+    def __init__(self, context: EnvContext) -> None:
+        self.turn = 0
+        self.rng = random.Random()
+
+    async def reset(self, row: dict[str, Any]) -> str:
+        return row["prompt"]
+
+    async def step(self, action: str) -> StepResult:
+        self.turn += 1
+        await asyncio.sleep(self.rng.uniform(0.05, 0.3))
+        if self.turn >= TURNS:
+            return StepResult("", reward=sum(c.isdigit() for c in action) / max(len(action), 1), done=True,
+                              info={"tool_calls": 1})
+        return StepResult(" ok:", info={"tool_calls": 1})
+
+
+def make_env(context: EnvContext) -> SlowToolEnv:
+    return SlowToolEnv(context)
+
+
+def run_config(root: Path, name: str, steps: int, continuous: bool, max_staleness: int) -> titanrl.RunConfig:
+    ckpt = root / "ckpt"
+    if not ckpt.exists():
+        write_tiny_checkpoint(ckpt, seed=5, std=0.1)
+        write_rows(root / "train.jsonl", [{"prompt": f"{i}+{i % 7}="} for i in range(64)])
+    return titanrl.RunConfig(
+        model=titanrl.ModelConfig(checkpoint=str(ckpt)),
+        data=titanrl.DataConfig(train_file=str(root / "train.jsonl")),
+        rollout=titanrl.RolloutConfig(num_workers=2, prompts_per_step=8, group_size=4, max_new_tokens=8,
+                                      max_model_len=128, continuous=continuous),
+        train=titanrl.TrainConfig(steps=steps, lr=3e-3, max_staleness=max_staleness),
+        eval=titanrl.EvalConfig(every_steps=0),
+        env=titanrl.EnvConfig(factory=make_env, max_turns=TURNS, max_total_tokens=96, sandbox_pool_size=0),
+        output=titanrl.OutputConfig(dir=str(root / name), progress_bar=False, rollouts_per_step=1),
+        seed=0,
+    )
+
+
+def measure(config: titanrl.RunConfig) -> dict[str, float]:
+    rows = [m for m in titanrl.train(config).metrics if m["step"] > 0]
+    loop_start = rows[0]["time/elapsed_s"] - rows[0]["time/step_s"]
+    last = rows[-5:]
+    return {
+        "loop_s": rows[-1]["time/elapsed_s"] - loop_start,
+        "final_reward": sum(m["reward/mean"] for m in last) / len(last),
+        "first_reward": rows[0]["reward/mean"],
+        "trainer_idle_s": sum(m.get("time/trainer_idle_s", m["time/wait_rollout_s"]) for m in rows),
+        "staleness_max": max(m["staleness/max"] for m in rows),
+    }
+
+
+def main() -> None:
+    global TURNS
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--turns", type=int, default=3)
+    args = parser.parse_args()
+    TURNS = args.turns
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        sync = measure(run_config(root, "sync", args.steps, continuous=False, max_staleness=0))
+        print(json.dumps({"run": "sync", **sync}), flush=True)
+        async_ = measure(run_config(root, "async", args.steps, continuous=True, max_staleness=2))
+        print(json.dumps({"run": "async", **async_}), flush=True)
+    print(json.dumps({
+        "benchmark": "async_speedup", "steps": args.steps, "turns": args.turns, "workers": 2,
+        "sync_s": round(sync["loop_s"], 2), "async_s": round(async_["loop_s"], 2),
+        "speedup": round(sync["loop_s"] / async_["loop_s"], 2),
+        "sync_final_reward": round(sync["final_reward"], 4), "async_final_reward": round(async_["final_reward"], 4),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Continuous runs end to end (real Ray, real vLLM): the buffer, worker deaths, a dead trainer.
+
+The reward functions here kill processes on purpose: the reward runs inside the rollout worker's
+process, so `os.kill(os.getpid(), SIGKILL)` there is a worker dying mid-generation, exactly as an
+out-of-memory kill would. Call counts are kept in files (workers are separate processes).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+import titanrl
+from titanrl.data import write_rows
+from titanrl.errors import RunStopped
+from titanrl.models.tiny import write_tiny_checkpoint
+from titanrl.run_checkpoints import latest_checkpoint
+
+COUNTER_DIR = ""
+"""Set by each test before its run; shipped to the workers with the reward function (by value)."""
+KILL_AT = 0
+"""The reward call that kills its worker (1-based)."""
+KILL_EVERY_LATER_CALL = False
+"""Also kill at every call after KILL_AT (a worker that keeps dying)."""
+
+
+def _count_call() -> int:
+    with open(Path(COUNTER_DIR) / "calls", "ab") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(b"x")
+        f.flush()
+        return f.tell()
+
+
+def killing_reward(prompt: str, completion: str, **fields) -> float:
+    """Digit share of the completion; kills its own worker process at call KILL_AT (and later ones)."""
+    n = _count_call()
+    if n == KILL_AT or (KILL_EVERY_LATER_CALL and n > KILL_AT):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
+
+
+def actor_pids(*class_names: str) -> list[int]:
+    """Processes whose title says they run an actor of one of `class_names` (Ray sets `ray::Class...`)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode()
+        except (OSError, ValueError):
+            continue
+        if any(title.startswith(f"ray::{name}") for name in class_names):
+            pids.append(int(proc.name))
+    return pids
+
+
+def trainer_killing_reward(prompt: str, completion: str, **fields) -> float:
+    """Digit share; at call KILL_AT it kills the trainer actor's process instead."""
+    if _count_call() == KILL_AT:
+        for pid in actor_pids("GRPOTrainer"):
+            os.kill(pid, signal.SIGKILL)
+    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
+
+
+def _config(tmp_path: Path, reward, **rollout) -> titanrl.RunConfig:
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", seed=5, std=0.1)
+    rows = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(40)]
+    write_rows(tmp_path / "train.jsonl", rows)
+    write_rows(tmp_path / "eval.jsonl", rows[:8])
+    return titanrl.RunConfig(
+        model=titanrl.ModelConfig(checkpoint=str(ckpt)),
+        data=titanrl.DataConfig(train_file=str(tmp_path / "train.jsonl"), eval_file=str(tmp_path / "eval.jsonl")),
+        rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=8, max_model_len=64,
+                                      continuous=True, **rollout),
+        train=titanrl.TrainConfig(steps=4, lr=3e-3, max_staleness=1),
+        eval=titanrl.EvalConfig(every_steps=2, correct_threshold=0.5),
+        output=titanrl.OutputConfig(dir=str(tmp_path / "run"), progress_bar=False, rollouts_per_step=4,
+                                    save_every_steps=1),
+        rewards=[reward],
+    )
+
+
+def _arm(tmp_path: Path, kill_at: int, every_later_call: bool = False) -> None:
+    global COUNTER_DIR, KILL_AT, KILL_EVERY_LATER_CALL
+    COUNTER_DIR, KILL_AT, KILL_EVERY_LATER_CALL = str(tmp_path), kill_at, every_later_call
+
+
+def _alive_run_actors() -> list[int]:
+    """Processes of this run's actors still alive (killed actors' processes exit within moments)."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while (pids := actor_pids("GRPOTrainer", "TrainerGroup", "RolloutWorker", "ContinuousRolloutWorker")) and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+    return pids
+
+
+@pytest.mark.slow
+def test_killed_worker_is_replaced_and_every_group_is_trained_exactly_once(tmp_path, ray_session):
+    """Worker 0 or 1 is SIGKILLed mid-run (reward call 24 of 64, inside step 2's or 3's groups). The run
+    finishes: a replacement took the newest weights and regenerated the lost groups; every step
+    trained exactly its own 4 groups (no group lost, none twice); staleness stayed <= 1; the buffer
+    and idle metrics are logged; no actor of the run is left alive."""
+    _arm(tmp_path, kill_at=24)
+    result = titanrl.train(_config(tmp_path, killing_reward, num_workers=2))
+
+    steps = [m for m in result.metrics if m["step"] > 0]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert steps[-1]["workers/restarts"] == 1.0
+    for m in steps:
+        assert m["staleness/max"] <= 1
+        for key in ("buffer/groups_waiting", "buffer/groups_in_flight", "time/trainer_idle_s", "time/worker_idle_s"):
+            assert isinstance(m[key], float), key
+    assert any("time/weight_sync_s" in m for m in steps)
+    evals = {m["step"]: m["eval/policy_version"] for m in result.metrics if "eval/policy_version" in m}
+    assert evals == {0: 0, 2: 2, 4: 4}
+
+    rows = [json.loads(line) for line in (result.run_dir / "rollouts.jsonl").read_text().splitlines()]
+    for step in range(1, 5):
+        ids = [r["group_id"] for r in rows if r["step"] == step]
+        assert sorted(set(ids)) == list(range((step - 1) * 4, step * 4))
+        assert len(ids) == 16  # 4 samples of each of its 4 groups, each group once
+    assert _alive_run_actors() == []
+
+
+@pytest.mark.slow
+def test_worker_that_keeps_dying_stops_the_run_with_a_checkpoint(tmp_path, ray_session):
+    """From reward call 45 on (after 8 eval and 32 step-1/2 calls: step 3's groups, admitted after step 1
+    finished), every reward kills its worker: the
+    replacements die too, and after three deaths in a row the run stops with a message that says so
+    and the last completed step saved."""
+    _arm(tmp_path, kill_at=45, every_later_call=True)
+    config = _config(tmp_path, killing_reward, num_workers=1)
+    with pytest.raises(RunStopped, match="died 3 times in a row") as stopped:
+        titanrl.train(config)
+    saved = latest_checkpoint(config.output.dir)
+    assert saved is not None and saved.step >= 1
+    assert str(saved.path) in str(stopped.value)
+    assert _alive_run_actors() == []
+
+
+@pytest.mark.slow
+def test_dead_trainer_stops_the_run_cleanly_with_the_last_checkpoint(tmp_path, ray_session):
+    """The trainer's process is SIGKILLed mid-run (reward call 60: past 8 eval and 48 step-1..3 calls, so
+    step 4's groups or step 2's eval, both after step 1's checkpoint): the run stops with RunStopped
+    naming the newest checkpoint, and no actor of the run is left alive."""
+    _arm(tmp_path, kill_at=60)
+    config = _config(tmp_path, trainer_killing_reward, num_workers=1)
+    with pytest.raises(RunStopped) as stopped:
+        titanrl.train(config)
+    saved = latest_checkpoint(config.output.dir)
+    assert saved is not None and saved.step >= 1
+    assert str(saved.path) in str(stopped.value)
+    assert _alive_run_actors() == []

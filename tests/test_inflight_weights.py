@@ -1,0 +1,95 @@
+"""In-flight weight updates on the real vLLM engine (`AsyncGenerator.update_weights`).
+
+New weights land between two engine steps while a request is running. With the default
+('continue'), the request keeps its tokens, every token records the version that sampled it,
+and vLLM recomputes the KV cache with the new weights: the logprobs after the switch are the
+new model's on the whole sequence, not a mix with stale keys and values. With 'regenerate'
+the request is aborted and its caller told to start over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from titanrl.models.hf_checkpoint import hf_state_dict, load_model, load_state_dict_into  # noqa: E402
+from titanrl.rollout.async_engine import AsyncGenerator, WeightsChanged  # noqa: E402
+
+TOL = 1e-5
+PROMPT = [5, 6, 7, 8]
+
+
+def _our_logprobs(model, seq: list[int]) -> torch.Tensor:
+    """The trainer's log p(token t+1 | tokens <= t) at temperature 1."""
+    with torch.no_grad():
+        logits = model(torch.tensor([seq]))[0].float()
+    return torch.log_softmax(logits, dim=-1)[torch.arange(len(seq) - 1), torch.tensor(seq[1:])]
+
+
+async def _generate_with_update(engine, new_state, version: int, after_tokens: int, regenerate: bool = False):
+    """One 40-token request; `new_state` is pushed once it has `after_tokens` tokens."""
+    async with AsyncGenerator(engine) as gen:
+        request = asyncio.ensure_future(gen.generate(PROMPT, temperature=1.0, max_tokens=40, seed=11))
+        while not any(len(v) >= after_tokens for v in gen._versions.values()):
+            await asyncio.sleep(0)
+        await gen.update_weights(new_state, version, regenerate=regenerate)
+        return await request
+
+
+def _models(checkpoint):
+    old_model, _ = load_model(checkpoint)
+    old_state = hf_state_dict(old_model)
+    gen = torch.Generator().manual_seed(4)
+    new_state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in old_state.items()}
+    new_model, _ = load_model(checkpoint)
+    load_state_dict_into(new_model, new_state)
+    return old_model, old_state, new_model, new_state
+
+
+def test_update_mid_request_keeps_tokens_and_recomputes_kv_with_new_weights(vllm_engine, vllm_tiny_checkpoint):
+    """A push after 10 tokens: those tokens equal an undisturbed request's (same seed) and carry the
+    old version with the old model's logprobs; every later token carries the new version, and its
+    logprob is the new model's over the whole sequence (<= 1e-5), which differs from the old model's
+    (> 1e-3): the KV cache of the first tokens was recomputed, not reused stale."""
+    old_model, old_state, new_model, new_state = _models(vllm_tiny_checkpoint)
+    start = vllm_engine.policy_version
+    undisturbed = asyncio.run(_run_plain(vllm_engine))
+    try:
+        c = asyncio.run(_generate_with_update(vllm_engine, new_state, start + 1, after_tokens=10))
+    finally:
+        vllm_engine.update_weights(old_state, start)  # the shared engine goes back to where it was
+    k = c.token_versions.index(start + 1)
+    assert 10 <= k < len(c.token_ids) == 40
+    assert c.token_versions == [start] * k + [start + 1] * (40 - k)
+    assert c.policy_version == start
+    assert c.token_ids[:k] == undisturbed.token_ids[:k]
+    seq = c.prompt_token_ids + c.token_ids
+    p = len(c.prompt_token_ids) - 1
+    generated = torch.tensor(c.logprobs)
+    old_lp, new_lp = _our_logprobs(old_model, seq)[p:], _our_logprobs(new_model, seq)[p:]
+    assert (generated[:k] - old_lp[:k]).abs().max().item() <= TOL
+    assert (generated[k:] - new_lp[k:]).abs().max().item() <= TOL
+    assert (old_lp[k:] - new_lp[k:]).abs().max().item() > 1e-3
+
+
+async def _run_plain(engine):
+    async with AsyncGenerator(engine) as gen:
+        return await gen.generate(PROMPT, temperature=1.0, max_tokens=40, seed=11)
+
+
+def test_regenerate_aborts_running_requests(vllm_engine, vllm_tiny_checkpoint):
+    """With regenerate=True the running request is aborted and its caller gets WeightsChanged; the
+    engine then serves new requests with the new weights only."""
+    _, old_state, _, new_state = _models(vllm_tiny_checkpoint)
+    start = vllm_engine.policy_version
+    try:
+        with pytest.raises(WeightsChanged):
+            asyncio.run(_generate_with_update(vllm_engine, new_state, start + 1, after_tokens=5, regenerate=True))
+        after = asyncio.run(_run_plain(vllm_engine))
+        assert set(after.token_versions) == {start + 1}
+    finally:
+        vllm_engine.update_weights(old_state, start)  # the shared engine goes back to where it was

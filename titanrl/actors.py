@@ -1,0 +1,94 @@
+"""The run's Ray actors: the trainer (one process or a parallel group) and the rollout side.
+
+`start_trainer` and `start_rollouts` create the actors without waiting for them; `shut_down`
+closes engines inside their actors before killing them (a multiprocess engine would leave its
+shared memory behind otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from titanrl.config import RunConfig
+from titanrl.continuous import ContinuousRollouts
+from titanrl.data import PromptStream
+from titanrl.placement import Placement
+from titanrl.rollout.seeds import request_seed
+from titanrl.rollout_requests import LockstepRollouts
+
+
+def start_trainer(config: RunConfig, placement: Placement) -> Any:
+    """The trainer actor: `GRPOTrainer`, or `TrainerGroup` (same interface) for a parallel layout."""
+    import ray
+
+    from titanrl.trainer.trainer import GRPOTrainer
+    from titanrl.trainer.trainer_group import TrainerGroup
+
+    tc = config.train
+    trainer_cls = TrainerGroup if tc.parallel.world_size > 1 else GRPOTrainer
+    return ray.remote(trainer_cls).options(**placement.trainer_options()).remote(
+        config.model, tc, config.rollout.temperature, config.seed, batch_invariant=config.batch_invariant,
+        **placement.trainer_kwargs(),
+    )
+
+
+def start_rollouts(config: RunConfig, train_rows: list[dict[str, Any]],
+                   placement: Placement) -> LockstepRollouts | ContinuousRollouts:
+    """The rollout workers and the source of each step's groups (`rollout.continuous` picks which);
+    worker i (and any replacement of it) runs in the placement's bundle for worker i."""
+    import ray
+
+    from titanrl.rollout.continuous_worker import ContinuousRolloutWorker
+    from titanrl.rollout.worker import RolloutWorker
+
+    rc, tc = config.rollout, config.train
+    stream = PromptStream(train_rows, rc.prompts_per_step, config.data.shuffle_seed + config.seed)
+    turns = config.env.max_turns if config.env.factory is not None else 1
+    args = (config.model, rc, config.rewards, config.data.prompt_field, config.seed, config.env)
+    kwargs = dict(reward_timeout_s=config.reward_timeout_s, reward_error_value=config.reward_error_value,
+                  batch_invariant=config.batch_invariant)
+    if not rc.continuous:
+        worker_cls = ray.remote(RolloutWorker)
+        workers = [worker_cls.options(**placement.worker_options(i)).remote(i, *args, **kwargs)
+                   for i in range(rc.num_workers)]
+        return LockstepRollouts(workers, stream, config.seed, rc.group_size, turns, tc.max_staleness, tc.steps)
+
+    # An async actor: every admitted group is a call in flight on it (see ContinuousRolloutWorker).
+    most_in_flight = (1 + tc.max_staleness) * rc.prompts_per_step
+    worker_cls = ray.remote(ContinuousRolloutWorker)
+
+    def make_worker(i: int) -> Any:
+        return worker_cls.options(max_concurrency=most_in_flight + 16, **placement.worker_options(i)).remote(
+            i, *args, on_weight_update=rc.on_weight_update, **kwargs)
+
+    return ContinuousRollouts.for_run(
+        make_worker, rc.num_workers, stream, rc.prompts_per_step, tc.max_staleness, tc.steps,
+        lambda group_id: request_seed(config.seed, group_id, rc.group_size, turns),
+    )
+
+
+def shut_down(rollouts: LockstepRollouts | ContinuousRollouts, trainer: Any) -> None:
+    """Closes the weight transport and the engines inside their actors first, then kills every actor
+    (dead ones are skipped)."""
+    import ray
+
+    try:
+        rollouts.close()
+    except Exception:  # e.g. the trainer died: its end of the transport is gone already
+        pass
+    workers = rollouts.workers
+    closing = []
+    for w in workers:
+        try:
+            closing.append(w.close.remote())
+        except Exception:  # an actor that already died has nothing to close
+            pass
+    try:
+        ray.wait(closing, num_returns=len(closing), timeout=60)
+    except Exception:
+        pass
+    for actor in [*workers, trainer]:
+        try:
+            ray.kill(actor)
+        except Exception:
+            pass

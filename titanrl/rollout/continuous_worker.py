@@ -1,0 +1,161 @@
+"""ContinuousRolloutWorker: generates group by group and takes new weights without stopping.
+
+It runs as an async Ray actor: every call awaits a coroutine on the worker's own event loop (a
+background thread, so the engine never blocks Ray's loop), where a single `AsyncGenerator`
+pump steps vLLM for every request in flight. So the driver's many
+`generate_group` calls share one continuous batch, a group that finishes is returned at once,
+and `update_weights` lands between two engine steps while the other groups keep going:
+
+- `rollout.on_weight_update="continue"` (partial rollouts): running requests keep their tokens,
+  vLLM recomputes their KV cache with the new weights, and each token records the version that
+  sampled it (`Sample.token_versions`); the trainer's behaviour policy is the generator's logprobs.
+- `"regenerate"`: running requests are aborted and their groups start again with the new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from titanrl.rewards.batch_scoring import ToScore
+from titanrl.rewards.scoring import eval_summary, row_fields
+from titanrl.rollout.async_engine import AsyncGenerator, WeightsChanged
+from titanrl.rollout.worker import RolloutWorker
+from titanrl.types import Group
+
+T = TypeVar("T")
+
+
+class ContinuousRolloutWorker(RolloutWorker):
+    """RolloutWorker's engine, rewards and environments, driven one group at a time."""
+
+    def __init__(self, *args: Any, on_weight_update: str = "continue", **kwargs: Any) -> None:
+        """Arguments as RolloutWorker's; `on_weight_update` is `rollout.on_weight_update`."""
+        super().__init__(*args, **kwargs)
+        if on_weight_update not in ("continue", "regenerate"):
+            raise ValueError(f"on_weight_update must be 'continue' or 'regenerate', got {on_weight_update!r}")
+        self.regenerate = on_weight_update == "regenerate"
+        # An env worker's sandbox pool was started on the env runner's loop: keep using that one.
+        self.loop = self.env_runner.loop if self.env_factory is not None else asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="titanrl-rollout-loop", daemon=True)
+        self._thread.start()
+        self.generator = AsyncGenerator(self.engine)
+        self._updates = self._call(self._start())
+
+    async def _start(self) -> asyncio.Lock:
+        await self.generator.__aenter__()
+        return asyncio.Lock()  # held by an evaluation so that its whole batch sees one version
+
+    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Runs `coroutine` on the worker's loop and blocks until it is done (set-up and shut-down)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    async def _on_worker_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Runs `coroutine` on the worker's loop; Ray's loop serves other calls meanwhile."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self.loop))
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate_group(self, row: dict[str, Any], seed: int, group_id: int, min_version: int) -> Group:
+        """`group_size` scored samples (or episodes) of `row`, started from weights >= `min_version`.
+
+        `seed` is `titanrl.rollout.seeds.request_seed(run_seed, group_id, group_size, turns)`.
+        """
+        return await self._on_worker_loop(self._generate_group(row, seed, group_id, min_version))
+
+    async def _generate_group(self, row: dict[str, Any], seed: int, group_id: int, min_version: int) -> Group:
+        await self.generator.wait_for_version(min_version)
+        while True:
+            try:
+                if self.env_factory is not None:
+                    return await self.env_runner.generate_group(row, seed, group_id, self.generator)
+                return await self._single_turn_group(row, seed, group_id)
+            except WeightsChanged:
+                continue  # on_weight_update="regenerate": start the group over with the new weights
+
+    async def _single_turn_group(self, row: dict[str, Any], seed: int, group_id: int) -> Group:
+        prompt = row[self.prompt_field]
+        completions = await asyncio.gather(*(
+            self.generator.generate(
+                prompt, temperature=self.cfg.temperature, top_p=self.cfg.top_p, max_tokens=self.cfg.max_new_tokens,
+                seed=seed + i, stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
+            )
+            for i in range(self.cfg.group_size)
+        ))
+        fields = row_fields(row, self.prompt_field)
+        scored = await self.scorer.score_async([ToScore(prompt, c.text, fields) for c in completions])
+        return Group([self._sample(row, c, reward, error, group_id)
+                      for c, (reward, error) in zip(completions, scored, strict=True)])
+
+    # ------------------------------------------------------------------ weights and evaluation
+
+    async def update_weights(self, state_dict: dict[str, Any], version: int) -> float:
+        """Loads new weights between two engine steps, groups in flight; returns the load time."""
+        return await self._on_worker_loop(self._update_weights(state_dict, version))
+
+    async def _update_weights(self, state_dict: dict[str, Any], version: int) -> float:
+        async with self._updates:
+            await self.generator.update_weights(state_dict, version, regenerate=self.regenerate)
+        return self.engine.last_push_seconds or 0.0
+
+    async def open_weight_sync(self, plan: Any, rank: int) -> None:
+        """RolloutWorker's, on the worker's loop (the engine is only ever touched from there)."""
+        return await self._on_worker_loop(self._in_loop(super().open_weight_sync, plan, rank))
+
+    async def receive_weights(self, announcement: Any, version: int) -> float:
+        """Loads an announced version (`titanrl.weight_sync`) between two engine steps, groups in flight."""
+        return await self._on_worker_loop(self._receive_weights(announcement, version))
+
+    async def _receive_weights(self, announcement: Any, version: int) -> float:
+        from titanrl.weight_sync import WeightReceiver
+
+        if getattr(self, "weight_receiver", None) is None:  # object_store needs no set-up
+            self.weight_receiver = WeightReceiver(self.engine)
+        seconds: list[float] = []
+        async with self._updates:
+            await self.generator.apply_update(
+                lambda: seconds.append(self.weight_receiver.receive(announcement, version, recompute_running=True)),
+                version, regenerate=self.regenerate)
+        return seconds[0]
+
+    async def close_weight_sync(self) -> None:
+        return await self._on_worker_loop(self._in_loop(super().close_weight_sync))
+
+    @staticmethod
+    async def _in_loop(fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    async def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int, correct_threshold: float,
+                 min_version: int = 0) -> dict[str, Any]:
+        """Greedy rewards of held-out rows under one policy version (>= `min_version`), generated
+        alongside the training groups; weight updates wait until it is done."""
+        return await self._on_worker_loop(self._evaluate(rows, max_new_tokens, correct_threshold, min_version))
+
+    async def _evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int, correct_threshold: float,
+                        min_version: int) -> dict[str, Any]:
+        await self.generator.wait_for_version(min_version)
+        async with self._updates:
+            if self.env_factory is not None:
+                return await self.env_runner.evaluate_async(rows, correct_threshold, self.generator)
+            completions = await asyncio.gather(*(
+                self.generator.generate(row[self.prompt_field], temperature=0.0, max_tokens=max_new_tokens,
+                                        stop_token_ids=[self.eos_id] if self.eos_id is not None else None)
+                for row in rows
+            ))
+            scored = await self.scorer.score_async(
+                [ToScore(row[self.prompt_field], c.text, row_fields(row, self.prompt_field))
+                 for row, c in zip(rows, completions, strict=True)]
+            )
+            return eval_summary([r for r, _ in scored], correct_threshold, self.engine.policy_version,
+                                [e for _, e in scored])
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._call(self.generator.__aexit__(None, None, None))
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=30)
+        super().close()
+        if self.env_factory is None:  # an env worker's loop is closed by its env runner
+            self.loop.close()

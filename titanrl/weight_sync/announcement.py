@@ -1,0 +1,53 @@
+"""The small message a publish produces and the driver hands to every worker.
+
+It names the version and the layout, and carries what the transport needs to find the bytes:
+the tensors themselves (object store), a shared-memory segment's name (shared memory), or the
+bucket size of the broadcast that follows (broadcast).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from titanrl.weight_sync.layout import WeightLayout
+
+
+@dataclass
+class WeightAnnouncement:
+    """One published policy version, as the receivers need to know it."""
+
+    transport: str
+    """The transport that carries this version (a receiver opened for another one refuses it)."""
+    version: int
+    """Policy version of the weights."""
+    layout: WeightLayout
+    """Names, shapes, dtypes and byte offsets of every tensor (checked against the engine's model)."""
+    publish_seconds: float = 0.0
+    """Trainer time spent publishing (gather and copy into the transport), for time/weight_sync_s."""
+    tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    """object_store: the weights themselves (Ray copies them into its object store)."""
+    segment: str | None = None
+    """shared_memory: name of the segment holding this version."""
+    sender_id: str = ""
+    """shared_memory: which sender owns the segments (a receiver may map several senders')."""
+    live_segments: tuple[str, ...] = ()
+    """shared_memory: every segment the sender still owns; receivers unmap the others."""
+    bucket_bytes: int = 0
+    """broadcast: bytes per broadcast bucket."""
+    timeout_s: float = 300.0
+    """shared_memory: longest a receiver waits for the trainer to write what it announced."""
+
+    def to_wire(self) -> dict:
+        """Plain data for vLLM's multiprocess RPC (tensors never go this way)."""
+        return {"transport": self.transport, "version": self.version, "layout": self.layout.to_wire(),
+                "segment": self.segment, "sender_id": self.sender_id, "live_segments": list(self.live_segments),
+                "bucket_bytes": self.bucket_bytes, "timeout_s": self.timeout_s}
+
+    @staticmethod
+    def from_wire(wire: dict) -> WeightAnnouncement:
+        return WeightAnnouncement(wire["transport"], int(wire["version"]), WeightLayout.from_wire(wire["layout"]),
+                                  segment=wire["segment"], sender_id=wire["sender_id"],
+                                  live_segments=tuple(wire["live_segments"]),
+                                  bucket_bytes=int(wire["bucket_bytes"]), timeout_s=float(wire["timeout_s"]))

@@ -1,0 +1,38 @@
+"""Object-store transport: the announcement carries the tensors; Ray moves it like any result.
+
+The trainer returns the weights from `publish_weights`; Ray serialises them into its object
+store once, and each worker's `receive_weights(announcement_ref, ...)` gets its own copy
+(deserialised in the worker's process) that the engine then copies into its parameters.
+Works across machines; costs the most copies of the three transports.
+"""
+
+from __future__ import annotations
+
+import time
+
+from titanrl.weight_sync.announcement import WeightAnnouncement
+from titanrl.weight_sync.source import WeightSource, in_layout_order
+
+
+class ObjectStoreSender:
+    """Trainer side: nothing to set up."""
+
+    phase = "publish"
+    """The call in which this transport reads the source (a parallel trainer's other ranks join its gathers then)."""
+
+    def publish(self, version: int, source: WeightSource) -> WeightAnnouncement:
+        """The announcement holds the tensors as CPU tensors. They may be views of the live
+        parameters: Ray serialises a method's result before the actor runs its next call, so the
+        copy in the object store is this version's, but a caller in the same process that keeps
+        the announcement past the next optimizer step must copy them itself."""
+        t0 = time.perf_counter()
+        layout = source.layout()
+        tensors = {layout.tensors[i].name: t.detach().to("cpu") for i, t in in_layout_order(layout, source)}
+        return WeightAnnouncement("object_store", version, layout, publish_seconds=time.perf_counter() - t0,
+                                  tensors=tensors)
+
+    def send(self, version: int, source: WeightSource) -> float:
+        return 0.0  # the announcement carried everything
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,87 @@
+"""Where a sender reads the weights from: the trainer's model, or the gather of a sharded one.
+
+A source gives the layout up front and then the tensors one at a time, in layout order, so a
+sender copies or sends each as it comes and a sharded model never materialises in full.
+In a parallel trainer every rank iterates `tensors()` (the gathers are collectives); only
+rank 0 gets tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from titanrl.weight_sync.layout import WeightLayout, WeightSyncError, build_layout, layout_of
+
+if TYPE_CHECKING:
+    from titanrl.models.qwen3 import Qwen3ForCausalLM
+    from titanrl.trainer.parallel.parallelize import ParallelModel
+
+
+class WeightSource(Protocol):
+    def layout(self) -> WeightLayout:
+        """Every tensor `tensors()` will yield, in that order."""
+        ...
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) in layout order; a tensor may be a view of a live parameter,
+        valid until the model next changes."""
+        ...
+
+
+class TensorsWeights:
+    """A dict of named tensors (e.g. a state dict) as a source."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._tensors = {k: v.detach() for k, v in tensors.items()}
+
+    def layout(self) -> WeightLayout:
+        return layout_of(self._tensors.items())
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self._tensors.items()
+
+
+class ModelWeights(TensorsWeights):
+    """An unsharded model's HF-named parameters (tied LM head omitted), as views: no copy."""
+
+    def __init__(self, model: Qwen3ForCausalLM) -> None:
+        from titanrl.models.hf_checkpoint import hf_state_dict
+
+        super().__init__(hf_state_dict(model))
+
+
+class GatheredWeights:
+    """A parallelized model's full tensors, gathered bucket by bucket to rank 0 as they are sent."""
+
+    def __init__(self, pm: ParallelModel, dtype: torch.dtype, gather_bucket_bytes: int = 64 << 20) -> None:
+        self.pm, self.dtype, self.gather_bucket_bytes = pm, dtype, gather_bucket_bytes
+
+    def layout(self) -> WeightLayout:
+        from titanrl.trainer.parallel.gather import hf_parameter_shapes
+
+        return build_layout((name, shape, self.dtype) for name, shape in hf_parameter_shapes(self.pm))
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from titanrl.trainer.parallel.gather import iter_full_weights
+
+        for bucket in iter_full_weights(self.pm, self.gather_bucket_bytes):
+            yield from bucket
+
+
+def in_layout_order(layout: WeightLayout, source: WeightSource) -> Iterator[tuple[int, torch.Tensor]]:
+    """(index into layout.tensors, tensor) for each tensor of `source`, checking that it keeps its
+    layout: a source that yields something else is a bug on the sending side, named here."""
+    count = 0
+    for i, (name, tensor) in enumerate(source.tensors()):
+        spec = layout.tensors[i] if i < len(layout.tensors) else None
+        if spec is None or spec.name != name or tuple(tensor.shape) != spec.shape:
+            expected = f"{spec.name} {spec.shape}" if spec else "no more tensors"
+            raise WeightSyncError(f"weight source yielded {name} {tuple(tensor.shape)} at position {i}, "
+                                  f"its layout says {expected}")
+        count += 1
+        yield i, tensor
+    if count != len(layout.tensors):
+        raise WeightSyncError(f"weight source yielded {count} tensors, its layout has {len(layout.tensors)}")

@@ -1,0 +1,64 @@
+"""The receiving end inside the engine: a model's parameters, checked against a layout, then written.
+
+Runs where the vLLM model lives (the RolloutWorker's process for the in-process engine, the
+engine-core process for the multiprocess one). The whole layout is checked before the first
+byte is written, so a wrong announcement never leaves the engine half-loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from titanrl.weight_sync.layout import TensorSpec, WeightLayout, WeightSyncError
+
+SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+"""Buffers some HF checkpoints carry that the model recomputes (as `load_weights` skips them)."""
+
+
+class ParameterTarget:
+    """A model's parameters by HF name, as the destination of a weight transfer."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = dict(model.named_parameters())  # a tied LM head appears once, as the embedding
+        self.tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+
+    def check(self, layout: WeightLayout, allow_partial: bool = False) -> list[torch.Tensor | None]:
+        """For each tensor of `layout`, the parameter data it goes into (None: not loaded here,
+        e.g. a tied LM head). Raises WeightSyncError naming what does not fit, before any write."""
+        dests: list[torch.Tensor | None] = []
+        problems: list[str] = []
+        for spec in layout.tensors:
+            dests.append(self._dest(spec, problems))
+        missing = set(self.params) - {s.name for s in layout.tensors}
+        if missing and not allow_partial:
+            problems.append(f"{len(missing)} parameter(s) missing, e.g. {sorted(missing)[:3]}")
+        if problems:
+            raise WeightSyncError(
+                f"the announced weights ({layout.describe()}) do not fit this engine's model "
+                f"({len(self.params)} parameters): {'; '.join(problems[:4])}"
+                f"{f' (and {len(problems) - 4} more)' if len(problems) > 4 else ''}. Publish from a "
+                "trainer of the same model (model.checkpoint) as the rollout workers"
+            )
+        return dests
+
+    def _dest(self, spec: TensorSpec, problems: list[str]) -> torch.Tensor | None:
+        if (spec.name == "lm_head.weight" and self.tied) or spec.name.endswith(SKIPPED_SUFFIXES):
+            return None
+        param = self.params.get(spec.name)
+        if param is None:
+            problems.append(f"{spec.name!r} matches no parameter")
+            return None
+        if tuple(param.shape) != spec.shape:
+            problems.append(f"{spec.name!r} has shape {spec.shape}, the engine's is {tuple(param.shape)}")
+            return None
+        if not param.is_contiguous():
+            problems.append(f"the engine's {spec.name!r} is not contiguous (cannot be written in place)")
+            return None
+        return param.data
+
+
+def write_piece(dest: torch.Tensor, first: int, src: torch.Tensor) -> None:
+    """Copies the flat `src` into elements [first, first + numel) of `dest` (casting if dtypes differ)."""
+    with torch.no_grad():
+        dest.view(-1)[first : first + src.numel()].copy_(src)
