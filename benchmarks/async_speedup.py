@@ -6,9 +6,12 @@ The same job (model, data, seed, steps, 2 rollout workers) runs twice:
          while the trainer works, new weights land between engine steps).
 Every episode calls a tool that waits a random 50-300 ms before answering (a remote sandbox
 or grader), `--turns` times. Prints one JSON line per run and a summary line:
-  {"sync_s": ..., "async_s": ..., "speedup": ..., "sync_final_reward": ..., "async_final_reward": ...}
-Times are the training loop's wall time (first step to last), without actor start-up; the
-final reward is the mean `reward/mean` of the last 5 steps.
+  {"sync_s": ..., "async_s": ..., "speedup": ..., "sync_final_reward": ..., "async_final_reward": ..., ...}
+Times are the training loop's wall time (first step to last, the final evaluation included),
+without actor start-up. Rewards: `final_eval_reward` is the final policy's greedy reward on 32
+held-out prompts (the fair comparison: at equal steps, an asynchronous run's last training
+samples come from an older policy than a synchronous run's); `final_train_reward` is the mean
+`reward/mean` of the last 5 steps. Both runs use train.decoupled_loss.
 
     python benchmarks/async_speedup.py [--steps 20] [--turns 3]
 """
@@ -64,13 +67,14 @@ def run_config(root: Path, name: str, steps: int, continuous: bool, max_stalenes
     if not ckpt.exists():
         write_tiny_checkpoint(ckpt, seed=5, std=0.1)
         write_rows(root / "train.jsonl", [{"prompt": f"{i}+{i % 7}="} for i in range(64)])
+        write_rows(root / "eval.jsonl", [{"prompt": f"{i}*{i % 5}="} for i in range(32)])
     return titanrl.RunConfig(
         model=titanrl.ModelConfig(checkpoint=str(ckpt)),
-        data=titanrl.DataConfig(train_file=str(root / "train.jsonl")),
+        data=titanrl.DataConfig(train_file=str(root / "train.jsonl"), eval_file=str(root / "eval.jsonl")),
         rollout=titanrl.RolloutConfig(num_workers=2, prompts_per_step=8, group_size=4, max_new_tokens=8,
                                       max_model_len=128, continuous=continuous),
-        train=titanrl.TrainConfig(steps=steps, lr=3e-3, max_staleness=max_staleness),
-        eval=titanrl.EvalConfig(every_steps=0),
+        train=titanrl.TrainConfig(steps=steps, lr=3e-3, max_staleness=max_staleness, decoupled_loss=True),
+        eval=titanrl.EvalConfig(every_steps=steps),  # step 0 (before the loop) and the final policy
         env=titanrl.EnvConfig(factory=make_env, max_turns=TURNS, max_total_tokens=96, sandbox_pool_size=0),
         output=titanrl.OutputConfig(dir=str(root / name), progress_bar=False, rollouts_per_step=1),
         seed=0,
@@ -83,7 +87,8 @@ def measure(config: titanrl.RunConfig) -> dict[str, float]:
     last = rows[-5:]
     return {
         "loop_s": rows[-1]["time/elapsed_s"] - loop_start,
-        "final_reward": sum(m["reward/mean"] for m in last) / len(last),
+        "final_eval_reward": rows[-1]["eval/reward_mean"],
+        "final_train_reward": sum(m["reward/mean"] for m in last) / len(last),
         "first_reward": rows[0]["reward/mean"],
         "trainer_idle_s": sum(m.get("time/trainer_idle_s", m["time/wait_rollout_s"]) for m in rows),
         "staleness_max": max(m["staleness/max"] for m in rows),
@@ -107,7 +112,9 @@ def main() -> None:
         "benchmark": "async_speedup", "steps": args.steps, "turns": args.turns, "workers": 2,
         "sync_s": round(sync["loop_s"], 2), "async_s": round(async_["loop_s"], 2),
         "speedup": round(sync["loop_s"] / async_["loop_s"], 2),
-        "sync_final_reward": round(sync["final_reward"], 4), "async_final_reward": round(async_["final_reward"], 4),
+        "sync_final_reward": round(sync["final_eval_reward"], 4), "async_final_reward": round(async_["final_eval_reward"], 4),
+        "sync_final_train_reward": round(sync["final_train_reward"], 4),
+        "async_final_train_reward": round(async_["final_train_reward"], 4),
     }))
 
 

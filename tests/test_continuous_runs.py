@@ -157,3 +157,25 @@ def test_dead_trainer_stops_the_run_cleanly_with_the_last_checkpoint(tmp_path, r
     assert saved is not None and saved.step >= 1
     assert str(saved.path) in str(stopped.value)
     assert _alive_run_actors() == []
+
+
+def _shm_names() -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("continuous", [False, True])
+def test_shared_memory_transport_run_leaves_no_segment_or_actor_behind(tmp_path, ray_session, continuous):
+    """A whole run pushing weights through shared memory (lock-step and continuous): every step's push
+    reached the workers (eval after the last step reports its version), and once `train` returns no
+    shared-memory segment it created is left in /dev/shm and no actor of the run is alive."""
+    _arm(tmp_path, kill_at=10**9)
+    config = _config(tmp_path, killing_reward, num_workers=2, weight_transport="shared_memory")
+    config.rollout.continuous = continuous
+    config.train.steps = 2
+    before = _shm_names()
+    result = titanrl.train(config)
+    evals = {m["step"]: m["eval/policy_version"] for m in result.metrics if "eval/policy_version" in m}
+    assert evals == {0: 0, 2: 2}
+    assert _shm_names() - before == set()
+    assert _alive_run_actors() == []

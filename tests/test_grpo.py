@@ -475,3 +475,55 @@ def test_non_finite_minibatch_skips_only_its_step(ckpt):
     assert m["loss"] == ref["loss"] and m["grad_norm"] == ref["grad_norm"]  # means over steps taken
     _assert_same_params(_params(a), _params(b))
     _assert_same_optimizer_state(_optimizer_state(a), _optimizer_state(b))
+
+
+# ----------------------------------------------------------------------------- decoupled loss
+
+
+def test_decoupled_loss_on_policy_equals_ppo_clip_with_identical_gradients():
+    """When the behaviour logprobs are the proximal ones (on-policy), the decoupled loss and its gradient
+    are exactly PPO-clip's."""
+    from titanrl.trainer.grpo import decoupled_surrogate_loss
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 5, generator=g)
+    adv, mask = torch.tensor([1.0, -0.5, 2.0]), (torch.rand(3, 5, generator=g) > 0.2).float()
+    a, b = base.clone().requires_grad_(), base.clone().requires_grad_()
+    plain, _ = clipped_surrogate_loss(a, base, adv, mask, 0.2)
+    decoupled, _ = decoupled_surrogate_loss(b, base, base, adv, mask, 0.2)
+    plain.backward()
+    decoupled.backward()
+    assert torch.equal(plain, decoupled) and torch.equal(a.grad, b.grad)
+
+
+def test_decoupled_loss_keeps_stale_tokens_with_a_truncated_weight():
+    """Tokens sampled by an older policy (pi_prox / pi_behav = 1.5 and 3) keep a gradient, -A * weight per
+    token with the weight truncated at 2; plain PPO-clip around the behaviour policy clips them to zero."""
+    from titanrl.trainer.grpo import decoupled_surrogate_loss
+
+    prox = torch.tensor([[-1.0, -2.0]])
+    behaviour = prox - torch.log(torch.tensor([[1.5, 3.0]]))
+    adv, mask = torch.tensor([1.0]), torch.ones(1, 2)
+    lp = prox.clone().requires_grad_()
+    loss, _ = decoupled_surrogate_loss(lp, prox, behaviour, adv, mask, 0.2, weight_cap=2.0)
+    loss.backward()
+    assert torch.allclose(lp.grad, torch.tensor([[-1.5, -2.0]]), atol=1e-6)
+    lp_plain = prox.clone().requires_grad_()
+    plain, _ = clipped_surrogate_loss(lp_plain, behaviour, adv, mask, 0.2)
+    plain.backward()
+    assert torch.equal(lp_plain.grad, torch.zeros(1, 2))
+
+
+def test_trainer_decoupled_loss_on_policy_matches_plain_step(ckpt):
+    """A GRPOTrainer step with decoupled_loss on groups whose generator logprobs are the trainer's own gives
+    the same loss and weights as the plain step (to float rounding); with two minibatches the proximal
+    logprobs are measured once up front and the step still trains."""
+    plain, decoupled = _trainer(ckpt), _trainer(ckpt, decoupled_loss=True)
+    groups = _groups(plain.model, [[1.0, 0.0, 0.5], [0.0, 0.0, 1.0, 0.25]], plain.temperature)
+    m_plain, m_dec = plain.step(groups), decoupled.step(groups)
+    assert m_dec["loss"] == pytest.approx(m_plain["loss"], abs=1e-6)
+    for (name, p), q in zip(plain.model.named_parameters(), decoupled.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), name
+    two = _trainer(ckpt, decoupled_loss=True, minibatches=2)
+    metrics = two.step(groups)
+    assert metrics["train/optimizer_steps"] == 2.0 and math.isfinite(metrics["loss"])

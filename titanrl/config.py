@@ -145,6 +145,13 @@ class TrainConfig:
     """PPO clip range below 1 (and above, unless clip_eps_high is set)."""
     clip_eps_high: float | None = None
     """Upper clip range (DAPO's clip-higher); None means clip_eps."""
+    decoupled_loss: bool = False
+    """Clip the PPO ratio around the trainer's weights before the update (the proximal policy) and
+    weight each token by pi_prox / pi_generator (truncated at behaviour_weight_cap), as AReaL does
+    for stale samples. On-policy it equals plain PPO-clip; with max_staleness >= 1 it keeps stale
+    tokens from being clipped away. Costs one no-grad forward with minibatches or ppo_epochs > 1."""
+    behaviour_weight_cap: float = 2.0
+    """Truncation of the decoupled loss's importance weight pi_prox / pi_generator."""
     scale_advantages_by_std: bool = True
     """Divide group-centered rewards by the group std (GRPO); False gives Dr.GRPO-style centering."""
     micro_batch_size: int = 64
@@ -578,6 +585,13 @@ def _validate_trainer_layout(config: RunConfig, model_config: Any) -> None:
         raise ConfigError(f"train.device must be 'auto', 'cpu' or 'cuda', got {config.train.device!r}")
     p = config.train.parallel
     validate_parallel(p, model_config, world_size=None)
+    if config.train.decoupled_loss and p.world_size > 1:
+        raise ConfigError(
+            f"train.decoupled_loss is implemented for the single-process trainer, but train.parallel has "
+            f"world size {p.world_size}: set train.decoupled_loss=false or use one trainer process"
+        )
+    if config.train.behaviour_weight_cap <= 0:
+        raise ConfigError(f"train.behaviour_weight_cap must be > 0, got {config.train.behaviour_weight_cap}")
     if config.batch_invariant and (p.tp > 1 or p.pp > 1 or p.cp > 1):
         raise ConfigError(
             f"batch_invariant=True runs the trainer with data parallelism only (its kernels take whole "

@@ -172,7 +172,11 @@ class ContinuousRollouts:
 
         if not self.in_flight:
             return
-        ready, _ = ray.wait(list(self.in_flight), num_returns=len(self.in_flight), timeout=timeout)
+        refs = list(self.in_flight)
+        # Wake at the first finished group, then take every other one already finished.
+        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        if ready:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         for ref in ready:
             if ref not in self.in_flight:
                 continue  # its worker was replaced while handling an earlier ref

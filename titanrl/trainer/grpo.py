@@ -35,11 +35,13 @@ def clipped_surrogate_loss(
     mask_BT: torch.Tensor,
     clip_eps: float,
     clip_eps_high: float | None = None,
+    token_weights_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Summed (not averaged) per-token PPO-clip objective, negated for minimization.
 
     Returns the *sum* over masked tokens so callers can aggregate micro-batches into a
     token-mean over the whole batch by dividing by the batch's total token count.
+    `token_weights_BT` (constants) scale each token's term (see `decoupled_surrogate_loss`).
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
     log_ratio = (logprobs_BT - old_logprobs_BT) * mask_BT
@@ -48,6 +50,8 @@ def clipped_surrogate_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    if token_weights_BT is not None:
+        per_token = per_token * token_weights_BT
     loss_sum = (per_token * mask_BT).sum()
     with torch.no_grad():
         was_clipped = ((unclipped != clipped) & (mask_BT > 0)).float().sum()
@@ -57,3 +61,26 @@ def clipped_surrogate_loss(
             "max_abs_logprob_diff": ((logprobs_BT - old_logprobs_BT).abs() * mask_BT).max(),
         }
     return loss_sum, stats
+
+
+def decoupled_surrogate_loss(
+    logprobs_BT: torch.Tensor,
+    proximal_logprobs_BT: torch.Tensor,
+    behaviour_logprobs_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
+    weight_cap: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The decoupled PPO objective for stale samples (as in AReaL), summed like `clipped_surrogate_loss`.
+
+    The trust region is taken around the proximal policy (the trainer's weights before this
+    update), not around the behaviour policy that sampled the tokens, which may be several
+    versions older; the behaviour policy enters as the importance weight pi_prox / pi_behav,
+    truncated at `weight_cap`. For on-policy tokens the weight is 1 and this is plain PPO-clip.
+    """
+    with torch.no_grad():
+        weights = torch.exp((proximal_logprobs_BT - behaviour_logprobs_BT) * mask_BT).clamp(max=weight_cap)
+    return clipped_surrogate_loss(logprobs_BT, proximal_logprobs_BT, advantages_B, mask_BT, clip_eps, clip_eps_high,
+                                  token_weights_BT=weights)

@@ -19,7 +19,7 @@ from titanrl import kernels
 from titanrl.config import ModelConfig, TrainConfig
 from titanrl.models.hf_checkpoint import CheckpointError, hf_state_dict, save_checkpoint
 from titanrl.trainer import checkpoint as ckpt_io
-from titanrl.trainer.grpo import clipped_surrogate_loss, group_advantages, token_logprobs
+from titanrl.trainer.grpo import clipped_surrogate_loss, decoupled_surrogate_loss, group_advantages, token_logprobs
 from titanrl.trainer.lr_schedule import build_scheduler
 from titanrl.types import Group, PolicyVersion
 
@@ -189,11 +189,13 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------- gradients
 
-    def accumulate_gradients(self, batch: PackedBatch) -> GradStats:
+    def accumulate_gradients(self, batch: PackedBatch, proximal_BT: torch.Tensor | None = None) -> GradStats:
         """Leaves in `.grad` the gradient of the batch's token-mean loss; no optimizer step.
 
         Forward/backward runs in micro-batches of `micro_batch_size` rows; each backward is
         divided by the whole batch's token count, so the sum is the token-mean's gradient.
+        With `train.decoupled_loss`, `proximal_BT` holds the logprobs before this step's first
+        update (None: this forward is at those weights, so its own detached logprobs are them).
         """
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = batch.loss_mask_BT.sum().clamp(min=1.0)
@@ -207,10 +209,20 @@ class GRPOTrainer:
             T = int(mask.nonzero()[:, 1].max()) + 1 if mask.any() else 1
             logits = self.model(batch.input_ids_BT[sl, :T])
             logprobs = self.token_logprobs(logits, batch.targets_BT[sl, :T], self.temperature)
-            loss_sum, stats = clipped_surrogate_loss(
-                logprobs, batch.old_logprobs_BT[sl, :T], batch.advantages_B[sl], mask[:, :T],
-                self.cfg.clip_eps, self.cfg.clip_eps_high,
-            )
+            behaviour = batch.old_logprobs_BT[sl, :T]
+            if self.cfg.decoupled_loss:
+                proximal = logprobs.detach() if proximal_BT is None else proximal_BT[sl, :T]
+                loss_sum, stats = decoupled_surrogate_loss(
+                    logprobs, proximal, behaviour, batch.advantages_B[sl], mask[:, :T],
+                    self.cfg.clip_eps, self.cfg.clip_eps_high, self.cfg.behaviour_weight_cap,
+                )
+                with torch.no_grad():  # the mismatch stats stay trainer vs generator
+                    gap = (logprobs - behaviour).abs() * mask[:, :T]
+                    stats["abs_logprob_diff_sum"], stats["max_abs_logprob_diff"] = gap.sum(), gap.max()
+            else:
+                loss_sum, stats = clipped_surrogate_loss(
+                    logprobs, behaviour, batch.advantages_B[sl], mask[:, :T], self.cfg.clip_eps, self.cfg.clip_eps_high,
+                )
             (loss_sum / total_tokens).backward()
             loss_total += loss_sum.item()
             clipped += stats["clipped_tokens"].item()
@@ -219,6 +231,18 @@ class GRPOTrainer:
             diff_max = d if math.isnan(d) or d > diff_max else diff_max  # a NaN must show, not vanish
             parity.add(logprobs, batch.old_logprobs_BT[sl, :T], mask[:, :T] * batch.current_B[sl, None])
         return GradStats(loss_total, total_tokens.item(), clipped, diff_sum, diff_max, parity)
+
+    @torch.no_grad()
+    def proximal_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        """The current weights' logprobs of every target token (the decoupled loss's proximal policy)."""
+        out = torch.zeros_like(batch.old_logprobs_BT)
+        mb = self.cfg.micro_batch_size
+        for lo in range(0, batch.input_ids_BT.shape[0], mb):
+            sl = slice(lo, lo + mb)
+            T = batch.input_ids_BT.shape[1]
+            out[sl] = self.token_logprobs(self.model(batch.input_ids_BT[sl, :T]), batch.targets_BT[sl, :T],
+                                          self.temperature)
+        return out
 
     @torch.no_grad()
     def measure_parity(self, batch: PackedBatch) -> LogprobParity:
@@ -287,6 +311,8 @@ class GRPOTrainer:
         # With one minibatch the first forward sees every row at the generator's weights;
         # with several, later minibatches run after an update, so measure parity up front.
         parity = self.measure_parity(batch) if len(ranges) > 1 else None
+        several_updates = len(ranges) > 1 or self.cfg.ppo_epochs > 1
+        proximal = self.proximal_logprobs(batch) if self.cfg.decoupled_loss and several_updates else None
         taken_loss, taken_norm, skipped_loss, skipped_norm = [], [], [], []
         clipped = seen_tokens = 0.0
         first: GradStats | None = None
@@ -294,7 +320,7 @@ class GRPOTrainer:
         for _ in range(self.cfg.ppo_epochs):
             for lo, hi in ranges:
                 lr = self.scheduler.get_last_lr()[0]
-                stats = self.accumulate_gradients(batch.rows(lo, hi))
+                stats = self.accumulate_gradients(batch.rows(lo, hi), None if proximal is None else proximal[lo:hi])
                 if first is None:
                     first = stats
                 clipped += stats.clipped_tokens
