@@ -179,3 +179,25 @@ def test_shared_memory_transport_run_leaves_no_segment_or_actor_behind(tmp_path,
     assert evals == {0: 0, 2: 2}
     assert _shm_names() - before == set()
     assert _alive_run_actors() == []
+
+
+@pytest.mark.slow
+def test_continuous_run_resumes_from_a_checkpoint_without_losing_or_repeating_groups(tmp_path, ray_session):
+    """A 2-step continuous run (checkpoint after step 1, groups of steps 2-3 in the buffer or in flight),
+    resumed from step 1 with train.steps=4: steps 2-4 run, each on exactly its own 4 groups (the stored
+    finished ones and the regenerated unfinished ones alike), within the staleness bound."""
+    _arm(tmp_path, kill_at=10**9)
+    config = _config(tmp_path, killing_reward, num_workers=2)
+    config.train.steps = 2
+    titanrl.train(config)
+    assert latest_checkpoint(config.output.dir).step == 1  # the last step is exported, not checkpointed
+    config.train.steps = 4
+    result = titanrl.train(config, resume=True)
+
+    steps = [m["step"] for m in result.metrics if m["step"] > 0]
+    assert steps == [1, 2, 3, 4]
+    assert all(m["staleness/max"] <= 1 for m in result.metrics if m["step"] > 0)
+    rows = [json.loads(line) for line in (result.run_dir / "rollouts.jsonl").read_text().splitlines()]
+    for step in range(1, 5):
+        ids = [r["group_id"] for r in rows if r["step"] == step]
+        assert sorted(set(ids)) == list(range((step - 1) * 4, step * 4)) and len(ids) == 16

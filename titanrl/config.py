@@ -149,7 +149,10 @@ class TrainConfig:
     """Clip the PPO ratio around the trainer's weights before the update (the proximal policy) and
     weight each token by pi_prox / pi_generator (truncated at behaviour_weight_cap), as AReaL does
     for stale samples. On-policy it equals plain PPO-clip; with max_staleness >= 1 it keeps stale
-    tokens from being clipped away. Costs one no-grad forward with minibatches or ppo_epochs > 1."""
+    tokens from being clipped away. The trust region then acts only from a step's second
+    minibatch or epoch on: with minibatches=ppo_epochs=1 a step is as unbounded as on-policy
+    GRPO, so use an lr that is stable on-policy (or minibatches > 1). Costs one no-grad forward
+    with minibatches or ppo_epochs > 1."""
     behaviour_weight_cap: float = 2.0
     """Truncation of the decoupled loss's importance weight pi_prox / pi_generator."""
     scale_advantages_by_std: bool = True
