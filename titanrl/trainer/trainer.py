@@ -320,7 +320,11 @@ class GRPOTrainer:
         for _ in range(self.cfg.ppo_epochs):
             for lo, hi in ranges:
                 lr = self.scheduler.get_last_lr()[0]
-                stats = self.accumulate_gradients(batch.rows(lo, hi), None if proximal is None else proximal[lo:hi])
+                rows = batch.rows(lo, hi)
+                # (The parallel rank's accumulate_gradients takes no proximal logprobs: the decoupled
+                # loss is refused there, so proximal is None.)
+                stats = self.accumulate_gradients(rows) if proximal is None else \
+                    self.accumulate_gradients(rows, proximal[lo:hi])
                 if first is None:
                     first = stats
                 clipped += stats.clipped_tokens
