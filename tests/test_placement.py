@@ -137,9 +137,10 @@ def test_multi_node_cluster_placement_rendezvous_and_errors(tmp_path):
     assert "needs 4 GPUs" in seen["too_many_gpus"]["error"]
     assert "the Ray cluster has 3: lower" in seen["too_many_gpus"]["error"]
     assert "a trainer rank needs 2 CPUs on one node" in seen["too_big_bundle"]["error"]
-    assert seen["too_many_gpus"]["seconds"] < 2 and seen["too_big_bundle"]["seconds"] < 2
+    # Refused before any wait (ConfigError from the fit check, not the 2 s PlacementTimeout).
+    assert seen["too_many_gpus"]["type"] == seen["too_big_bundle"]["type"] == "ConfigError"
     assert seen["busy"]["type"] == "PlacementTimeout" and "within 2 s" in seen["busy"]["error"]
-    assert 2 <= seen["busy"]["seconds"] < 10
+    assert seen["busy"]["seconds"] >= 2  # it did wait for the timeout before giving up
 
 
 class _Where:

@@ -46,7 +46,7 @@ class ContinuousRolloutWorker(RolloutWorker):
 
     async def _start(self) -> asyncio.Lock:
         await self.generator.__aenter__()
-        return asyncio.Lock()  # held by an evaluation so that its whole batch sees one version
+        return asyncio.Lock()  # held by weight loads and by an evaluation (its whole batch sees one version)
 
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Runs `coroutine` on the worker's loop and blocks until it is done (set-up and shut-down)."""
@@ -128,7 +128,7 @@ class ContinuousRolloutWorker(RolloutWorker):
         return fn(*args)
 
     async def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int, correct_threshold: float,
-                 min_version: int = 0) -> dict[str, Any]:
+                       min_version: int = 0) -> dict[str, Any]:
         """Greedy rewards of held-out rows under one policy version (>= `min_version`), generated
         alongside the training groups; weight updates wait until it is done."""
         return await self._on_worker_loop(self._evaluate(rows, max_new_tokens, correct_threshold, min_version))
