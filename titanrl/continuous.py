@@ -1,8 +1,8 @@
 """Continuous rollouts: rollout worker actors generating group by group into the trajectory buffer.
 
-The driver hands admitted groups (`titanrl.buffer`) to the workers, each step's share to each
-worker as one call; inside a worker every group runs on its own in one continuous batch, so a
-slow group holds back neither its worker nor the next steps' groups, only its own step. Workers take new weights between engine steps (`ContinuousRolloutWorker`), so pushing
+The driver hands every admitted group (`titanrl.buffer`) to the least-loaded worker as its own
+call, so a slow group holds back neither its worker nor the others, and collects groups as they
+finish. Workers take new weights between engine steps (`ContinuousRolloutWorker`), so pushing
 never waits for generation to drain.
 
 A worker that dies (its process killed, out of memory) is replaced by a new actor that loads
@@ -38,8 +38,8 @@ class ContinuousRollouts:
         """`make_worker(i)` starts the actor of worker slot i (a `ContinuousRolloutWorker`)."""
         self.make_worker, self.buffer = make_worker, buffer
         self.workers = [make_worker(i) for i in range(num_workers)]
-        self.in_flight: dict[Any, tuple[list[GroupTask], int]] = {}
-        """Ray ref of a `generate_groups` call -> (its tasks, its worker slot)."""
+        self.in_flight: dict[Any, tuple[GroupTask, int]] = {}
+        """Ray ref of a `generate_group` call -> (its task, its worker slot)."""
         self.load = [0] * num_workers
         self.deaths_in_a_row = [0] * num_workers
         self.restarts = 0
@@ -69,11 +69,12 @@ class ContinuousRollouts:
             self.idle_since = [self.last_step_at] * len(self.workers)
             self.idle_s = 0.0
         self.version = version
-        dispatched = {task.group_id for tasks, _ in self.in_flight.values() for task in tasks}
-        # Restored from a checkpoint (their worker results were lost with the driver), then new ones.
-        self._dispatch([self.buffer.retry(task.group_id, version) for task in self.buffer.unfinished()
-                        if task.group_id not in dispatched])
-        self._dispatch(self.buffer.admit(completed_steps, version))
+        dispatched = {task.group_id for task, _ in self.in_flight.values()}
+        for task in self.buffer.unfinished():  # restored from a checkpoint, or never dispatched
+            if task.group_id not in dispatched:
+                self._dispatch(self.buffer.retry(task.group_id, version))
+        for task in self.buffer.admit(completed_steps, version):
+            self._dispatch(task)
 
     def next_step(self, step: int) -> StepRollouts:
         """Waits until every group of `step` has finished; they stay in the buffer until `trained`."""
@@ -148,25 +149,12 @@ class ContinuousRollouts:
 
     # ------------------------------------------------------------------ dispatch and failures
 
-    def _dispatch(self, tasks: list[GroupTask]) -> None:
-        """Hands tasks out: each step's share goes to each worker as one call (a step trains its groups
-        together anyway, and one call per group costs a quarter of a CPU step in Ray overhead)."""
-        by_step: dict[int, list[GroupTask]] = {}
-        for task in tasks:
-            by_step.setdefault(task.step, []).append(task)
-        n = len(self.workers)
-        for step_tasks in by_step.values():
-            least_loaded_first = sorted(range(n), key=lambda k: self.load[k])
-            for i, share in zip(least_loaded_first, (step_tasks[k::n] for k in range(n))):
-                if share:
-                    self._send(i, share)
-
-    def _send(self, i: int, tasks: list[GroupTask]) -> None:
-        for task in tasks:
-            task.attempts += 1
-        ref = self.workers[i].generate_groups.remote([(t.row, t.seed, t.group_id, t.min_version) for t in tasks])
-        self.in_flight[ref] = (tasks, i)
-        self._busy(i, +len(tasks))
+    def _dispatch(self, task: GroupTask) -> None:
+        i = min(range(len(self.workers)), key=lambda k: self.load[k])
+        task.attempts += 1
+        ref = self.workers[i].generate_group.remote(task.row, task.seed, task.group_id, task.min_version)
+        self.in_flight[ref] = (task, i)
+        self._busy(i, +1)
 
     def _busy(self, i: int, change: int) -> None:
         now = time.perf_counter()
@@ -192,29 +180,28 @@ class ContinuousRollouts:
         for ref in ready:
             if ref not in self.in_flight:
                 continue  # its worker was replaced while handling an earlier ref
-            tasks, i = self.in_flight.pop(ref)
-            self._busy(i, -len(tasks))
+            task, i = self.in_flight.pop(ref)
+            self._busy(i, -1)
             try:
-                groups = ray.get(ref)
+                group = ray.get(ref)
             except RayActorError as e:
-                self._replace(i, e, tasks)
+                self._replace(i, e, task)
                 continue
             self.deaths_in_a_row[i] = 0
-            for task, group in zip(tasks, groups, strict=True):
-                self.buffer.finish(task.group_id, group)
+            self.buffer.finish(task.group_id, group)
 
-    def _replace(self, i: int, error: BaseException, first_lost: list[GroupTask] = ()) -> None:
+    def _replace(self, i: int, error: BaseException, first_lost: GroupTask | None = None) -> None:
         """Starts a new actor for slot i with the newest weights and hands it the groups the dead one had."""
         import ray
 
         self.deaths_in_a_row[i] += 1
         self.restarts += 1
-        lost = list(first_lost)
-        for ref, (tasks, j) in list(self.in_flight.items()):
+        lost = [first_lost] if first_lost is not None else []
+        for ref, (task, j) in list(self.in_flight.items()):
             if j == i:
                 del self.in_flight[ref]
-                self._busy(i, -len(tasks))
-                lost += tasks
+                self._busy(i, -1)
+                lost.append(task)
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         assert self.sync is not None and self.trainer is not None, "open_weight_sync first"
         if self.sync.plan.transport != "object_store":
@@ -238,8 +225,8 @@ class ContinuousRollouts:
         self.workers[i] = self.sync.workers[i] = self.make_worker(i)
         # The trainer is between steps here (the loop is waiting for rollouts): it holds self.version.
         self.workers[i].update_weights.remote(self.trainer.state_dict_for_push.remote(), self.version)
-        if lost:
-            self._send(i, [self.buffer.retry(task.group_id, self.version) for task in sorted(lost, key=lambda t: t.group_id)])
+        for task in sorted(lost, key=lambda t: t.group_id):
+            self._dispatch(self.buffer.retry(task.group_id, self.version))
 
     def _push_metrics(self) -> dict[str, float]:
         """`time/weight_sync_s`: wall time of the newest push every worker has loaded (from its start to

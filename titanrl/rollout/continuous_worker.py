@@ -2,8 +2,9 @@
 
 It runs as an async Ray actor: every call awaits a coroutine on the worker's own event loop (a
 background thread, so the engine never blocks Ray's loop), where a single `AsyncGenerator`
-pump steps vLLM for every request in flight. So all groups of the driver's `generate_groups`
-calls share one continuous batch, and `update_weights` lands between two engine steps while the other groups keep going:
+pump steps vLLM for every request in flight. So the driver's many
+`generate_group` calls share one continuous batch, a group that finishes is returned at once,
+and `update_weights` lands between two engine steps while the other groups keep going:
 
 - `rollout.on_weight_update="continue"` (partial rollouts): running requests keep their tokens,
   vLLM recomputes their KV cache with the new weights, and each token records the version that
@@ -57,16 +58,12 @@ class ContinuousRolloutWorker(RolloutWorker):
 
     # ------------------------------------------------------------------ generation
 
-    async def generate_groups(self, tasks: list[tuple[dict[str, Any], int, int, int]]) -> list[Group]:
-        """For each (row, seed, group_id, min_version): `group_size` scored samples (or episodes) of
-        the row, started from weights >= `min_version`; every group runs on its own in the batch.
+    async def generate_group(self, row: dict[str, Any], seed: int, group_id: int, min_version: int) -> Group:
+        """`group_size` scored samples (or episodes) of `row`, started from weights >= `min_version`.
 
         `seed` is `titanrl.rollout.seeds.request_seed(run_seed, group_id, group_size, turns)`.
         """
-        return await self._on_worker_loop(self._generate_groups(tasks))
-
-    async def _generate_groups(self, tasks: list[tuple[dict[str, Any], int, int, int]]) -> list[Group]:
-        return list(await asyncio.gather(*(self._generate_group(*task) for task in tasks)))
+        return await self._on_worker_loop(self._generate_group(row, seed, group_id, min_version))
 
     async def _generate_group(self, row: dict[str, Any], seed: int, group_id: int, min_version: int) -> Group:
         await self.generator.wait_for_version(min_version)
