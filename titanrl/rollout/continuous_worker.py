@@ -109,10 +109,6 @@ class ContinuousRolloutWorker(RolloutWorker):
         return await self._on_worker_loop(self._receive_weights(announcement, version))
 
     async def _receive_weights(self, announcement: Any, version: int) -> float:
-        from titanrl.weight_sync import WeightReceiver
-
-        if getattr(self, "weight_receiver", None) is None:  # object_store needs no set-up
-            self.weight_receiver = WeightReceiver(self.engine)
         seconds: list[float] = []
         async with self._updates:
             await self.generator.apply_update(

@@ -75,6 +75,10 @@ class RolloutWorker:
             )
         )
         self.eos_id = self.engine.model_config.eos_token_id
+        from titanrl.weight_sync import WeightReceiver
+
+        # object_store needs no set-up; the other transports are joined with open_weight_sync.
+        self.weight_receiver = WeightReceiver(self.engine)
         self.env_config = env_config or EnvConfig()
         factory = self.env_config.factory
         self.env_factory = resolve_env_factory(factory) if factory is not None else None
@@ -174,21 +178,12 @@ class RolloutWorker:
     def open_weight_sync(self, plan: Any, rank: int) -> None:
         """Joins the trainer's weight transport as receiver `rank` (1..plan.num_receivers); for
         'broadcast' it returns once the trainer and every worker have joined (call them together)."""
-        from titanrl.weight_sync import WeightReceiver
-
-        if getattr(self, "weight_receiver", None) is None:
-            self.weight_receiver = WeightReceiver(self.engine)
         self.weight_receiver.open(plan, rank)
 
     def receive_weights(self, announcement: Any, version: int) -> float:
         """Loads the version `trainer.publish_weights(version)` announced; returns the seconds it took."""
-        from titanrl.weight_sync import WeightReceiver
-
-        if getattr(self, "weight_receiver", None) is None:  # object_store needs no set-up
-            self.weight_receiver = WeightReceiver(self.engine)
         return self.weight_receiver.receive(announcement, version)
 
     def close_weight_sync(self) -> None:
         """Leaves the transport (broadcast group, mapped segments); idempotent."""
-        if getattr(self, "weight_receiver", None) is not None:
-            self.weight_receiver.close()
+        self.weight_receiver.close()

@@ -239,9 +239,10 @@ class GRPOTrainer:
         mb = self.cfg.micro_batch_size
         for lo in range(0, batch.input_ids_BT.shape[0], mb):
             sl = slice(lo, lo + mb)
-            T = batch.input_ids_BT.shape[1]
-            out[sl] = self.token_logprobs(self.model(batch.input_ids_BT[sl, :T]), batch.targets_BT[sl, :T],
-                                          self.temperature)
+            mask = batch.loss_mask_BT[sl]
+            T = int(mask.nonzero()[:, 1].max()) + 1 if mask.any() else 1  # no forward over trailing padding
+            out[sl, :T] = self.token_logprobs(self.model(batch.input_ids_BT[sl, :T]), batch.targets_BT[sl, :T],
+                                              self.temperature)
         return out
 
     @torch.no_grad()
@@ -320,11 +321,7 @@ class GRPOTrainer:
         for _ in range(self.cfg.ppo_epochs):
             for lo, hi in ranges:
                 lr = self.scheduler.get_last_lr()[0]
-                rows = batch.rows(lo, hi)
-                # (The parallel rank's accumulate_gradients takes no proximal logprobs: the decoupled
-                # loss is refused there, so proximal is None.)
-                stats = self.accumulate_gradients(rows) if proximal is None else \
-                    self.accumulate_gradients(rows, proximal[lo:hi])
+                stats = self.accumulate_gradients(batch.rows(lo, hi), None if proximal is None else proximal[lo:hi])
                 if first is None:
                     first = stats
                 clipped += stats.clipped_tokens

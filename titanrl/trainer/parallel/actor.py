@@ -79,7 +79,9 @@ class ParallelTrainerRank(GRPOTrainer):
 
     # ------------------------------------------------------------------------- GRPOTrainer hooks
 
-    def accumulate_gradients(self, batch: PackedBatch) -> GradStats:
+    def accumulate_gradients(self, batch: PackedBatch, proximal_BT: torch.Tensor | None = None) -> GradStats:
+        if proximal_BT is not None:  # config validation refuses decoupled_loss for a parallel trainer
+            raise NotImplementedError("the parallel trainer has no decoupled loss (train.decoupled_loss)")
         return self.grpo.accumulate_gradients(batch)
 
     def measure_parity(self, batch: PackedBatch) -> LogprobParity:
