@@ -13,7 +13,7 @@ JSON line per (op, case) with both medians (ms per call) and `slowdown` = median
 median(library), then one summary line with the worst slowdown per op.
 
 Cases cover a training batch (64 sequences x 64 tokens = 4096 rows, forward and
-forward+backward), a decode step of 64 sequences (64 rows), and one sequence's decode (1 row).
+forward+backward; attention also at 4 x 512 and 1 x 2048 tokens), a decode step of 64 sequences (64 rows), and one sequence's decode (1 row).
 OMP_NUM_THREADS=1 by default (the project's setting on shared cores); --threads changes it.
 """
 
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titanrl.kernels.rotary import apply_rotary  # noqa: E402
 from titanrl.kernels.swiglu import silu_gate  # noqa: E402
-from titanrl.kernels.torch_attention import attention  # noqa: E402
+from titanrl.kernels.cpu_attention import attention  # noqa: E402
 from titanrl.kernels.torch_linear import linear  # noqa: E402
 from titanrl.kernels.torch_logprobs import token_logprobs  # noqa: E402
 from titanrl.kernels.torch_rms_norm import rms_norm  # noqa: E402
@@ -53,6 +53,8 @@ MODELS = {
 }
 ROWS = {"train": (64, 64), "decode64": (64, 1), "decode1": (1, 1)}
 """Case name -> (sequences, tokens per sequence)."""
+LONG = [(4, 512), (1, 2048)]
+"""(sequences, tokens) of the long-sequence attention cases."""
 
 
 def _time_call(fn: Callable[[], object], min_s: float) -> float:
@@ -124,6 +126,13 @@ def cases(model: str, spec: dict) -> list[tuple[str, str, Callable, Callable]]:
             out.append(("attention", f"{tag}/forward", lambda q=q, k=k, v=v: sdpa(q, k, v),
                         lambda q=q, k=k, v=v: attention(q, k, v)))
             out.append(("attention", f"{tag}/fwd+bwd", _fwd_bwd(sdpa, q, k, v), _fwd_bwd(attention, q, k, v)))
+            # Long sequences: the fixed-order kernel against SDPA's GEMMs where attention dominates.
+            for Bl, Tl in LONG:
+                ql, kl, vl = r(Bl, Tl, H, D), r(Bl, Tl, Hkv, D), r(Bl, Tl, Hkv, D)
+                out.append(("attention", f"{model}/long{Bl}x{Tl}/forward", lambda q=ql, k=kl, v=vl: sdpa(q, k, v),
+                            lambda q=ql, k=kl, v=vl: attention(q, k, v)))
+                out.append(("attention", f"{model}/long{Bl}x{Tl}/fwd+bwd", _fwd_bwd(sdpa, ql, kl, vl),
+                            _fwd_bwd(attention, ql, kl, vl)))
             xin = r(B, T, h)
             out.append(("linear", f"{tag}/up_proj/fwd+bwd", _fwd_bwd(lambda x, w: F.linear(x, w), xin, Wup),
                         _fwd_bwd(linear, xin, Wup)))
@@ -137,8 +146,7 @@ def cases(model: str, spec: dict) -> list[tuple[str, str, Callable, Callable]]:
                 return F.scaled_dot_product_attention(q.transpose(1, 2), ke, ve)
 
             out.append(("attention", f"{tag}/cache{L}", lib, lambda q=q, k=k, v=v: attention(q, k, v, q_start=L - 1)))
-            # The same cache stored heads-first [B, Hkv, L, D] (what a paged-cache gather can
-            # write directly): read without a copy.
+            # The same cache stored heads-first [B, Hkv, L, D]: read in place through its strides.
             kf, vf = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
             out.append(("attention", f"{tag}/cache{L}/heads_first", lib,
                         lambda q=q, k=kf, v=vf: attention(q, k, v, q_start=L - 1, heads_first=True)))

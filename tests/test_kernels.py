@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from titanrl import kernels
 from titanrl.kernels import checks
 from titanrl.kernels.swiglu import silu_gate
-from titanrl.kernels.torch_attention import attention
+from titanrl.kernels.cpu_attention import KeyTable, attention, varlen_attention
 from titanrl.kernels.torch_linear import linear
 from titanrl.kernels.torch_logprobs import log_softmax, token_logprobs
 from titanrl.kernels.torch_rms_norm import rms_norm
@@ -314,7 +314,7 @@ def test_attention_bits_independent_of_batch_companions():
 
 
 def test_attention_heads_first_cache_same_bits_without_copy():
-    """A heads-first [B, Hkv, L, D] cache (block-aligned, read with no copy) gives the same
+    """A heads-first [B, Hkv, L, D] cache (read in place through its strides) gives the same
     bits as the [B, L, Hkv, D] layout, for decode and chunked prefill."""
     gen = torch.Generator().manual_seed(12)
     B, L, H, Hkv, D = 3, 128, 4, 2, 32
@@ -329,6 +329,33 @@ def test_attention_heads_first_cache_same_bits_without_copy():
     assert torch.equal(attention(qc, kf, vf, q_start=40, kv_lens=49, heads_first=True), want)
 
 
+def test_attention_reads_a_paged_cache_in_place_with_the_dense_bits():
+    """Keys scattered over a paged cache (vLLM's token-major layout written by `write_kv`,
+    shuffled block ids, block size 16) read in place by `varlen_attention` give every query
+    of a mixed decode/chunk/prefill step exactly the bits of the dense training forward."""
+    from titanrl.rollout.paged_attention import cache_key_table, write_kv
+
+    gen = torch.Generator().manual_seed(13)
+    lens, query_lens, Hq, Hkv, D, bs = [37, 5, 70], [1, 5, 23], 4, 2, 32, 16
+    B, T = len(lens), max(lens)
+    q, k, v = (torch.randn(B, T, h, D, generator=gen) for h in (Hq, Hkv, Hkv))
+    full = attention(q, k, v)
+    blocks_per_seq = -(-T // bs)
+    kv = torch.full((B * blocks_per_seq + 3, Hkv, bs, 2 * D), float("nan"))  # unwritten slots are never read
+    table = torch.randperm(kv.shape[0], generator=gen)[: B * blocks_per_seq].view(B, blocks_per_seq)
+    for b, L in enumerate(lens):
+        slots = table[b, torch.arange(L) // bs] * bs + torch.arange(L) % bs
+        write_kv(kv, k[b, :L], v[b, :L], slots)
+    # One step: sequence b's last query_lens[b] tokens, flattened in request order.
+    q_NHD = torch.cat([q[b, L - n : L] for b, (L, n) in enumerate(zip(lens, query_lens))])
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    seq_lens = torch.tensor(lens)
+    out, _ = varlen_attention(q_NHD, cache_key_table(kv, table), Hkv, starts, seq_lens - torch.tensor(query_lens),
+                              seq_lens, D**-0.5)
+    want = torch.cat([full[b, L - n : L] for b, (L, n) in enumerate(zip(lens, query_lens))])
+    assert torch.equal(out, want)
+
+
 def test_attention_gradients_match_autograd():
     """Gradients w.r.t. q, k, v equal autograd through float64 reference attention to <= 1e-5
     (GQA, chunk offset, kv_lens), and pass gradcheck in float64."""
@@ -340,17 +367,17 @@ def test_attention_gradients_match_autograd():
     v = torch.randn(2, 9, 2, 16, dtype=torch.float64, generator=gen, requires_grad=True)
     starts, lens = torch.tensor([4, 2]), torch.tensor([9, 7])
     assert torch.autograd.gradcheck(
-        lambda q, k, v: attention(q, k, v, q_start=starts, kv_lens=lens, block_size=16), [q, k, v]
+        lambda q, k, v: attention(q, k, v, q_start=starts, kv_lens=lens), [q, k, v]
     )
 
 
 def test_attention_rejects_bad_arguments():
-    """Wrong head counts, block sizes or kv_lens raise a ValueError naming the field."""
+    """Wrong head counts, shapes or kv_lens raise a ValueError naming the field."""
     q, k = torch.zeros(1, 4, 3, 16), torch.zeros(1, 4, 2, 16)
     with pytest.raises(ValueError, match="multiple of kv heads"):
         attention(q, k, k)
-    with pytest.raises(ValueError, match="block_size"):
-        attention(q[:, :, :2], k, k, block_size=24)
+    with pytest.raises(ValueError, match="must both be"):
+        attention(q[:, :, :2], k, k[:, :3])
     with pytest.raises(ValueError, match="kv_lens"):
         attention(q[:, :, :2], k, k, kv_lens=9)
 
@@ -378,24 +405,27 @@ def test_property_linear_row_invariance():
 
 def test_property_attention_any_chunking_equals_full_forward():
     """Hypothesis: splitting a sequence into arbitrary chunks (random cut points, GQA group
-    sizes, block sizes) gives every query exactly the full forward's bits."""
+    sizes, head dims, thread counts) gives every query exactly the full forward's bits."""
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
 
     @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
     @hypothesis.given(
-        L=st.integers(1, 90), groups=st.sampled_from([1, 2, 3]), block=st.sampled_from([16, 32, 64]),
-        cuts=st.lists(st.integers(1, 89), max_size=5), seed=st.integers(0, 2**16),
+        L=st.integers(1, 90), groups=st.sampled_from([1, 2, 3]), D=st.sampled_from([8, 24, 32, 37, 64]),
+        threads=st.sampled_from([1, 2]), cuts=st.lists(st.integers(1, 89), max_size=5), seed=st.integers(0, 2**16),
     )
-    def prop(L, groups, block, cuts, seed):
+    def prop(L, groups, D, threads, cuts, seed):
         gen = torch.Generator().manual_seed(seed)
-        q = torch.randn(1, L, 2 * groups, 32, generator=gen)
-        k, v = torch.randn(1, L, 2, 32, generator=gen), torch.randn(1, L, 2, 32, generator=gen)
-        full = attention(q, k, v, block_size=block)
+        q = torch.randn(1, L, 2 * groups, D, generator=gen)
+        k, v = torch.randn(1, L, 2, D, generator=gen), torch.randn(1, L, 2, D, generator=gen)
+        full = attention(q, k, v)
         edges = sorted({0, L, *[c for c in cuts if c < L]})
-        parts = [
-            attention(q[:, s:e], k[:, :e], v[:, :e], q_start=s, block_size=block) for s, e in zip(edges, edges[1:])
-        ]
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            parts = [attention(q[:, s:e], k[:, :e], v[:, :e], q_start=s) for s, e in zip(edges, edges[1:])]
+        finally:
+            torch.set_num_threads(before)
         assert torch.equal(torch.cat(parts, dim=1), full)
 
     prop()

@@ -6,9 +6,10 @@ it is a training forward, a prefill or a decode step. Used for TitanRL's batch-i
 where the trainer and the generator must compute bitwise-identical log-probabilities.
 
 Two implementations with the same signatures, picked per call by `backend(tensor)`:
-- 'torch' (CPU, and any tensor when Triton is absent): torch ops arranged so MKL/ATen keep a
-  fixed per-row arithmetic (`torch_linear`, `torch_rms_norm`, `swiglu`, `rotary`,
-  `torch_logprobs`, `torch_attention` modules);
+- 'torch' (CPU): torch ops arranged so MKL/ATen keep a fixed per-row arithmetic
+  (`torch_linear`, `torch_rms_norm`, `swiglu`, `rotary`, `torch_logprobs` modules), and for
+  attention a small C++ kernel compiled on first use (`cpu_attention`, `cpu_build`) that can
+  also read vLLM's paged KV cache in place;
 - 'triton' (CUDA tensors when Triton imports): fixed-tile Triton kernels (`triton_*` modules).
 `silu_gate` and `apply_rotary` are elementwise; on CUDA torch's own kernels apply one scalar
 formula per element, so they use the torch code on both backends.
@@ -23,7 +24,7 @@ import importlib.util
 
 import torch
 
-from titanrl.kernels import torch_attention as _attention
+from titanrl.kernels import cpu_attention as _attention
 from titanrl.kernels import torch_linear as _linear
 from titanrl.kernels import torch_logprobs as _logprobs
 from titanrl.kernels import torch_rms_norm as _rms_norm
@@ -98,7 +99,7 @@ def attention(
     scale: float | None = None,
     heads_first: bool = False,
 ) -> torch.Tensor:
-    """Batch-invariant causal GQA attention; arguments as `titanrl.kernels.torch_attention.attention`."""
+    """Batch-invariant causal GQA attention; arguments as `titanrl.kernels.cpu_attention.attention`."""
     kw = dict(q_start=q_start, kv_lens=kv_lens, scale=scale, heads_first=heads_first)
     if backend(q) == "triton":
         from titanrl.kernels import triton_attention

@@ -1,6 +1,6 @@
 """Batch-invariant causal GQA attention on GPU (Triton), one fixed key-block order.
 
-Contract: the same as `titanrl.kernels.torch_attention` (same arguments, same meaning): a query's
+Contract: the same as `titanrl.kernels.cpu_attention` (same arguments, same meaning): a query's
 bits depend only on its q row, the keys/values it may see, `scale` and the tile config, not
 on the batch, padding, or whether it runs in a full forward, a prefill, a chunked prefill or
 decode. One program handles BLOCK_Q queries of one (sequence, query head) and runs the online
@@ -177,7 +177,7 @@ def attention(
     q, k, v, *, q_start=None, kv_lens=None, scale: float | None = None, heads_first: bool = False,
     blocks: tuple[int, int] | None = None,
 ):
-    """Causal GQA attention; see `titanrl.kernels.torch_attention.attention` for the arguments.
+    """Causal GQA attention; see `titanrl.kernels.cpu_attention.attention` for the arguments.
 
     `heads_first=True` takes k, v as [B, Hkv, Tk, D] (read in place through strides).
     `blocks` overrides (BLOCK_Q, BLOCK_K); bits are invariant within one setting.

@@ -6,18 +6,19 @@ batch-invariant mode our attention backend instead:
 
 1. writes this step's keys and values into the layer's cache memory at the slots vLLM
    assigned (`slot_mapping`);
-2. gathers each request's keys and values back through its block table, and
-3. calls `titanrl.kernels.attention`, the same function the trainer's forward uses, with
-   `q_start` = the tokens already in the cache before this step's queries.
+2. runs the batch-invariant CPU kernel (`titanrl.kernels.cpu_attention`, the one the
+   trainer's forward runs) over the cache in place: vLLM's block table tells it where each
+   request's keys are, and each request's first query sits at position
+   `seq_len - query_len` (the tokens already cached before this step).
 
-A query therefore reduces over the same keys, in the same fixed block order, whether it is
-a decode step, a prefill, a chunk of a chunked prefill, or a row of a training batch.
+A query therefore reduces over the same keys, in the same fixed order, whether it is a decode
+step, a prefill, a chunk of a chunked prefill, or a row of a training batch.
 
 Layout: vLLM allocates each layer's CPU cache as `[num_blocks, Hkv, block, 2*D]` and, in this
 mode, never reads or writes its contents itself (its attention kernel does not run), so we
 store rows token-major: per (block, kv head) `block` key rows of D floats, then `block` value
-rows. Every read is then a contiguous-row `index_select`, several times faster than gathering
-vLLM's own transposed-K layout. Block ids, slots and prefix-cache sharing are vLLM's, unchanged.
+rows, so every key and value the kernel reads is one contiguous row. The cache must be
+float32 (the model's CPU dtype); other dtypes are refused. Block ids, slots and prefix-cache sharing are vLLM's, unchanged.
 Anything else that reads the cache bytes (KV offloading or transfer connectors) is not
 supported in this mode.
 """
@@ -26,10 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from titanrl import kernels
-
-KEY_BLOCK = 64
-"""Keys per block of `titanrl.kernels.attention` (its default `block_size`)."""
+from titanrl.kernels.cpu_attention import KeyTable, varlen_attention
 
 
 def _rows(kv: torch.Tensor, block: torch.Tensor, head: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -39,6 +37,11 @@ def _rows(kv: torch.Tensor, block: torch.Tensor, head: torch.Tensor, offset: tor
 
 
 def _check_layout(kv: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    if kv.device.type != "cpu" or kv.dtype != torch.float32:
+        raise RuntimeError(
+            f"batch-invariant attention in vLLM reads a float32 CPU KV cache, got {kv.dtype} on {kv.device}; "
+            "run the model in float32 on CPU, or with batch_invariant=False"
+        )
     if kv.dim() != 4 or kv.shape[1] != num_kv_heads or kv.shape[3] != 2 * head_dim or not kv.is_contiguous():
         raise RuntimeError(
             f"batch-invariant attention expects vLLM's CPU KV cache as a contiguous [blocks, {num_kv_heads}, "
@@ -57,24 +60,12 @@ def write_kv(kv: torch.Tensor, key_NHD: torch.Tensor, value_NHD: torch.Tensor, s
     flat.index_copy_(0, rows + bs, value_NHD.reshape(-1, D2 // 2).to(kv.dtype))
 
 
-def gather_kv(kv: torch.Tensor, block_table_RB: torch.Tensor, seq_lens_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's cached keys and values, heads first: [R, Hkv, L, D] (contiguous row gathers).
-
-    L is the longest request rounded up to the attention kernel's key block, so the kernel
-    reads the result without another copy. Positions past a request's length repeat its
-    first key: finite values the kernel never attends to (it masks them by `kv_lens`).
-    """
+def cache_key_table(kv: torch.Tensor, block_table_RB: torch.Tensor) -> KeyTable:
+    """The token-major layout of `write_kv`, described for the kernel to read in place."""
     _, H, bs, D2 = kv.shape
-    R = seq_lens_R.shape[0]
-    L = -(-int(seq_lens_R.max()) // KEY_BLOCK) * KEY_BLOCK
-    positions = torch.arange(L)[None, :].expand(R, L)
-    positions = torch.where(positions < seq_lens_R[:, None], positions, 0)
-    block = block_table_RB[:R].long().gather(1, positions // bs)
-    rows = _rows(kv, block[:, None, :], torch.arange(H)[None, :, None], (positions % bs)[:, None, :]).flatten()
-    flat = kv.view(-1, D2 // 2)
-    keys = flat.index_select(0, rows).view(R, H, L, D2 // 2)
-    values = flat.index_select(0, rows + bs).view(R, H, L, D2 // 2)
-    return keys, values
+    D = D2 // 2
+    return KeyTable(keys=kv, values=kv.view(-1)[bs * D :], table=block_table_RB.long(), block_size=bs,
+                    block_stride=H * bs * D2, head_stride=bs * D2, token_stride=D)
 
 
 def paged_batch_invariant_attention(attn: torch.nn.Module, q_NHD: torch.Tensor, k_NKD: torch.Tensor,
@@ -103,14 +94,7 @@ def paged_batch_invariant_attention(attn: torch.nn.Module, q_NHD: torch.Tensor, 
     R = starts.shape[0] - 1
     seq_lens = metadata.seq_lens[:R].long()
     query_lens = starts[1:] - starts[:-1]
-    # Token t of the step is query `offset[t]` of request `row[t]` (vLLM orders tokens by request).
-    row = torch.repeat_interleave(torch.arange(R), query_lens)
-    offset = torch.arange(n) - starts[row]
-    q_RTHD = q_NHD.new_zeros((R, int(query_lens.max()), *q_NHD.shape[1:]))
-    q_RTHD[row, offset] = q_NHD[:n]
-    keys, values = gather_kv(kv, metadata.block_table, seq_lens)
     # A request's queries are the last `query_len` of its `seq_len` context tokens.
-    result = kernels.attention(q_RTHD, keys.to(q_NHD.dtype), values.to(q_NHD.dtype), q_start=seq_lens - query_lens,
-                               kv_lens=seq_lens, scale=attn.impl.scale, heads_first=True)
-    out[:n] = result[row, offset]
+    varlen_attention(q_NHD[:n].to(kv.dtype), cache_key_table(kv, metadata.block_table[:R]), k_NKD.shape[1], starts,
+                     seq_lens - query_lens, seq_lens, attn.impl.scale, out=out[:n])
     return out
