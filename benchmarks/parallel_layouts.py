@@ -1,6 +1,6 @@
 """Parallel layouts benchmark: one GRPO step per layout vs the single-process trainer.
 
-    .venv/bin/python benchmarks/parallel_layouts.py [LAYOUT ...] [--tied] [--out benchmarks/results/parallel_layouts.jsonl]
+    .venv/bin/python benchmarks/parallel_layouts.py [LAYOUT ...] [--tied] [--out FILE [--append]]
 
 For each layout (default: all of `titanrl.trainer.parallel.layout_check.LAYOUTS`: fsdp, ddp, tp,
 tp_sp, pp (1F1B), pp_gpipe, pp_interleaved, cp with 2 gloo processes; hsdp, fsdp+tp, fsdp+tp_sp,
@@ -18,6 +18,11 @@ layout is printed:
                             first step is ~lr*sign(g), so near-zero gradient elements amplify noise)
   step_s / warm_step_s      slowest rank's accumulate_gradients + clip_and_step, first / second step
   ref_step_s / ref_warm_step_s  the single-process trainer's
+  tied_copies_equal         --tied, pipeline layouts: the first and last stages' copies of the tied
+                            embedding / LM head are bitwise equal after two optimizer steps (else null)
+
+benchmarks/results/parallel_layouts.jsonl holds an untied run of every layout followed by a
+tied one (`--tied --out ... --append`).
 
 Target: loss and gradient differences <= 1e-5. Runtime ~1.5 min on 2 shared cores (4-process
 worlds oversubscribe them; step times here measure overheads, not speed-ups).
@@ -41,10 +46,11 @@ from titanrl.trainer.parallel.layout_check import LAYOUTS, check_layouts, make_c
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("layouts", nargs="*", default=list(LAYOUTS), help=f"any of {list(LAYOUTS)}")
-    parser.add_argument("--tied", action="store_true", help="tied embedding / LM head (skips pipeline layouts)")
-    parser.add_argument("--out", help="also write the JSON lines here")
+    parser.add_argument("--tied", action="store_true", help="tied embedding / LM head")
+    parser.add_argument("--out", help="also write the JSON lines here (replacing the file)")
+    parser.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
     args = parser.parse_args()
-    names = [n for n in args.layouts if not (args.tied and LAYOUTS[n].get("pp", 1) > 1)]
+    names = args.layouts
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         case = make_case(tmp, tied=args.tied)
@@ -63,7 +69,8 @@ def main() -> None:
                       "target": 1e-5, "ok": worst <= 1e-5, "torch": torch.__version__,
                       "machine": platform.machine(), "threads_per_process": 1}), flush=True)
     if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        with Path(args.out).open("a" if args.append else "w") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

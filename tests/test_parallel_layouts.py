@@ -16,7 +16,7 @@ from titanrl.trainer.parallel.layout_check import make_case, reference
 from titanrl.trainer.trainer import GRPOTrainer
 
 UNTIED = ["fsdp", "ddp", "tp", "tp_sp", "pp", "pp_gpipe", "pp_interleaved", "cp"]
-TIED = ["fsdp", "tp_sp", "cp"]  # pipeline stages need untied embeddings (validate_parallel says so)
+TIED = ["fsdp", "tp_sp", "cp", "pp", "pp_interleaved"]
 TOL = 1e-5
 
 
@@ -78,8 +78,13 @@ def test_layout_equals_single_process(world, layout):
 
 @pytest.mark.parametrize("layout", TIED)
 def test_layout_equals_single_process_tied(world, layout):
-    """Same with tied embedding / LM head (one shared, sharded or replicated parameter)."""
-    _assert_matches(world["tied"][layout])
+    """Same with tied embedding / LM head (one shared, sharded or replicated parameter; under
+    pp=2, 1F1B and interleaved, a first-stage and a last-stage copy whose gradients are summed):
+    the gathered tied gradient is the full one and the grad norm counts it once. Under pp, after
+    two optimizer steps the two copies are bitwise equal (torch.equal)."""
+    report = world["tied"][layout]
+    _assert_matches(report)
+    assert report["tied_copies_equal"] is (True if layout.startswith("pp") else None), report
 
 
 def test_ring_attention_matches_causal_attention(world):

@@ -18,6 +18,15 @@ def test_valid_layouts_pass():
         assert validate_parallel(ParallelConfig(**kw), MODEL, world, seq_len=64) is None  # no ConfigError
 
 
+def test_pipeline_accepts_tied_embeddings():
+    """Pipeline layouts (alone, interleaved, with FSDP or TP) accept tie_word_embeddings=True:
+    the first and last stages each keep a copy of the tied matrix, kept equal by the step."""
+    tied = tiny_config(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, tie_word_embeddings=True)
+    for kw, world in [(dict(pp=2), 2), (dict(pp=2, pp_schedule="Interleaved1F1B"), 2), (dict(pp=4), 4),
+                      (dict(pp=2, dp_shard=2), 4), (dict(pp=2, tp=2), 4)]:
+        assert validate_parallel(ParallelConfig(**kw), tied, world) is None  # no ConfigError
+
+
 @pytest.mark.parametrize(
     "kw, world, seq_len, model, needles",
     [
@@ -28,7 +37,6 @@ def test_valid_layouts_pass():
         (dict(pp=3), 3, None, MODEL, ["3 stages", "num_hidden_layers (4)"]),
         (dict(pp=4, pp_schedule="Interleaved1F1B"), 4, None, MODEL, ["8 stages", "pp x 2 divides 4"]),
         (dict(pp=2, pp_schedule="ZeroBubble"), 2, None, MODEL, ["pp_schedule='ZeroBubble'", "'1F1B'", "'GPipe'"]),
-        (dict(pp=2), 2, None, tiny_config(num_hidden_layers=4), ["untied embeddings", "train.parallel.pp=1"]),
         (dict(ep=2), 2, None, MODEL, ["expert parallelism", "train.parallel.ep=1"]),
         (dict(cp=2), 2, 30, MODEL, ["multiple of 4", "2 x cp=2 chunks", "pad it to 32"]),
         (dict(cp=2, tp=2, sequence_parallel=True), 4, 36, MODEL, ["multiple of 8", "tp=2 sequence-parallel", "40"]),

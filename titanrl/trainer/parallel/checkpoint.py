@@ -8,7 +8,8 @@ by one parameter, so pipeline stages, which each hold some parameters and their 
 save and load their part. GRPOTrainer writes the same flattened form
 (`titanrl.trainer.checkpoint.STATE_DICT_OPTIONS`). Checkpoints in the older nested form
 (param groups keyed by index) still load: their tensors are taken and the current
-param-group settings kept.
+param-group settings kept. A tied embedding / LM head split across pipeline stages is saved
+and loaded under the names every other layout uses (see save_model_optim).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from titanrl.trainer import checkpoint as ckpt_io
+from titanrl.trainer.parallel import tied
 from titanrl.trainer.parallel.parallelize import ParallelModel
 
 _OPTIONS = ckpt_io.STATE_DICT_OPTIONS
@@ -36,12 +38,37 @@ def _part_states(pm: ParallelModel, optimizers: list[torch.optim.Optimizer]) -> 
     return [get_state_dict(part, opt, options=_OPTIONS) for part, opt in zip(pm.parts, optimizers, strict=True)]
 
 
+def _head_copy_keys(pm: ParallelModel, part: torch.nn.Module) -> dict[str, str]:
+    """Prefixes of `part`'s state keys that belong to the last stage's copy of a tied matrix split
+    across pipeline stages, each mapped to the HF-named (first stage's) prefix it is saved under."""
+    if not (pm.split_tied and getattr(part, "is_last", False)):
+        return {}
+    return {f"{kind}{tied.HEAD}": f"{kind}{tied.EMBED}" for kind in ("", "state.", "param_groups.")}
+
+
+def _saved_key(key: str, renames: dict[str, str]) -> str:
+    for own, saved in renames.items():
+        if key == own or key.startswith(own + "."):
+            return saved + key[len(own):]
+    return key
+
+
 def save_model_optim(pm: ParallelModel, optimizers: list[torch.optim.Optimizer], path: str | os.PathLike) -> None:
-    """DCP-saves {"model", "optim"} of every rank's parts into `path` (call on every rank)."""
+    """DCP-saves {"model", "optim"} of every rank's parts into `path` (call on every rank).
+
+    A tied matrix is saved as every layout (and GRPOTrainer) saves it: the weight under
+    `model.embed_tokens.weight` and `lm_head.weight` (readers of tied checkpoints ask for both),
+    its optimizer state once, under `model.embed_tokens.weight`. Split across pipeline stages,
+    the first stage writes the embedding and the state, the last stage only `lm_head.weight`.
+    """
     stepped = [bool(opt.state) for opt in optimizers]
     parts = _part_states(pm, optimizers)
-    state = {"model": {k: v for m, _ in parts for k, v in m.items()},
-             "optim": {k: v for _, o in parts for k, v in o.items()}}
+    optim: dict[str, Any] = {}
+    for part, (_, o) in zip(pm.parts, parts, strict=True):
+        head = _head_copy_keys(pm, part)
+        # The head copy's optimizer state equals the embedding's, which the first stage saves.
+        optim.update({k: v for k, v in o.items() if _saved_key(k, head) == k})
+    state = {"model": {k: v for m, _ in parts for k, v in m.items()}, "optim": optim}
     dcp.save(state, checkpoint_id=str(path))
     for opt, was in zip(optimizers, stepped, strict=True):
         if not was:
@@ -59,13 +86,18 @@ def load_model_optim(pm: ParallelModel, optimizers: list[torch.optim.Optimizer],
     saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     # The older nested optimizer format keys param groups by index ("optim.param_groups.0.lr").
     nested = any(k.startswith("optim.param_groups.0.") for k in saved_keys)
-    request = {"model": {k: v for m, _ in parts for k, v in m.items()},
-               "optim": {k: v for _, o in parts for k, v in o.items()
-                         if not (nested and k.startswith("param_groups."))}}
+    # The last stage's copy of a split tied matrix loads from the embedding's entries (weight and
+    # optimizer state), which every tied checkpoint holds, whatever layout wrote it.
+    renames = [_head_copy_keys(pm, part) for part in pm.parts]
+    request: dict[str, dict[str, Any]] = {"model": {}, "optim": {}}
+    for head, (m, o) in zip(renames, parts, strict=True):
+        request["model"].update({_saved_key(k, head): v for k, v in m.items()})
+        request["optim"].update({_saved_key(k, head): v for k, v in o.items()
+                                 if not (nested and k.startswith("param_groups."))})
     dcp.load(request, checkpoint_id=str(path))
-    for part, opt, (model_sd, optim_sd) in zip(pm.parts, optimizers, parts, strict=True):
-        model_sd = {k: request["model"][k] for k in model_sd}
-        optim_sd = {k: request["optim"].get(k, v) for k, v in optim_sd.items()}
+    for part, opt, head, (model_sd, optim_sd) in zip(pm.parts, optimizers, renames, parts, strict=True):
+        model_sd = {k: request["model"][_saved_key(k, head)] for k in model_sd}
+        optim_sd = {k: request["optim"].get(_saved_key(k, head), v) for k, v in optim_sd.items()}
         set_state_dict(part, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_OPTIONS)
         if not optimizer_stepped:
             opt.state.clear()

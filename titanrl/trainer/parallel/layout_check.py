@@ -30,6 +30,7 @@ from titanrl.trainer.parallel.gather import iter_full_gradients, iter_full_weigh
 from titanrl.trainer.parallel.mesh import build_mesh
 from titanrl.trainer.parallel.parallelize import build_optimizers, parallelize
 from titanrl.trainer.parallel.step import ParallelGRPOStep
+from titanrl.trainer.parallel.tied import tied_copies_equal
 from titanrl.trainer.parallel.validate import validate_parallel
 from titanrl.trainer.trainer import GRPOTrainer, PackedBatch, pack
 from titanrl.types import Group, Sample
@@ -158,7 +159,9 @@ def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu"
     relative L2; grad_norm_rel_diff for the distributed norm; update_rel_diff for the parameter
     change of the first (clipped AdamW) step, gathered with iter_full_weights; step_s = slowest
     rank's wall time of accumulate_gradients + clip_and_step (first step, cold); warm_step_s =
-    the same for a second step on the batch.
+    the same for a second step on the batch; tied_copies_equal = whether, after those two steps,
+    the first and last pipeline stages' copies of a tied embedding are bitwise equal (None when
+    the layout does not split one).
     """
     parallel = ParallelConfig(**LAYOUTS[name])
     model, config = load_model(case.checkpoint)
@@ -182,6 +185,8 @@ def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu"
     step.clip_and_step(step.accumulate_gradients(case.batch))  # warm: DTensor / pipeline set-up cached
     elapsed = torch.tensor([first_s, time.perf_counter() - t3], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    # After two optimizer steps: a tied matrix split across pipeline stages has equal copies.
+    copies_equal = tied_copies_equal(pm.parts, pm.tied_group, pm.device) if pm.split_tied else None
     if dist.get_rank() != 0:
         return None
     names = sorted(ref.grads)
@@ -197,6 +202,7 @@ def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu"
         "world_size": parallel.world_size,
         "parallel": LAYOUTS[name],
         "tied_embeddings": case.tied,
+        "tied_copies_equal": copies_equal,
         "loss_rel_diff": abs(loss - ref.loss) / abs(ref.loss),
         "grad_rel_diff": _rel(flat, flat_ref),
         "grad_max_param_rel_diff": max(_rel(grads[n].cpu(), ref.grads[n]) for n in names),
@@ -224,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("layouts", nargs="*", default=list(LAYOUTS), help=f"from {sorted(LAYOUTS)}")
-    parser.add_argument("--tied", action="store_true", help="tied embeddings (pipeline layouts need untied)")
+    parser.add_argument("--tied", action="store_true", help="tied embedding / LM head")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         case = make_case(tmp, tied=args.tied)

@@ -1,7 +1,8 @@
 """`parallelize`: applies a ParallelConfig's layout to a Qwen3ForCausalLM on a device mesh.
 
 Order: context parallel (swap attention backends), pipeline split, then per stage tensor
-parallel and finally FSDP2 / HSDP over the data-parallel (x context-parallel) ranks.
+parallel and finally FSDP2 / HSDP over the data-parallel (x context-parallel) ranks. A tied
+embedding split across pipeline stages gets its gradient-summing group last (tied.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -21,6 +23,7 @@ from titanrl.trainer.parallel.mesh import coord, fsdp_mesh
 from titanrl.trainer.parallel.pipeline import PipelineStageModel, num_stages, stages_of_rank
 from titanrl.trainer.parallel.ring_attention import ContextLayout, RingAttention
 from titanrl.trainer.parallel.tensor_parallel import apply_tensor_parallel
+from titanrl.trainer.parallel.tied import is_head_copy, split_tied, tied_group
 
 
 @dataclass
@@ -39,6 +42,14 @@ class ParallelModel:
     """Which sequence chunks this rank holds under context parallel; None without it."""
     device: torch.device
     """Device of this rank's parameters and activations."""
+    tied_group: dist.ProcessGroup | None = None
+    """Pipeline with tied embeddings: the {first, last pp rank} group that sums the tied copies'
+    gradients (tied.py); None without a split tied matrix and on middle-stage ranks."""
+
+    @property
+    def split_tied(self) -> bool:
+        """Whether the tied embedding / LM head matrix has a copy on the first and the last stage."""
+        return split_tied(self.parallel.pp, self.config.tie_word_embeddings)
 
     @property
     def pipelined(self) -> bool:
@@ -48,13 +59,19 @@ class ParallelModel:
     def num_stages(self) -> int:
         return num_stages(self.parallel)
 
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """HF-named parameters held on this rank (sharded ones as DTensors), tied ones once."""
-        for part in self.parts:
-            yield from part.named_parameters()
+    def named_parameters(self, head_copy: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """HF-named parameters held on this rank (sharded ones as DTensors), tied ones once.
 
-    def parameters(self) -> Iterator[nn.Parameter]:
-        for _, p in self.named_parameters():
+        head_copy=False leaves out the last stage's `lm_head.weight` when it is a copy of the
+        tied embedding (the first stage's is the one to count, save and publish).
+        """
+        for part in self.parts:
+            for name, p in part.named_parameters():
+                if head_copy or not (self.split_tied and is_head_copy(part, name)):
+                    yield name, p
+
+    def parameters(self, head_copy: bool = True) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters(head_copy):
             yield p
 
 
@@ -93,7 +110,8 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
         if dp_mesh is not None:
             apply_fsdp(part, _layers(part), dp_mesh)
         part.train()
-    return ParallelModel(parts, parallel, mesh, model.config, context, device)
+    group = tied_group(mesh) if split_tied(parallel.pp, model.config.tie_word_embeddings) else None
+    return ParallelModel(parts, parallel, mesh, model.config, context, device, group)
 
 
 def build_optimizers(pm: ParallelModel, train_config: TrainConfig) -> list[torch.optim.AdamW]:

@@ -36,7 +36,8 @@ class PipelineStageModel(nn.Module):
 
     The first stage maps token ids [B, T] to hidden states (embedding + layers); middle stages
     map hidden states to hidden states; the last one ends with the final norm and LM head and
-    returns logits [B, T, V]. Modules are shared with (taken from) the full model.
+    returns logits [B, T, V]. Modules are shared with (taken from) the full model. With tied
+    embeddings the first and last stages each hold a copy of the tied matrix (see tied.py).
     """
 
     def __init__(self, model: Qwen3ForCausalLM, stage: int, n_stages: int, context: ContextLayout | None) -> None:
@@ -56,6 +57,8 @@ class PipelineStageModel(nn.Module):
         if self.is_last:
             self.model.norm = model.model.norm
             self.lm_head = model.lm_head
+            # A tied head is the embedding's matrix; the first stage (on another rank) holds that
+            # copy and this stage this one: tied.py keeps the two equal.
 
     def layers(self) -> list[nn.Module]:
         return list(self.model.layers.values())

@@ -24,6 +24,7 @@ from titanrl.trainer.grpo import clipped_surrogate_loss, token_logprobs
 from titanrl.trainer.parallel.mesh import coord, dp_rank_and_size, owns
 from titanrl.trainer.parallel.parallelize import ParallelModel
 from titanrl.trainer.parallel.pipeline import build_schedule
+from titanrl.trainer.parallel.tied import sum_tied_grads
 from titanrl.trainer.parallel.validate import sequence_multiple
 from titanrl.trainer.trainer import GradStats, LogprobParity, PackedBatch
 
@@ -127,6 +128,9 @@ class ParallelGRPOStep:
         else:
             self._micro_batches(local, total_tokens, totals)
         self._reduce_partial_grads()
+        if self.pm.tied_group is not None:
+            # Before any norm or step: both copies of a split tied matrix need its full gradient.
+            sum_tied_grads(self.pm.parts, self.pm.tied_group)
         return self._global_stats(totals, total_tokens)
 
     def _loss(self, logits, targets, old, adv, mask, current, totals: _Totals) -> torch.Tensor:
@@ -228,9 +232,10 @@ class ParallelGRPOStep:
     # ------------------------------------------------------------------------- optimizer
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the accumulated gradient (each element counted once across the world)."""
+        """Global L2 norm of the accumulated gradient (each element counted once across the world;
+        a tied matrix split across pipeline stages once, as the single-process model's one parameter)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.pm.device)
-        for p in self.pm.parameters():
+        for p in self.pm.parameters(head_copy=False):
             g = p.grad
             if g is None or not owns(self.pm.mesh, g):
                 continue

@@ -70,12 +70,6 @@ def validate_parallel(
                 f"stages, which must divide num_hidden_layers ({m.num_hidden_layers}); choose pp so that "
                 f"pp{' x 2' if stages > p.pp else ''} divides {m.num_hidden_layers}"
             )
-        if m.tie_word_embeddings:
-            raise ConfigError(
-                f"train.parallel.pp={p.pp} needs untied embeddings: with tie_word_embeddings=True the "
-                "embedding (first stage) and LM head (last stage) share one matrix, which pipeline stages "
-                "cannot share yet; set train.parallel.pp=1 (use dp_shard / tp instead) or train an untied model"
-            )
     multiple = sequence_multiple(p)
     if seq_len is not None and seq_len % multiple:
         why = f"2 x cp={p.cp} chunks for load-balanced causal ring attention" if p.cp > 1 else ""
