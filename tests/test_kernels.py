@@ -356,6 +356,22 @@ def test_attention_reads_a_paged_cache_in_place_with_the_dense_bits():
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("D", [8, 24, 40, 64, 128])
+def test_attention_vector_path_has_the_plain_loops_bits(D):
+    """The kernel's float fast path (8-lane vectors, 4 keys or 64 value columns per pass) gives
+    exactly the bits of its plain scalar loops, outputs and log-sum-exps, for head dims that
+    take it (multiples of 8, one or several 64-column passes) and ones that do not."""
+    gen = torch.Generator().manual_seed(D)
+    B, T, Hq, Hkv = 3, 77, 4, 2
+    q = torch.randn(B * T, Hq, D, generator=gen)
+    k, v = torch.randn(B, T, Hkv, D, generator=gen), torch.randn(B, T, Hkv, D, generator=gen)
+    args = (q, KeyTable.dense(k, v, heads_first=False), Hkv, torch.arange(B + 1) * T, torch.tensor([0, 5, 0]),
+            torch.tensor([T, T - 9, 1]), D**-0.5)
+    fast, fast_lse = varlen_attention(*args, with_lse=True)
+    plain, plain_lse = varlen_attention(*args, with_lse=True, plain_loops=True)
+    assert torch.equal(fast, plain) and torch.equal(fast_lse, plain_lse)
+
+
 def test_attention_gradients_match_autograd():
     """Gradients w.r.t. q, k, v equal autograd through float64 reference attention to <= 1e-5
     (GQA, chunk offset, kv_lens), and pass gradcheck in float64."""
@@ -439,3 +455,20 @@ def test_dispatch_uses_torch_backend_on_cpu():
     assert torch.equal(kernels.linear(x, W), linear(x, W))
     assert torch.equal(kernels.rms_norm(x, W[0], 1e-6), rms_norm(x, W[0], 1e-6))
     assert torch.equal(kernels.log_softmax(x, 0.5), log_softmax(x, 0.5))
+
+
+def test_cpu_kernel_build_is_cached_and_names_a_missing_compiler(monkeypatch, tmp_path):
+    """The C++ attention kernel builds once into $TITANRL_KERNEL_CACHE and is reused from
+    there; without a compiler the error says what to install before anything is attempted."""
+    from titanrl.kernels import cpu_build
+
+    monkeypatch.setenv("TITANRL_KERNEL_CACHE", str(tmp_path))
+    lib = cpu_build.load.__wrapped__("attention")  # past the per-process cache
+    assert hasattr(lib, "titanrl_attention_forward_f32")
+    (built,) = tmp_path.glob("attention-*.so")
+    stamp = built.stat().st_mtime_ns
+    cpu_build.load.__wrapped__("attention")
+    assert list(tmp_path.glob("*")) == [built] and built.stat().st_mtime_ns == stamp
+    monkeypatch.setenv("CXX", "no-such-compiler-titanrl")
+    with pytest.raises(cpu_build.KernelBuildError, match="apt-get install g\\+\\+"):
+        cpu_build.load.__wrapped__("attention")

@@ -75,13 +75,15 @@ def _pointer(t: torch.Tensor) -> ctypes.c_void_p:
 def varlen_attention(
     q_NHD: torch.Tensor, source: KeyTable, num_kv_heads: int, query_start: torch.Tensor, first_pos: torch.Tensor,
     kv_len: torch.Tensor, scale: float, *, out: torch.Tensor | None = None, with_lse: bool = False,
+    plain_loops: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward attention for R requests whose queries are flattened into q_NHD [N, Hq, D].
 
     Request r owns rows `query_start[r]:query_start[r + 1]`; its first query is at position
     `first_pos[r]`, and a query at position p sees keys 0..min(p + 1, kv_len[r]) - 1 of
     `source`; query head h reads kv head h // (Hq // num_kv_heads). q, keys and values share
-    one dtype (float32 or float64); rows must have contiguous head_dim. Returns (out [N, Hq, D], lse [N, Hq] or None). No autograd.
+    one dtype (float32 or float64); rows must have contiguous head_dim. `plain_loops` runs the
+    kernel's scalar definition instead of its vector path (same bits, slower; for tests). Returns (out [N, Hq, D], lse [N, Hq] or None). No autograd.
     """
     N, Hq, D = q_NHD.shape
     dtype = q_NHD.dtype
@@ -107,7 +109,7 @@ def varlen_attention(
        ctypes.c_int64(source.token_stride), *[_pointer(t) for t in index], ctypes.c_int64(R), ctypes.c_int64(Hq),
        ctypes.c_int64(num_kv_heads), ctypes.c_int64(D), ctypes.c_double(scale), _pointer(out), ctypes.c_int64(out.stride(0)),
        ctypes.c_int64(out.stride(1)), _pointer(lse) if lse is not None else ctypes.c_void_p(0),
-       ctypes.c_int(torch.get_num_threads()))
+       ctypes.c_int(torch.get_num_threads()), ctypes.c_int(int(plain_loops)))
     return out, lse
 
 

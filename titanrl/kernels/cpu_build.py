@@ -75,8 +75,12 @@ def load(name: str) -> ctypes.CDLL:
                     _cpu_features()])
     ).hexdigest()[:16]
     library = cache_dir() / f"{name}-{key}.so"
-    if not library.exists():
+    try:
         library.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # e.g. a read-only home directory: build per user under the temp dir
+        library = Path(tempfile.gettempdir()) / f"titanrl-kernels-{os.getuid()}" / library.name
+        library.parent.mkdir(parents=True, exist_ok=True)
+    if not library.exists():
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
         os.close(fd)
         try:

@@ -1,7 +1,7 @@
 // Batch-invariant causal grouped-query attention forward for CPU (see cpu_attention.py).
 //
 // The bits of one query's output are fixed by this file's arithmetic alone:
-//   score_j = dot(q, k_j) * scale      dot: 16 (float) / 8 (double) lane partial sums over
+//   score_j = dot(q, k_j) * scale      dot: 8 (float) / 4 (double) lane partial sums over
 //                                      head_dim in index order, then a fixed halving tree
 //   m = max_j score_j                  keys j = 0, 1, ..., n-1 in order
 //   p_j = exp(score_j - m)             float: `exp_nonpositive` below (basic operations
@@ -13,9 +13,15 @@
 // scheme, so a dense [B, T, H, D] tensor and vLLM's paged cache are read alike, in place), or
 // on how the work is split across threads. Build with -ffp-contract=off so the compiler
 // cannot fuse a multiply and an add into an FMA in one build and not another.
+//
+// The float path for head_dim a multiple of 8 is written with explicit 8-lane vectors and
+// works on 4 keys (scores) or up to 64 value columns (weighted sum) at a time; every element
+// still goes through exactly the operations above, in the same order, so it has the bits of
+// the plain loops (tests/test_kernels.py checks the two against each other).
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -62,6 +68,101 @@ inline float exp_nonpositive(float x) {
 inline float exp_nonpositive_or_libm(float x) { return exp_nonpositive(x); }
 inline double exp_nonpositive_or_libm(double x) { return std::exp(x); }
 
+typedef float Lanes8 __attribute__((vector_size(32)));
+
+inline Lanes8 load8(const float* p) {
+  Lanes8 x;
+  __builtin_memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+// The end of `dot<float>` for an 8-lane accumulator: the same halving tree.
+inline float reduce8(Lanes8 acc) {
+  float r[8];
+  __builtin_memcpy(r, &acc, sizeof(r));
+  for (int width = 4; width > 0; width /= 2) {
+    for (int l = 0; l < width; ++l) r[l] += r[l + width];
+  }
+  return r[0];
+}
+
+// Scores of one query row against keys `key[0..n)` (offsets into k), head_dim % 8 == 0:
+// `dot<float>(q, k_j, dim) * scale` for each j, four keys per pass.
+void scores_f32(const float* q, const float* k, const int64_t* key, int64_t n, int64_t dim, float scale,
+                float* out) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float *k0 = k + key[j], *k1 = k + key[j + 1], *k2 = k + key[j + 2], *k3 = k + key[j + 3];
+    Lanes8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t i = 0; i < dim; i += 8) {
+      const Lanes8 x = load8(q + i);
+      a0 += x * load8(k0 + i);
+      a1 += x * load8(k1 + i);
+      a2 += x * load8(k2 + i);
+      a3 += x * load8(k3 + i);
+    }
+    out[j] = reduce8(a0) * scale;
+    out[j + 1] = reduce8(a1) * scale;
+    out[j + 2] = reduce8(a2) * scale;
+    out[j + 3] = reduce8(a3) * scale;
+  }
+  for (; j < n; ++j) out[j] = dot(q, k + key[j], dim) * scale;
+}
+
+// sum_j p[j] * v_j[c0 .. c0 + 8C) over keys 0..n-1 in order, kept in C vector registers.
+template <int C>
+void weighted_columns_f32(const float* p, const float* v, const int64_t* key, int64_t n, int64_t c0,
+                          float* acc) {
+  Lanes8 a[C] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + key[j] + c0;
+    const float pj = p[j];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) a[c] += pj * load8(vj + 8 * c);
+  }
+  __builtin_memcpy(acc + c0, a, sizeof(a));
+}
+
+// acc[d] = sum_j p[j] * v_j[d] for d < dim (head_dim % 8 == 0), sequential in j per d.
+void weighted_values_f32(const float* p, const float* v, const int64_t* key, int64_t n, int64_t dim, float* acc) {
+  for (int64_t c0 = 0; c0 < dim; c0 += 64) {
+    switch ((dim - c0) >= 64 ? 8 : (dim - c0) / 8) {
+      case 8: weighted_columns_f32<8>(p, v, key, n, c0, acc); break;
+      case 7: weighted_columns_f32<7>(p, v, key, n, c0, acc); break;
+      case 6: weighted_columns_f32<6>(p, v, key, n, c0, acc); break;
+      case 5: weighted_columns_f32<5>(p, v, key, n, c0, acc); break;
+      case 4: weighted_columns_f32<4>(p, v, key, n, c0, acc); break;
+      case 3: weighted_columns_f32<3>(p, v, key, n, c0, acc); break;
+      case 2: weighted_columns_f32<2>(p, v, key, n, c0, acc); break;
+      default: weighted_columns_f32<1>(p, v, key, n, c0, acc); break;
+    }
+  }
+}
+
+// Scores and weighted values: the vector paths for float with head_dim % 8 == 0, else plain
+// loops. Both give the same bits (see the top of the file).
+template <typename T>
+void query_scores(const T* q, const T* k, const int64_t* key, int64_t n, int64_t dim, T scale, T* out,
+                  bool vector_path) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (vector_path) return scores_f32(q, k, key, n, dim, scale, out);
+  }
+  for (int64_t j = 0; j < n; ++j) out[j] = dot(q, k + key[j], dim) * scale;
+}
+
+template <typename T>
+void weighted_values(const T* p, const T* v, const int64_t* key, int64_t n, int64_t dim, T* acc, bool vector_path) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (vector_path) return weighted_values_f32(p, v, key, n, dim, acc);
+  }
+  for (int64_t d = 0; d < dim; ++d) acc[d] = T(0);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vj = v + key[j];
+    const T pj = p[j];
+    for (int64_t d = 0; d < dim; ++d) acc[d] += pj * vj[d];
+  }
+}
+
 // Where the keys of one request live: key j of kv head h is at
 //   base + table[j / block_size] * block_stride + h * head_stride + (j % block_size) * token_stride.
 struct KeySource {
@@ -80,7 +181,7 @@ struct KeySource {
 template <typename T>
 void attend(const T* q, int64_t q_head_stride, const T* k, const T* v, const KeySource& src, int64_t h,
             int64_t n, int64_t groups, int64_t dim, T scale, T* out, int64_t out_head_stride, T* lse,
-            std::vector<T>& scores, std::vector<T>& acc, std::vector<int64_t>& offsets) {
+            std::vector<T>& scores, std::vector<T>& acc, std::vector<int64_t>& offsets, bool vector_path) {
   if (n <= 0) {
     for (int64_t g = 0; g < groups; ++g) {
       for (int64_t d = 0; d < dim; ++d) out[g * out_head_stride + d] = T(0);
@@ -92,9 +193,8 @@ void attend(const T* q, int64_t q_head_stride, const T* k, const T* v, const Key
   acc.resize(static_cast<size_t>(groups * dim));
   offsets.resize(static_cast<size_t>(n));
   src.offsets(h, n, offsets.data());
-  for (int64_t j = 0; j < n; ++j) {
-    const T* kj = k + offsets[j];
-    for (int64_t g = 0; g < groups; ++g) scores[g * n + j] = dot(q + g * q_head_stride, kj, dim) * scale;
+  for (int64_t g = 0; g < groups; ++g) {
+    query_scores(q + g * q_head_stride, k, offsets.data(), n, dim, scale, scores.data() + g * n, vector_path);
   }
   std::vector<T> sums(groups);  // small: groups <= a few dozen
   for (int64_t g = 0; g < groups; ++g) {
@@ -107,14 +207,8 @@ void attend(const T* q, int64_t q_head_stride, const T* k, const T* v, const Key
     sums[g] = l;
     if (lse) lse[g] = m + std::log(l);
   }
-  for (int64_t i = 0; i < groups * dim; ++i) acc[i] = T(0);
-  for (int64_t j = 0; j < n; ++j) {
-    const T* vj = v + offsets[j];
-    for (int64_t g = 0; g < groups; ++g) {
-      const T p = scores[g * n + j];
-      T* a = acc.data() + g * dim;
-      for (int64_t d = 0; d < dim; ++d) a[d] += p * vj[d];
-    }
+  for (int64_t g = 0; g < groups; ++g) {
+    weighted_values(scores.data() + g * n, v, offsets.data(), n, dim, acc.data() + g * dim, vector_path);
   }
   for (int64_t g = 0; g < groups; ++g) {
     T* o = out + g * out_head_stride;
@@ -132,7 +226,8 @@ void forward(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T*
              int64_t head_stride, int64_t token_stride, const int64_t* query_start, const int64_t* first_pos,
              const int64_t* kv_len, int64_t num_requests, int64_t num_q_heads, int64_t num_kv_heads,
              int64_t dim, T scale, T* out, int64_t out_token_stride, int64_t out_head_stride, T* lse,
-             int num_threads) {
+             int num_threads, bool plain_loops) {
+  const bool vector_path = !plain_loops && dim % 8 == 0;
   const int64_t groups = num_q_heads / num_kv_heads;
   const int64_t tokens = query_start[num_requests];
   // One task per (token, kv head); the owning request of a token is found by bisection.
@@ -156,7 +251,7 @@ void forward(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T*
       const int64_t head0 = h * groups;
       attend<T>(q + t * q_token_stride + head0 * q_head_stride, q_head_stride, k, v, src, h, n, groups, dim,
                 scale, out + t * out_token_stride + head0 * out_head_stride, out_head_stride,
-                lse ? lse + t * num_q_heads + head0 : nullptr, scores, acc, offsets);
+                lse ? lse + t * num_q_heads + head0 : nullptr, scores, acc, offsets, vector_path);
     }
   }
 }
@@ -171,11 +266,11 @@ extern "C" {
             int64_t head_stride, int64_t token_stride, const int64_t* query_start, const int64_t* first_pos, \
             const int64_t* kv_len, int64_t num_requests, int64_t num_q_heads, int64_t num_kv_heads,        \
             int64_t dim, double scale, T* out, int64_t out_token_stride, int64_t out_head_stride, T* lse,  \
-            int num_threads) {                                                                             \
+            int num_threads, int plain_loops) {                                                            \
     forward<T>(q, q_token_stride, q_head_stride, k, v, table, table_stride, block_size, block_stride,      \
                head_stride, token_stride, query_start, first_pos, kv_len, num_requests, num_q_heads,       \
                num_kv_heads, dim, static_cast<T>(scale), out, out_token_stride, out_head_stride, lse,      \
-               num_threads);                                                                               \
+               num_threads, plain_loops != 0);                                                             \
   }
 
 TITANRL_ATTENTION_ENTRY(titanrl_attention_forward_f32, float)
