@@ -146,35 +146,42 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, starts, lens = ctx.saved_tensors
-        if not ctx.heads_first:  # everything heads first: [B, H, T, D]
+        if not ctx.heads_first:  # keys and values heads first: [B, Hkv, Tk, D]
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         B, Tq, Hq, D = q.shape
         Hkv, Tk = k.shape[1], k.shape[2]
         G = Hq // Hkv
-        qh, oh, gh = (t.transpose(1, 2) for t in (q, out, grad_out.to(q.dtype)))
-        kh, vh = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-        lse_h = lse.transpose(1, 2)
-        keys = torch.arange(Tk)
-        dq = torch.empty_like(qh)
-        dk, dv = torch.zeros_like(kh), torch.zeros_like(vh)
+
+        def grouped(t: torch.Tensor) -> torch.Tensor:  # [B, Tq, Hq, ...] -> [B, Hkv, G, Tq, ...]
+            return t.reshape(B, Tq, Hkv, G, *t.shape[3:]).movedim(1, 3)
+
+        qg, og, gg, lse_g = grouped(q), grouped(out), grouped(grad_out.to(q.dtype)), grouped(lse)
+        dq = torch.empty((B, Hkv, G, Tq, D), dtype=q.dtype)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         for t0 in range(0, Tq, BACKWARD_QUERY_TILE):
             t1 = min(t0 + BACKWARD_QUERY_TILE, Tq)
+            # Keys past the tile's last visible position get no gradient from it: skip them.
+            n = min(Tk, int(starts.max()) + t1, int(lens.max()))
+            if n <= 0:
+                dq[:, :, :, t0:t1] = 0
+                continue
             pos = starts[:, None] + torch.arange(t0, t1)
-            visible = (keys <= pos[..., None]) & (keys < lens[:, None, None])  # [B, tile, Tk]
-            s = (qh[:, :, t0:t1] @ kh.transpose(-1, -2)) * ctx.scale
-            s = s.masked_fill(~visible[:, None], float("-inf"))
+            keys = torch.arange(n)
+            visible = (keys <= pos[..., None]) & (keys < lens[:, None, None])  # [B, tile, n]
+            rows = lambda t: t[:, :, :, t0:t1].reshape(B, Hkv, G * (t1 - t0), *t.shape[4:])  # noqa: E731
+            qt, ot, gt, lt = rows(qg), rows(og), rows(gg), rows(lse_g)
+            kn, vn = k[:, :, :n], v[:, :, :n]
+            s = (qt @ kn.transpose(-1, -2)) * ctx.scale  # [B, Hkv, G * tile, n]
+            s = s.masked_fill(~visible[:, None, None].expand(B, 1, G, t1 - t0, n).reshape(B, 1, -1, n), float("-inf"))
             # lse is +inf for a query that sees no key: its probabilities are all exp(-inf) = 0.
-            p = torch.exp(s - lse_h[:, :, t0:t1, None])
-            g = gh[:, :, t0:t1]
-            dv += p.transpose(-1, -2) @ g
-            dp = g @ vh.transpose(-1, -2)
-            ds = p * (dp - (g * oh[:, :, t0:t1]).sum(-1, keepdim=True))
-            dq[:, :, t0:t1] = (ds @ kh) * ctx.scale
-            dk += (ds.transpose(-1, -2) @ qh[:, :, t0:t1]) * ctx.scale
-        dk, dv = (t.view(B, Hkv, G, Tk, D).sum(2) for t in (dk, dv))
+            p = torch.exp(s - lt[..., None])
+            dv[:, :, :n] += p.transpose(-1, -2) @ gt
+            ds = p * (gt @ vn.transpose(-1, -2) - (gt * ot).sum(-1, keepdim=True))
+            dq[:, :, :, t0:t1] = ((ds @ kn) * ctx.scale).view(B, Hkv, G, t1 - t0, D)
+            dk[:, :, :n] += (ds.transpose(-1, -2) @ qt) * ctx.scale
         if not ctx.heads_first:
             dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)
-        return dq.transpose(1, 2), dk, dv, None, None, None, None
+        return dq.movedim(3, 1).reshape(B, Tq, Hq, D), dk, dv, None, None, None, None
 
 
 def attention(
