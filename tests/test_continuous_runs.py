@@ -160,7 +160,11 @@ def test_dead_trainer_stops_the_run_cleanly_with_the_last_checkpoint(tmp_path, r
 
 
 def _shm_names() -> set[str]:
-    return {p.name for p in Path("/dev/shm").iterdir()}
+    """TitanRL's weight segments in /dev/shm (other processes' entries, e.g. multiprocessing
+    semaphores of a concurrent job, are not this run's to clean up)."""
+    from titanrl.weight_sync.segment import PREFIX
+
+    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(PREFIX)}
 
 
 @pytest.mark.slow

@@ -20,7 +20,11 @@ TIED = ["fsdp", "tp_sp", "cp", "pp", "pp_interleaved"]
 TOL = 1e-5
 
 
-INVARIANT = {"fsdp": dict(dp_shard=2), "ddp": dict(dp_replicate=2)}
+INVARIANT_DP = {"fsdp": dict(dp_shard=2), "ddp": dict(dp_replicate=2)}
+INVARIANT_PP = {"pp": dict(pp=2, pp_schedule="1F1B"), "pp_gpipe": dict(pp=2, pp_schedule="GPipe"),
+                "pp_interleaved": dict(pp=2, pp_schedule="Interleaved1F1B")}
+INVARIANT = {**INVARIANT_DP, **INVARIANT_PP}
+"""Layouts run with batch_invariant=True (on the tied policy: pp splits the tied matrix)."""
 
 
 def _with_invariant_logprobs(case):
@@ -39,12 +43,13 @@ def _with_invariant_logprobs(case):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """Results of one 2-rank world: layout reports on an untied and a tied policy, ring attention
-    diffs, batch-invariant parity under data parallelism (and the single-process trainer's)."""
+    diffs, batch-invariant parity and loss under data parallelism and pipelines (and the
+    single-process trainer's)."""
     tmp = tmp_path_factory.mktemp("parallel_layouts")
     untied, tied = make_case(tmp, tied=False), make_case(tmp, tied=True)
     invariant = _with_invariant_logprobs(tied)
     single = GRPOTrainer(ModelConfig(checkpoint=invariant.checkpoint), invariant.train, invariant.temperature,
-                         seed=0, batch_invariant=True).accumulate_gradients(invariant.batch).parity
+                         seed=0, batch_invariant=True).accumulate_gradients(invariant.batch)
     jobs = [
         ("layouts", (UNTIED, untied, reference(untied))),
         ("layouts", (TIED, tied, reference(tied))),
@@ -55,7 +60,7 @@ def world(tmp_path_factory):
 
     results = run_local_world(run_jobs, 2, jobs, timeout_s=600)[0]
     return {"untied": results[0], "tied": results[1], "ring": results[2], "invariant": results[3],
-            "invariant_single": single}
+            "invariant_single": single.parity, "invariant_single_loss": single.loss_sum / single.tokens}
 
 
 def _assert_matches(report: dict) -> None:
@@ -96,7 +101,7 @@ def test_ring_attention_matches_causal_attention(world):
         assert diff <= TOL, (key, diff)
 
 
-@pytest.mark.parametrize("layout", sorted(INVARIANT))
+@pytest.mark.parametrize("layout", sorted(INVARIANT_DP))
 def test_batch_invariant_logprobs_bitwise_under_data_parallel(world, layout):
     """With batch_invariant=True, every trained token's logprob under `layout` (rows split over
     2 ranks, other micro-batches and padding) has exactly the bits the single-process model gives
@@ -106,3 +111,21 @@ def test_batch_invariant_logprobs_bitwise_under_data_parallel(world, layout):
     assert single.checked > 0 and single.different == 0, single
     got = world["invariant"][layout]
     assert got["checked"] == single.checked and got["different"] == 0 and got["diff_max"] == 0.0, got
+
+
+@pytest.mark.parametrize("layout", sorted(INVARIANT_PP))
+def test_batch_invariant_logprobs_and_loss_bitwise_under_pipeline(world, layout):
+    """With batch_invariant=True under pp=2 (1F1B, GPipe, interleaved: 2 stages per rank, tied
+    matrix split over first and last stage), every trained token's logprob computed by the last
+    stage has exactly the single-process bits: parity differs on 0 of the same tokens GRPOTrainer
+    checks, so the stages ran the batch-invariant kernels (layers, rotary table, LM head) and
+    `kernels.token_logprobs`. The loss is bitwise equal to GRPOTrainer(batch_invariant=True)'s
+    too: its 6 micro-batches of 3 rows hold the same rows as the single-process ones (16 rows,
+    micro_batch_size 3; the last one padded with zero-mask rows) and each is trimmed alike, so
+    every micro-batch's loss sum has the same bits."""
+    single = world["invariant_single"]
+    got = world["invariant"][layout]
+    assert single.checked > 0 and got["checked"] == single.checked, (got, single)
+    assert got["different"] == 0 and got["diff_max"] == 0.0, got
+    assert torch.equal(torch.tensor(got["loss"], dtype=torch.float64),
+                       torch.tensor(world["invariant_single_loss"], dtype=torch.float64)), got

@@ -1,9 +1,10 @@
-"""validate_parallel's errors name the field and the fix; context-parallel chunking; no processes spawned."""
+"""validate_parallel's errors name the field and the fix; which layouts batch-invariant mode takes;
+context-parallel chunking; no processes spawned."""
 
 import pytest
 import torch
 
-from titanrl.config import ConfigError, ParallelConfig
+from titanrl.config import ConfigError, ParallelConfig, RunConfig, TrainConfig, _validate_trainer_layout
 from titanrl.models.tiny import tiny_config
 from titanrl.trainer.parallel.ring_attention import ContextLayout
 from titanrl.trainer.parallel.validate import sequence_multiple, validate_parallel
@@ -76,3 +77,35 @@ def test_context_layout_chunks_cover_the_sequence_once():
     assert ContextLayout(3, 0).chunk_ids() == (0, 5) and ContextLayout(3, 2).chunk_ids() == (2, 3)
     with pytest.raises(ValueError, match="not a multiple of the 6 context-parallel chunks"):
         ContextLayout(3, 0).shard(torch.zeros(1, 20), 1)
+
+
+def test_batch_invariant_accepts_data_parallel_and_pipeline():
+    """batch_invariant=True passes with dp_shard, dp_replicate and pp (every schedule, and pp x
+    dp_shard), both in validate_parallel and in RunConfig's trainer-layout check: these layouts only
+    change which rows share a kernel call, not a row's arithmetic."""
+    for kw, world in [(dict(dp_shard=2), 2), (dict(dp_replicate=2), 2), (dict(pp=2), 2),
+                      (dict(pp=2, pp_schedule="GPipe"), 2), (dict(pp=2, pp_schedule="Interleaved1F1B"), 2),
+                      (dict(pp=2, dp_shard=2), 4), (dict(pp=4, dp_replicate=2), 8)]:
+        parallel = ParallelConfig(**kw)
+        assert validate_parallel(parallel, MODEL, world, batch_invariant=True) is None  # no ConfigError
+        run = RunConfig(batch_invariant=True, train=TrainConfig(parallel=parallel))
+        assert _validate_trainer_layout(run, MODEL) is None
+
+
+@pytest.mark.parametrize("kw", [dict(tp=2), dict(cp=2), dict(pp=2, tp=2), dict(dp_shard=2, cp=2)])
+def test_batch_invariant_refuses_tensor_and_context_parallel(kw):
+    """batch_invariant=True with tp or cp raises ConfigError (from validate_parallel and from
+    RunConfig validation) that says why (row-parallel partial sums, ring attention: another
+    reduction order than the generator's, so vLLM's bits cannot be matched) and what to use
+    instead (dp_shard / dp_replicate / pp); the same layouts pass without batch_invariant."""
+    parallel = ParallelConfig(**kw)
+    assert validate_parallel(parallel, MODEL, parallel.world_size) is None
+    run = RunConfig(batch_invariant=True, train=TrainConfig(parallel=parallel))
+    for call in (lambda: validate_parallel(parallel, MODEL, parallel.world_size, batch_invariant=True),
+                 lambda: _validate_trainer_layout(run, MODEL)):
+        with pytest.raises(ConfigError) as err:
+            call()
+        msg = str(err.value)
+        for needle in (f"tp={parallel.tp}, cp={parallel.cp}", "row-parallel partial", "ring attention",
+                       "vLLM's bits", "dp_shard / dp_replicate / pp", "batch_invariant=False"):
+            assert needle in msg, (needle, msg)

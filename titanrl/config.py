@@ -587,7 +587,7 @@ def _validate_trainer_layout(config: RunConfig, model_config: Any) -> None:
     if config.train.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"train.device must be 'auto', 'cpu' or 'cuda', got {config.train.device!r}")
     p = config.train.parallel
-    validate_parallel(p, model_config, world_size=None)
+    validate_parallel(p, model_config, world_size=None, batch_invariant=config.batch_invariant)
     if config.train.decoupled_loss and p.world_size > 1:
         raise ConfigError(
             f"train.decoupled_loss is implemented for the single-process trainer, but train.parallel has "
@@ -595,9 +595,3 @@ def _validate_trainer_layout(config: RunConfig, model_config: Any) -> None:
         )
     if config.train.behaviour_weight_cap <= 0:
         raise ConfigError(f"train.behaviour_weight_cap must be > 0, got {config.train.behaviour_weight_cap}")
-    if config.batch_invariant and (p.tp > 1 or p.pp > 1 or p.cp > 1):
-        raise ConfigError(
-            f"batch_invariant=True runs the trainer with data parallelism only (its kernels take whole "
-            f"weights and whole sequences), but train.parallel has tp={p.tp}, pp={p.pp}, cp={p.cp}: set them "
-            f"to 1 and use train.parallel.dp_shard / dp_replicate, or set batch_invariant=False"
-        )

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from titanrl import kernels
 from titanrl.config import ParallelConfig
 from titanrl.models.qwen3 import Qwen3ForCausalLM
 from titanrl.trainer.parallel.ring_attention import ContextLayout
@@ -38,6 +39,9 @@ class PipelineStageModel(nn.Module):
     map hidden states to hidden states; the last one ends with the final norm and LM head and
     returns logits [B, T, V]. Modules are shared with (taken from) the full model. With tied
     embeddings the first and last stages each hold a copy of the tied matrix (see tied.py).
+
+    Batch-invariant mode: the shared modules keep the full model's `set_batch_invariant` state,
+    and the stage takes the model's own flag for its LM head; `set_batch_invariant` switches both.
     """
 
     def __init__(self, model: Qwen3ForCausalLM, stage: int, n_stages: int, context: ContextLayout | None) -> None:
@@ -54,11 +58,20 @@ class PipelineStageModel(nn.Module):
         ids = range(stage * per, (stage + 1) * per)
         self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in ids})
         self.model.rotary_emb = model.model.rotary_emb
+        # Whether the LM head runs through `kernels.linear`, as Qwen3ForCausalLM.compute_logits does.
+        self.batch_invariant = model.batch_invariant
         if self.is_last:
             self.model.norm = model.model.norm
             self.lm_head = model.lm_head
             # A tied head is the embedding's matrix; the first stage (on another rank) holds that
             # copy and this stage this one: tied.py keeps the two equal.
+
+    def set_batch_invariant(self, enabled: bool = True) -> PipelineStageModel:
+        """Qwen3ForCausalLM.set_batch_invariant for this stage's modules (and its LM head)."""
+        for module in self.modules():
+            if hasattr(module, "batch_invariant"):
+                module.batch_invariant = enabled
+        return self
 
     def layers(self) -> list[nn.Module]:
         return list(self.model.layers.values())
@@ -70,7 +83,13 @@ class PipelineStageModel(nn.Module):
         cos, sin = self.model.rotary_emb(pos.expand(B, T), h.dtype)
         for layer in self.model.layers.values():
             h = layer(h, cos, sin)
-        return self.lm_head(self.model.norm(h)) if self.is_last else h
+        return self._logits(self.model.norm(h)) if self.is_last else h
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Qwen3ForCausalLM.compute_logits, for the stage that holds the head.
+        if self.batch_invariant:
+            return kernels.linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        return self.lm_head(hidden)
 
 
 def build_schedule(parts: list[PipelineStageModel], parallel: ParallelConfig, mesh: DeviceMesh,

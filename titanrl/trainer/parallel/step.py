@@ -25,7 +25,7 @@ from titanrl.trainer.parallel.mesh import coord, dp_rank_and_size, owns
 from titanrl.trainer.parallel.parallelize import ParallelModel
 from titanrl.trainer.parallel.pipeline import build_schedule
 from titanrl.trainer.parallel.tied import sum_tied_grads
-from titanrl.trainer.parallel.validate import sequence_multiple
+from titanrl.trainer.parallel.validate import check_batch_invariant, sequence_multiple
 from titanrl.trainer.trainer import GradStats, LogprobParity, PackedBatch
 
 
@@ -86,8 +86,9 @@ class ParallelGRPOStep:
 
     batch_invariant: run the model and the logprobs through `titanrl.kernels` (as
     `GRPOTrainer(batch_invariant=True)` does), so each token's logprob has the same bits as in
-    one process; data-parallel layouts only (dp_replicate / dp_shard), since the kernels
-    take whole weights and whole sequences.
+    one process. Data parallel and pipeline layouts (dp_replicate / dp_shard / pp) only change
+    which rows share a kernel call, so they keep those bits; tp and cp are refused
+    (validate.check_batch_invariant says why).
     """
 
     def __init__(self, pm: ParallelModel, optimizers: list[torch.optim.Optimizer], train_config: TrainConfig,
@@ -95,16 +96,10 @@ class ParallelGRPOStep:
         self.pm, self.optimizers, self.cfg, self.temperature = pm, optimizers, train_config, temperature
         self.seq_multiple = sequence_multiple(pm.parallel)
         if batch_invariant:
-            p = pm.parallel
-            if p.tp > 1 or p.cp > 1 or p.pp > 1:
-                raise ValueError(
-                    f"batch_invariant=True runs with data parallelism only (dp_replicate / dp_shard); "
-                    f"this layout has tp={p.tp}, cp={p.cp}, pp={p.pp}"
-                )
-            for part in pm.parts:
-                for module in part.modules():
-                    if hasattr(module, "batch_invariant"):
-                        module.batch_invariant = True
+            check_batch_invariant(pm.parallel)
+            for part in pm.parts:  # the whole model, or pipeline stages (their LM head included)
+                part.set_batch_invariant(True)
+        # The pipelined step's loss_fn uses this too, on the last stage's logits.
         self.token_logprobs = kernels.token_logprobs if batch_invariant else token_logprobs
 
     # ------------------------------------------------------------------------- gradients
@@ -182,6 +177,12 @@ class ParallelGRPOStep:
 
         def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             t, m, o, a, c = target.unbind(-1)
+            if not self.pm.context:
+                # Trim this micro-batch's trailing padding as the single-process step does: the
+                # loss sums the same [rows, T] tensor, so with batch-invariant logprobs and the
+                # same rows per micro-batch it has the same bits (zero-mask columns add no gradient).
+                T = _trimmed_len(m, 1)
+                logits, t, m, o = logits[:, :T], t[:, :T], m[:, :T], o[:, :T]
             calls.append(_Totals())
             loss_sum = self._loss(logits, t.long(), o.float(), a[:, 0].float(), m.float(), c[:, 0].float(), calls[-1])
             return loss_sum / total_tokens

@@ -24,12 +24,15 @@ def sequence_multiple(parallel: ParallelConfig) -> int:
 
 
 def validate_parallel(
-    parallel: ParallelConfig, model_config: Qwen3Config, world_size: int | None, seq_len: int | None = None
+    parallel: ParallelConfig, model_config: Qwen3Config, world_size: int | None, seq_len: int | None = None,
+    batch_invariant: bool = False,
 ) -> None:
     """Raises ConfigError, naming the field to change, when `parallel` cannot run this model.
 
     world_size: the trainer's process count (None skips that check). seq_len: a sequence length
     the trainer must handle without padding (e.g. rollout.max_model_len); None skips that check.
+    batch_invariant: the run's RunConfig.batch_invariant (refused with tp or cp, see
+    `check_batch_invariant`).
     """
     p, m = parallel, model_config
     for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):
@@ -70,6 +73,8 @@ def validate_parallel(
                 f"stages, which must divide num_hidden_layers ({m.num_hidden_layers}); choose pp so that "
                 f"pp{' x 2' if stages > p.pp else ''} divides {m.num_hidden_layers}"
             )
+    if batch_invariant:
+        check_batch_invariant(p)
     multiple = sequence_multiple(p)
     if seq_len is not None and seq_len % multiple:
         why = f"2 x cp={p.cp} chunks for load-balanced causal ring attention" if p.cp > 1 else ""
@@ -78,6 +83,25 @@ def validate_parallel(
         raise ConfigError(
             f"sequence length {seq_len} must be a multiple of {multiple} ({why}); pad it to "
             f"{-(-seq_len // multiple) * multiple} or change train.parallel.cp / tp"
+        )
+
+
+def check_batch_invariant(parallel: ParallelConfig) -> None:
+    """Raises ConfigError when batch-invariant mode cannot give the generator's bits under `parallel`.
+
+    Data parallelism and pipeline stages only change which rows share a kernel call, and every
+    batch-invariant kernel's per-row bits do not depend on that; tensor and context parallelism
+    change the order of a token's own reductions, which the kernels cannot undo.
+    """
+    p = parallel
+    if p.tp > 1 or p.cp > 1:
+        raise ConfigError(
+            f"batch_invariant=True cannot run with train.parallel tp={p.tp}, cp={p.cp}: tensor parallelism "
+            f"sums row-parallel partial products across ranks and context parallelism's ring attention "
+            f"merges per-chunk softmax results, both in another order than the single-process generator's "
+            f"kernels, so the trainer's logprobs could not match vLLM's bits. Set train.parallel.tp=1 and "
+            f"cp=1 and split the trainer with dp_shard / dp_replicate / pp instead (bitwise equal to one "
+            f"process), or set batch_invariant=False"
         )
 
 
