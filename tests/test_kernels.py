@@ -372,6 +372,21 @@ def test_attention_vector_path_has_the_plain_loops_bits(D):
     assert torch.equal(fast, plain) and torch.equal(fast_lse, plain_lse)
 
 
+def test_varlen_attention_refuses_mismatched_request_tables():
+    """The kernel trusts its pointers, so request tables that do not match q or out are refused
+    before it runs, with the shapes named."""
+    q, k = torch.zeros(6, 2, 16), torch.zeros(2, 4, 1, 16)
+    src = KeyTable.dense(k, k, heads_first=False)
+    ok = dict(query_start=torch.tensor([0, 3, 6]), first_pos=torch.tensor([0, 1]), kv_len=torch.tensor([4, 4]))
+    varlen_attention(q, src, 1, scale=0.25, **ok)
+    with pytest.raises(ValueError, match="query_start"):
+        varlen_attention(q, src, 1, scale=0.25, **{**ok, "query_start": torch.tensor([0, 6])})
+    with pytest.raises(ValueError, match="ends at 7"):
+        varlen_attention(q, src, 1, scale=0.25, **{**ok, "query_start": torch.tensor([0, 3, 7])})
+    with pytest.raises(ValueError, match="out must be"):
+        varlen_attention(q, src, 1, scale=0.25, out=torch.zeros(5, 2, 16), **ok)
+
+
 def test_attention_gradients_match_autograd():
     """Gradients w.r.t. q, k, v equal autograd through float64 reference attention to <= 1e-5
     (GQA, chunk offset, kv_lens), and pass gradcheck in float64."""

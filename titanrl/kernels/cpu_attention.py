@@ -83,7 +83,10 @@ def varlen_attention(
     `first_pos[r]`, and a query at position p sees keys 0..min(p + 1, kv_len[r]) - 1 of
     `source`; query head h reads kv head h // (Hq // num_kv_heads). q, keys and values share
     one dtype (float32 or float64); rows must have contiguous head_dim. `plain_loops` runs the
-    kernel's scalar definition instead of its vector path (same bits, slower; for tests). Returns (out [N, Hq, D], lse [N, Hq] or None). No autograd.
+    kernel's scalar definition instead of its vector path (same bits, slower; for tests).
+    Returns (out [N, Hq, D], lse [N, Hq] or None). No autograd. The kernel trusts `source` to
+    address memory inside its tensors; the shapes checked here are the ones a caller can get
+    wrong by a row.
     """
     N, Hq, D = q_NHD.shape
     dtype = q_NHD.dtype
@@ -97,7 +100,17 @@ def varlen_attention(
     if Hq % num_kv_heads:
         raise ValueError(f"attention: query heads ({Hq}) must be a multiple of kv heads ({num_kv_heads})")
     R = first_pos.shape[0]
-    out = torch.empty((N, Hq, D), dtype=dtype) if out is None else out
+    if query_start.shape != (R + 1,) or kv_len.shape != (R,) or source.table.shape[0] < R:
+        raise ValueError(f"attention kernel: {R} requests need query_start [{R + 1}], kv_len [{R}] and a block "
+                         f"table of >= {R} rows, got {tuple(query_start.shape)}, {tuple(kv_len.shape)}, "
+                         f"{tuple(source.table.shape)}")
+    if R and int(query_start[-1]) > N:
+        raise ValueError(f"attention kernel: query_start ends at {int(query_start[-1])} but q has {N} rows")
+    if out is None:
+        out = torch.empty((N, Hq, D), dtype=dtype)
+    elif out.shape != (N, Hq, D) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"attention kernel: out must be [{N}, {Hq}, {D}] {dtype} with contiguous rows, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     lse = torch.empty((N, Hq), dtype=dtype) if with_lse else None
     table = source.table.contiguous()
     index = [t.to(torch.long).contiguous() for t in (query_start, first_pos, kv_len)]
@@ -107,8 +120,8 @@ def varlen_attention(
        _pointer(source.keys), _pointer(source.values), _pointer(table), ctypes.c_int64(table.stride(0)),
        ctypes.c_int64(source.block_size), ctypes.c_int64(source.block_stride), ctypes.c_int64(source.head_stride),
        ctypes.c_int64(source.token_stride), *[_pointer(t) for t in index], ctypes.c_int64(R), ctypes.c_int64(Hq),
-       ctypes.c_int64(num_kv_heads), ctypes.c_int64(D), ctypes.c_double(scale), _pointer(out), ctypes.c_int64(out.stride(0)),
-       ctypes.c_int64(out.stride(1)), _pointer(lse) if lse is not None else ctypes.c_void_p(0),
+       ctypes.c_int64(num_kv_heads), ctypes.c_int64(D), ctypes.c_double(scale), _pointer(out),
+       ctypes.c_int64(out.stride(0)), ctypes.c_int64(out.stride(1)), _pointer(lse) if lse is not None else ctypes.c_void_p(0),
        ctypes.c_int(torch.get_num_threads()), ctypes.c_int(int(plain_loops)))
     return out, lse
 
