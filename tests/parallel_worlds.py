@@ -3,12 +3,14 @@ starting processes and importing torch costs ~10 s, so each world runs many chec
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from titanrl import kernels
 from titanrl.config import ParallelConfig
 from titanrl.models.hf_checkpoint import load_model
 from titanrl.models.qwen3 import CausalSDPA
@@ -23,6 +25,19 @@ from titanrl.trainer.parallel import (
 from titanrl.trainer.parallel.checkpoint import save_training_checkpoint
 from titanrl.trainer.parallel.layout_check import Case, check_layout
 from titanrl.trainer.parallel.ring_attention import ContextLayout, RingAttention
+
+
+def with_invariant_logprobs(case: Case) -> Case:
+    """(Driver side, before a world starts.) The case with generator logprobs replaced by the single-process batch-invariant model's
+    logprobs, computed on the whole padded batch at once (another batch shape than any step's)."""
+    model, _ = load_model(case.checkpoint)
+    model.set_batch_invariant(True)
+    b = case.batch
+    with torch.no_grad():
+        logprobs = kernels.token_logprobs(model(b.input_ids_BT), b.targets_BT, case.temperature)
+    old = torch.where(b.loss_mask_BT > 0, logprobs, torch.zeros_like(logprobs))
+    batch = dataclasses.replace(b, old_logprobs_BT=old)
+    return dataclasses.replace(case, batch=batch)
 
 
 def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, tuple]]) -> dict[str, Any]:

@@ -3,14 +3,10 @@
 One spawned world of 2 processes runs all checks (process start + import torch is ~10 s).
 """
 
-import dataclasses
-
 import pytest
 import torch
 
-from titanrl import kernels
 from titanrl.config import ModelConfig
-from titanrl.models.hf_checkpoint import load_model
 from titanrl.trainer.parallel.launch import run_local_world
 from titanrl.trainer.parallel.layout_check import make_case, reference
 from titanrl.trainer.trainer import GRPOTrainer
@@ -27,19 +23,6 @@ INVARIANT = {**INVARIANT_DP, **INVARIANT_PP}
 """Layouts run with batch_invariant=True (on the tied policy: pp splits the tied matrix)."""
 
 
-def _with_invariant_logprobs(case):
-    """The case with generator logprobs replaced by the single-process batch-invariant model's
-    logprobs, computed on the whole padded batch at once (another batch shape than any step's)."""
-    model, _ = load_model(case.checkpoint)
-    model.set_batch_invariant(True)
-    b = case.batch
-    with torch.no_grad():
-        logprobs = kernels.token_logprobs(model(b.input_ids_BT), b.targets_BT, case.temperature)
-    old = torch.where(b.loss_mask_BT > 0, logprobs, torch.zeros_like(logprobs))
-    batch = dataclasses.replace(b, old_logprobs_BT=old)
-    return dataclasses.replace(case, batch=batch)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """Results of one 2-rank world: layout reports on an untied and a tied policy, ring attention
@@ -47,7 +30,9 @@ def world(tmp_path_factory):
     single-process trainer's)."""
     tmp = tmp_path_factory.mktemp("parallel_layouts")
     untied, tied = make_case(tmp, tied=False), make_case(tmp, tied=True)
-    invariant = _with_invariant_logprobs(tied)
+    from parallel_worlds import run_jobs, with_invariant_logprobs
+
+    invariant = with_invariant_logprobs(tied)
     single = GRPOTrainer(ModelConfig(checkpoint=invariant.checkpoint), invariant.train, invariant.temperature,
                          seed=0, batch_invariant=True).accumulate_gradients(invariant.batch)
     jobs = [
@@ -56,8 +41,6 @@ def world(tmp_path_factory):
         ("ring_attention", ()),
         ("batch_invariant", (invariant, INVARIANT)),
     ]
-    from parallel_worlds import run_jobs
-
     results = run_local_world(run_jobs, 2, jobs, timeout_s=600)[0]
     return {"untied": results[0], "tied": results[1], "ring": results[2], "invariant": results[3],
             "invariant_single": single.parity, "invariant_single_loss": single.loss_sum / single.tokens}

@@ -5,7 +5,6 @@ Slow: 4 processes on 2 shared cores; one world runs all of them.
 """
 
 import pytest
-from test_parallel_layouts import _with_invariant_logprobs
 
 from titanrl.config import ModelConfig
 from titanrl.trainer.parallel.launch import run_local_world
@@ -24,12 +23,12 @@ def world(tmp_path_factory):
     """One 4-rank world: reports of every 4-rank layout on one untied tiny policy and batch, and
     batch-invariant parity / loss under INVARIANT (with GRPOTrainer(batch_invariant=True)'s)."""
     tmp = tmp_path_factory.mktemp("parallel_layouts_4")
+    from parallel_worlds import run_jobs, with_invariant_logprobs
+
     case = make_case(tmp)
-    invariant = _with_invariant_logprobs(make_case(tmp, tied=True))
+    invariant = with_invariant_logprobs(make_case(tmp, tied=True))
     single = GRPOTrainer(ModelConfig(checkpoint=invariant.checkpoint), invariant.train, invariant.temperature,
                          seed=0, batch_invariant=True).accumulate_gradients(invariant.batch)
-    from parallel_worlds import run_jobs
-
     jobs = [("layouts", (LAYOUTS, case, reference(case))), ("batch_invariant", (invariant, INVARIANT))]
     results = run_local_world(run_jobs, 4, jobs, timeout_s=900)[0]
     return {"reports": results[0], "invariant": results[1], "single": single}
