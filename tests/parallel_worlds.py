@@ -4,6 +4,7 @@ starting processes and importing torch costs ~10 s, so each world runs many chec
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -157,3 +158,37 @@ def batch_invariant(case: Case, layouts: dict[str, dict]) -> dict[str, dict[str,
         out[name] = {"checked": stats.parity.checked, "different": stats.parity.different,
                      "diff_max": stats.parity.diff_max, "loss": stats.loss_sum / stats.tokens}
     return out if dist.get_rank() == 0 else {}
+
+
+def forward_parity(case: Case, layouts: dict[str, dict]) -> dict[str, dict[str, Any]]:
+    """Per layout: ParallelGRPOStep.measure_parity (forward only) on fresh weights, whether every
+    parameter's .grad is still None and every optimizer state empty after it (on all ranks), then
+    the parity of a gradient pass at the same weights; parities as (diff_sum, diff_max, different,
+    checked) and the wall time of each pass (slowest rank)."""
+    out = {}
+    for name, layout in layouts.items():
+        pm, optimizers, step = _setup(case, layout)
+        t0 = time.perf_counter()
+        forward = step.measure_parity(case.batch)
+        t1 = time.perf_counter()
+        clean = all(p.grad is None for p in pm.parameters()) and not any(opt.state for opt in optimizers)
+        dirty = torch.tensor([0.0 if clean else 1.0])
+        dist.all_reduce(dirty)
+        t2 = time.perf_counter()
+        grad_pass = step.accumulate_gradients(case.batch).parity
+        elapsed = torch.tensor([t1 - t0, time.perf_counter() - t2], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        out[name] = {"forward": dataclasses.astuple(forward), "grad_pass": dataclasses.astuple(grad_pass),
+                     "no_grads_or_state": dirty.item() == 0, "forward_s": elapsed[0].item(),
+                     "grad_pass_s": elapsed[1].item()}
+    return out if dist.get_rank() == 0 else {}
+
+
+def tied_group_ranks(case: Case, layout: dict) -> list[list[int] | None]:
+    """The global ranks of each rank's tied-embedding group (None: the rank is in none), by rank."""
+    parallel = ParallelConfig(**layout)
+    model, _ = load_model(case.checkpoint)
+    group = parallelize(model, parallel, build_mesh(parallel, "cpu")).tied_group
+    ranks: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, None if group is None else dist.get_process_group_ranks(group))
+    return ranks

@@ -8,7 +8,7 @@ import torch
 
 from titanrl.config import ModelConfig
 from titanrl.trainer.parallel.launch import run_local_world
-from titanrl.trainer.parallel.layout_check import make_case, reference
+from titanrl.trainer.parallel.layout_check import LAYOUTS, make_case, reference
 from titanrl.trainer.trainer import GRPOTrainer
 
 UNTIED = ["fsdp", "ddp", "tp", "tp_sp", "pp", "pp_gpipe", "pp_interleaved", "cp"]
@@ -21,6 +21,9 @@ INVARIANT_PP = {"pp": dict(pp=2, pp_schedule="1F1B"), "pp_gpipe": dict(pp=2, pp_
                 "pp_interleaved": dict(pp=2, pp_schedule="Interleaved1F1B")}
 INVARIANT = {**INVARIANT_DP, **INVARIANT_PP}
 """Layouts run with batch_invariant=True (on the tied policy: pp splits the tied matrix)."""
+
+FORWARD_PARITY = ["fsdp", "ddp", "tp_sp", "cp", "pp", "pp_gpipe", "pp_interleaved"]
+"""Layouts whose forward-only parity (ParallelGRPOStep.measure_parity) is checked, tied policy."""
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +43,11 @@ def world(tmp_path_factory):
         ("layouts", (TIED, tied, reference(tied))),
         ("ring_attention", ()),
         ("batch_invariant", (invariant, INVARIANT)),
+        ("forward_parity", (tied, {name: LAYOUTS[name] for name in FORWARD_PARITY})),
     ]
     results = run_local_world(run_jobs, 2, jobs, timeout_s=600)[0]
     return {"untied": results[0], "tied": results[1], "ring": results[2], "invariant": results[3],
+            "forward_parity": results[4],
             "invariant_single": single.parity, "invariant_single_loss": single.loss_sum / single.tokens}
 
 
@@ -112,3 +117,18 @@ def test_batch_invariant_logprobs_and_loss_bitwise_under_pipeline(world, layout)
     assert got["different"] == 0 and got["diff_max"] == 0.0, got
     assert torch.equal(torch.tensor(got["loss"], dtype=torch.float64),
                        torch.tensor(world["invariant_single_loss"], dtype=torch.float64)), got
+
+
+@pytest.mark.parametrize("layout", FORWARD_PARITY)
+def test_forward_only_parity_equals_gradient_pass(world, layout):
+    """ParallelGRPOStep.measure_parity under `layout` (forward only; pipelines via the schedule's
+    eval) gives exactly the parity the gradient pass reports at the same weights: diff sum, diff
+    max, tokens different and tokens checked are equal floats (noisy generator logprobs, so the
+    diffs are far from 0). Afterwards every parameter's .grad is still None and every optimizer
+    state empty, on every rank."""
+    r = world["forward_parity"][layout]
+    forward = torch.tensor(r["forward"], dtype=torch.float64)
+    grad_pass = torch.tensor(r["grad_pass"], dtype=torch.float64)
+    assert torch.equal(forward, grad_pass), r
+    assert grad_pass[1] > 0.1 and grad_pass[3] > 0, r  # a real comparison: tokens checked, diffs seen
+    assert r["no_grads_or_state"] is True, r

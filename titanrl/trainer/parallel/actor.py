@@ -85,12 +85,8 @@ class ParallelTrainerRank(GRPOTrainer):
         return self.grpo.accumulate_gradients(batch)
 
     def measure_parity(self, batch: PackedBatch) -> LogprobParity:
-        """Parity over the whole batch before any update. The parallel step has no forward-only
-        path (pipeline schedules train), so this runs a gradient pass and discards it."""
-        parity = self.grpo.accumulate_gradients(batch).parity
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-        return parity
+        """Parity over the whole batch before any update, from a forward-only pass."""
+        return self.grpo.measure_parity(batch)
 
     def _optimizer_step(self, stats: GradStats) -> tuple[float, float, bool]:
         loss, norm, taken = self.grpo.clip_and_step(stats)

@@ -55,6 +55,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp+tp": dict(pp=2, tp=2),
     "pp+cp": dict(pp=2, cp=2),
     "cp4": dict(cp=4),
+    "pp4": dict(pp=4, pp_schedule="1F1B"),  # 1 layer per stage; tied: middle stages hold no copy
 }
 """Named layouts; each runs with exactly ParallelConfig(**kwargs).world_size processes."""
 

@@ -113,20 +113,37 @@ class ParallelGRPOStep:
         """
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
+        totals, total_tokens = self._forward(batch, backward=True)
+        self._reduce_partial_grads()
+        if self.pm.tied_group is not None:
+            # Before any norm or step: both copies of a split tied matrix need its full gradient.
+            sum_tied_grads(self.pm.parts, self.pm.tied_group)
+        return self._global_stats(totals, total_tokens)
+
+    @torch.no_grad()
+    def measure_parity(self, batch: PackedBatch) -> LogprobParity:
+        """The parity `accumulate_gradients(batch)` would report, from a forward pass only.
+
+        Same row split, micro-batches, trimming and cross-rank reduction as the gradient pass
+        (pipelines run their schedule's forward-only `eval`), so the numbers are the same bits;
+        no gradient is computed or touched and no optimizer state changes.
+        """
+        totals, total_tokens = self._forward(batch, backward=False)
+        return self._global_stats(totals, total_tokens).parity
+
+    def _forward(self, batch: PackedBatch, backward: bool) -> tuple[_Totals, torch.Tensor]:
+        """Runs this rank's share of the batch (with backward, or forward only): its totals and
+        the whole batch's token count."""
         total_tokens = batch.loss_mask_BT.sum().clamp(min=1.0)
         dp_rank, dp_size = dp_rank_and_size(self.pm.mesh)
         per_rank = -(-batch.input_ids_BT.shape[0] // dp_size)
         local = _pad_rows(batch, per_rank * dp_size).rows(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         totals = _Totals()
         if self.pm.pipelined:
-            self._pipelined(local, total_tokens, totals)
+            self._pipelined(local, total_tokens, totals, backward)
         else:
-            self._micro_batches(local, total_tokens, totals)
-        self._reduce_partial_grads()
-        if self.pm.tied_group is not None:
-            # Before any norm or step: both copies of a split tied matrix need its full gradient.
-            sum_tied_grads(self.pm.parts, self.pm.tied_group)
-        return self._global_stats(totals, total_tokens)
+            self._micro_batches(local, total_tokens, totals, backward)
+        return totals, total_tokens
 
     def _loss(self, logits, targets, old, adv, mask, current, totals: _Totals) -> torch.Tensor:
         """Summed clipped-surrogate loss of one micro-batch; records its stats in `totals`."""
@@ -144,7 +161,7 @@ class ParallelGRPOStep:
             per_token = [ctx.shard(t, dim=1) for t in per_token]
         return [*per_token, sub.advantages_B.to(dev), sub.current_B.to(dev)]
 
-    def _micro_batches(self, local: PackedBatch, total_tokens: torch.Tensor, totals: _Totals) -> None:
+    def _micro_batches(self, local: PackedBatch, total_tokens: torch.Tensor, totals: _Totals, backward: bool) -> None:
         (model,) = self.pm.parts
         mb = self.cfg.micro_batch_size
         starts = list(range(0, local.input_ids_BT.shape[0], mb))
@@ -155,13 +172,14 @@ class ParallelGRPOStep:
             positions = None
             if self.pm.context:
                 positions = self.pm.context.positions(ids.shape[1], ids.device).expand_as(ids)
-            if isinstance(model, FSDPModule):
+            if backward and isinstance(model, FSDPModule):
                 # Reduce-scatter gradients once, after the last micro-batch.
                 model.set_requires_gradient_sync(i == len(starts) - 1)
             loss_sum = self._loss(model(ids, positions), targets, old, adv, mask, current.float(), totals)
-            (loss_sum / total_tokens).backward()
+            if backward:
+                (loss_sum / total_tokens).backward()
 
-    def _pipelined(self, local: PackedBatch, total_tokens: torch.Tensor, totals: _Totals) -> None:
+    def _pipelined(self, local: PackedBatch, total_tokens: torch.Tensor, totals: _Totals, backward: bool) -> None:
         pm = self.pm
         rows = local.input_ids_BT.shape[0]
         n_micro = max(-(-rows // self.cfg.micro_batch_size), pm.parallel.pp)
@@ -191,10 +209,12 @@ class ParallelGRPOStep:
         has_first = any(p.is_first for p in pm.parts)
         has_last = any(p.is_last for p in pm.parts)
         args = (ids,) if has_first else ()
-        schedule.step(*args, target=packed if has_last else None, return_outputs=False)
+        # eval: the same schedule with its backward actions skipped (loss_fn still runs).
+        run = schedule.step if backward else schedule.eval
+        run(*args, target=packed if has_last else None, return_outputs=False)
         if has_last:
             # The schedule may also call loss_fn while inferring shapes, before the real
-            # micro-batches: the last n_micro calls are the ones that trained.
+            # micro-batches: the last n_micro calls are the ones that ran the batch.
             if len(calls) < n_micro:
                 raise RuntimeError(f"pipeline schedule computed {len(calls)} losses for {n_micro} micro-batches")
             for c in calls[-n_micro:]:
