@@ -4,7 +4,7 @@
 
 For each layout (default: all of `titanrl.trainer.parallel.layout_check.LAYOUTS`: fsdp, ddp, tp,
 tp_sp, pp (1F1B), pp_gpipe, pp_interleaved, cp with 2 gloo processes; hsdp, fsdp+tp, fsdp+tp_sp,
-fsdp+cp, cp+tp_sp, pp+fsdp, pp+tp, pp+cp, cp4 with 4), processes on 127.0.0.1 run
+fsdp+cp, cp+tp_sp, pp+fsdp, pp+tp, pp+cp, cp4, pp4 with 4), processes on 127.0.0.1 run
 `ParallelGRPOStep` on the same packed batch (16 rows of a 4-layer tiny Qwen3, micro-batches of
 3 rows) that `GRPOTrainer.accumulate_gradients` runs in this process, and one JSON line per
 layout is printed:
