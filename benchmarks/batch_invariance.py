@@ -84,7 +84,8 @@ def measure_generator(checkpoint: str, repeats: int) -> dict[str, float]:
 
 def measure_trainer(checkpoint: str, repeats: int) -> dict[str, float]:
     from titanrl.config import ModelConfig, TrainConfig
-    from titanrl.trainer.trainer import GRPOTrainer, pack
+    from titanrl.trainer.batch import pack
+    from titanrl.trainer.trainer import GRPOTrainer
     from titanrl.types import Group, Sample
 
     g = torch.Generator().manual_seed(0)

@@ -168,7 +168,7 @@ def test_batch_invariant_gradients_match_the_library_model(bi_checkpoint):
     grads = {}
     for flag in (False, True):
         trainer = GRPOTrainer(ModelConfig(checkpoint=str(bi_checkpoint)), TrainConfig(), 1.0, 0, batch_invariant=flag)
-        from titanrl.trainer.trainer import pack
+        from titanrl.trainer.batch import pack
 
         trainer.accumulate_gradients(pack(groups, trainer.pad_id))
         grads[flag] = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}

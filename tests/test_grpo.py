@@ -11,7 +11,8 @@ import torch
 from titanrl.config import ModelConfig, TrainConfig
 from titanrl.models.hf_checkpoint import load_model
 from titanrl.trainer.grpo import clipped_surrogate_loss, group_advantages, token_logprobs
-from titanrl.trainer.trainer import GRPOTrainer, pack
+from titanrl.trainer.batch import pack
+from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.types import Group, Sample
 
 # ----------------------------------------------------------------------------- group_advantages
@@ -335,7 +336,7 @@ def test_state_dict_for_push_is_a_copy(ckpt):
 
 def test_minibatch_row_ranges_split_whole_groups():
     """Minibatches are contiguous runs of whole groups whose group counts differ by at most one."""
-    from titanrl.trainer.trainer import minibatch_row_ranges
+    from titanrl.trainer.batch import minibatch_row_ranges
 
     assert minibatch_row_ranges([2, 3, 2, 4, 1], 1) == [(0, 12)]
     assert minibatch_row_ranges([2, 3, 2, 4, 1], 2) == [(0, 7), (7, 12)]  # groups 0-2 | 3-4

@@ -24,11 +24,11 @@ BUCKET_BYTES = 40_000
 def _trainer_losses(case, out_dir):
     """GRPOTrainer, one process: one step, save_state, then (loss at save, loss after one more step)."""
     trainer = GRPOTrainer(ModelConfig(checkpoint=case.checkpoint), case.train, case.temperature, seed=0)
-    trainer._optimizer_step(trainer.accumulate_gradients(case.batch))
+    trainer.optimizer_step(trainer.accumulate_gradients(case.batch))
     trainer.save_state(str(out_dir))
     stats = trainer.accumulate_gradients(case.batch)
     loss = stats.loss_sum / stats.tokens
-    trainer._optimizer_step(stats)
+    trainer.optimizer_step(stats)
     stats = trainer.accumulate_gradients(case.batch)
     return loss, stats.loss_sum / stats.tokens
 

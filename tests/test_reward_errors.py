@@ -25,7 +25,7 @@ from titanrl.config import EnvConfig, ModelConfig, RolloutConfig
 from titanrl.envs.base import Environment, StepResult
 from titanrl.rewards.scoring import eval_summary, score_sample
 from titanrl.rollout.seeds import episode_seed, request_seed, sample_seed
-from titanrl.trainer.trainer import pack
+from titanrl.trainer.batch import pack
 from titanrl.types import Group
 
 

@@ -143,7 +143,7 @@ def _check_training_tokens(trainer, groups, tokenizer) -> None:
     """Observation tokens are exactly the environment's text and get zero loss gradient;
     every model token gets a gradient."""
     from titanrl.trainer.grpo import clipped_surrogate_loss
-    from titanrl.trainer.trainer import pack
+    from titanrl.trainer.batch import pack
 
     observations = 0
     for group in groups:

@@ -16,7 +16,6 @@ pytest.importorskip("vllm")
 from titanrl.models.hf_checkpoint import read_state_dict  # noqa: E402
 from titanrl.models.tiny import write_tiny_checkpoint  # noqa: E402
 from titanrl.weight_sync import (  # noqa: E402
-    ModelWeights,
     TensorsWeights,
     WeightReceiver,
     WeightSyncError,
@@ -129,7 +128,9 @@ def _wrong_model_weights() -> TensorsWeights:
 
     model = Qwen3ForCausalLM(tiny_config(hidden_size=64))
     model.init_weights(seed=0, std=0.1)
-    return ModelWeights(model)
+    from titanrl.models.hf_checkpoint import hf_state_dict
+
+    return TensorsWeights(hf_state_dict(model))
 
 
 @pytest.mark.parametrize("transport", ["object_store", "shared_memory"])

@@ -185,10 +185,10 @@ class Placement:
         return self._in_bundle(rank, self.layout.rank_bundle)
 
     def trainer_kwargs(self) -> dict[str, Any]:
-        """Extra constructor kwargs for the trainer: a TrainerGroup's rank placement and device; none
-        for the single-process GRPOTrainer."""
+        """Extra constructor kwargs for the trainer: its device (what its bundle reserved), and a
+        TrainerGroup's rank placement."""
         if self.layout.world_size == 1:
-            return {}
+            return dict(device_type=self.layout.trainer_device)
         return dict(rank_options=[self.rank_options(r) for r in range(self.layout.world_size)],
                     device_type=self.layout.trainer_device)
 

@@ -1,5 +1,9 @@
 """The parallel trainer as one Ray actor with GRPOTrainer's methods, owning one actor per rank.
 
+Each rank is a `ParallelTrainerRank`: the `GRPOTrainer` itself, started with that rank's
+torch.distributed environment (GRPOTrainer joins the world and shards the policy when
+`train.parallel` asks for more than one process).
+
 The driver starts `TrainerGroup` exactly as it starts `GRPOTrainer`
 (`ray.remote(TrainerGroup).options(num_cpus=0).remote(model, train, temperature, seed, ...)`),
 so the loop's `trainer.step.remote(groups)` etc. work unchanged. The group starts
@@ -13,10 +17,12 @@ run on the group's own node.
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
 from titanrl.config import ConfigError, ModelConfig, TrainConfig
+from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.types import Group, PolicyVersion
 
 RENDEZVOUS_TIMEOUT_S = 120.0
@@ -66,6 +72,33 @@ def trainer_device_type(device: str, world_size: int, cluster_gpus: float) -> st
     raise ConfigError(f"train.device must be 'auto', 'cpu' or 'cuda', got {device!r}")
 
 
+class ParallelTrainerRank(GRPOTrainer):
+    """This process's rank of a parallel GRPO trainer (run it as a Ray actor, one per rank).
+
+    Methods that return data (step's metrics, the pushed state dict, save's path) return it on
+    rank 0 and None elsewhere, except get_version and load_state, which every rank answers.
+    """
+
+    def __init__(
+        self, rank: int, world_size: int, master_addr: str, master_port: int, device_type: str,
+        model_config: ModelConfig, train_config: TrainConfig, temperature: float, seed: int,
+        batch_invariant: bool = False,
+    ) -> None:
+        """Loads the full policy, joins the world (blocks until every rank has), then shards it.
+
+        device_type: 'cpu' (gloo) or 'cuda' (NCCL; the actor holds one GPU, so LOCAL_RANK is 0).
+        """
+        os.environ.update(
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size),
+            LOCAL_RANK="0" if device_type == "cuda" else str(rank),
+        )
+        super().__init__(model_config, train_config, temperature, seed, batch_invariant, device_type=device_type)
+
+    def ready(self) -> int:
+        """This actor's rank, once the world is joined and the model sharded."""
+        return self.rank
+
+
 class TrainerGroup:
     """GRPOTrainer's interface over a torch.distributed world of Ray actors (run it as a Ray actor)."""
 
@@ -83,8 +116,6 @@ class TrainerGroup:
         """
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from titanrl.trainer.parallel.actor import ParallelTrainerRank
 
         n = train_config.parallel.world_size
         if device_type is None:

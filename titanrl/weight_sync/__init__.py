@@ -20,10 +20,10 @@ from titanrl.weight_sync.plan import TRANSPORTS, WeightSyncPlan, make_plan
 from titanrl.weight_sync.receiver import WeightReceiver
 from titanrl.weight_sync.sender import PassiveSender, make_sender
 from titanrl.weight_sync.session import WeightPush, WeightSync
-from titanrl.weight_sync.source import GatheredWeights, ModelWeights, TensorsWeights
+from titanrl.weight_sync.source import TensorsWeights
 
 __all__ = [
-    "TRANSPORTS", "GatheredWeights", "ModelWeights", "PassiveSender", "TensorsWeights", "WeightAnnouncement",
+    "TRANSPORTS", "PassiveSender", "TensorsWeights", "WeightAnnouncement",
     "WeightLayout", "WeightPush", "WeightReceiver", "WeightSync", "WeightSyncError", "WeightSyncPlan",
     "build_layout", "layout_of", "make_plan", "make_sender",
 ]

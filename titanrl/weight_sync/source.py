@@ -1,4 +1,7 @@
-"""Where a sender reads the weights from: the trainer's model, or the gather of a sharded one.
+"""Where a sender reads the weights from: any object with `layout()` and `tensors()`.
+
+The trainer hands its own source (`titanrl.trainer.parallel.gather.GatheredWeights`, which
+gathers a sharded model); `TensorsWeights` wraps a plain dict of tensors.
 
 A source gives the layout up front and then the tensors one at a time, in layout order, so a
 sender copies or sends each as it comes and a sharded model never materialises in full.
@@ -9,15 +12,11 @@ rank 0 gets tensors.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-from titanrl.weight_sync.layout import WeightLayout, WeightSyncError, build_layout, layout_of
-
-if TYPE_CHECKING:
-    from titanrl.models.qwen3 import Qwen3ForCausalLM
-    from titanrl.trainer.parallel.parallelize import ParallelModel
+from titanrl.weight_sync.layout import WeightLayout, WeightSyncError, layout_of
 
 
 class WeightSource(Protocol):
@@ -42,33 +41,6 @@ class TensorsWeights:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self._tensors.items()
-
-
-class ModelWeights(TensorsWeights):
-    """An unsharded model's HF-named parameters (tied LM head omitted), as views: no copy."""
-
-    def __init__(self, model: Qwen3ForCausalLM) -> None:
-        from titanrl.models.hf_checkpoint import hf_state_dict
-
-        super().__init__(hf_state_dict(model))
-
-
-class GatheredWeights:
-    """A parallelized model's full tensors, gathered bucket by bucket to rank 0 as they are sent."""
-
-    def __init__(self, pm: ParallelModel, dtype: torch.dtype, gather_bucket_bytes: int = 64 << 20) -> None:
-        self.pm, self.dtype, self.gather_bucket_bytes = pm, dtype, gather_bucket_bytes
-
-    def layout(self) -> WeightLayout:
-        from titanrl.trainer.parallel.gather import hf_parameter_shapes
-
-        return build_layout((name, shape, self.dtype) for name, shape in hf_parameter_shapes(self.pm))
-
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from titanrl.trainer.parallel.gather import iter_full_weights
-
-        for bucket in iter_full_weights(self.pm, self.gather_bucket_bytes):
-            yield from bucket
 
 
 def in_layout_order(layout: WeightLayout, source: WeightSource) -> Iterator[tuple[int, torch.Tensor]]:

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.parallel import tied
+from titanrl.trainer.parallel.mesh import barrier, global_rank
 from titanrl.trainer.parallel.parallelize import ParallelModel
 
 _OPTIONS = ckpt_io.STATE_DICT_OPTIONS
@@ -69,7 +69,7 @@ def save_model_optim(pm: ParallelModel, optimizers: list[torch.optim.Optimizer],
         # The head copy's optimizer state equals the embedding's, which the first stage saves.
         optim.update({k: v for k, v in o.items() if _saved_key(k, head) == k})
     state = {"model": {k: v for m, _ in parts for k, v in m.items()}, "optim": optim}
-    dcp.save(state, checkpoint_id=str(path))
+    ckpt_io.dcp_save(state, Path(path))
     for opt, was in zip(optimizers, stepped, strict=True):
         if not was:
             opt.state.clear()  # saving must not change how training continues
@@ -94,7 +94,7 @@ def load_model_optim(pm: ParallelModel, optimizers: list[torch.optim.Optimizer],
         request["model"].update({_saved_key(k, head): v for k, v in m.items()})
         request["optim"].update({_saved_key(k, head): v for k, v in o.items()
                                  if not (nested and k.startswith("param_groups."))})
-    dcp.load(request, checkpoint_id=str(path))
+    ckpt_io.dcp_load(request, Path(path))
     for part, opt, head, (model_sd, optim_sd) in zip(pm.parts, optimizers, renames, parts, strict=True):
         model_sd = {k: request["model"][_saved_key(k, head)] for k in model_sd}
         optim_sd = {k: request["optim"].get(_saved_key(k, head), v) for k, v in optim_sd.items()}
@@ -113,8 +113,8 @@ def save_training_checkpoint(pm: ParallelModel, optimizers: list[torch.optim.Opt
     """
     out = Path(out_dir)
     save_model_optim(pm, optimizers, out / ckpt_io.MODEL_OPTIM_DIR)
-    if dist.get_rank() == 0:
+    if global_rank() == 0:
         ckpt_io.write_hf_config(out / ckpt_io.HF_CONFIG_DIR, pm.config, dtype, tokenizer_dir)
         torch.save({"format_version": ckpt_io.FORMAT_VERSION, **trainer_state}, out / ckpt_io.TRAINER_STATE_FILE)
-    dist.barrier()
+    barrier(pm.mesh)
     return out

@@ -1,5 +1,6 @@
 """Full, HF-named tensors out of a sharded model, one parameter at a time, for weight publishing.
 
+In a single process the "full tensors" are the parameters themselves (views, no copy).
 Rank 0 receives every full tensor and yields them in buckets; the other ranks take part in the
 gathers (FSDP / TP shards: DTensor.full_tensor(); other pipeline stages: point-to-point sends
 to rank 0) and yield nothing. Only one bucket of full tensors exists at a time, next to the
@@ -16,9 +17,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanrl.models.qwen3 import Qwen3ForCausalLM
-from titanrl.trainer.parallel.mesh import coord
+from titanrl.trainer.parallel.mesh import coord, global_rank
 from titanrl.trainer.parallel.parallelize import ParallelModel
 from titanrl.trainer.parallel.pipeline import stage_of_layer
+from titanrl.weight_sync.layout import WeightLayout, build_layout
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -41,6 +43,8 @@ def _owner_stage(name: str, pm: ParallelModel) -> int:
 
 def _stage_leader(pm: ParallelModel, pp_rank: int) -> int:
     """Global rank at pipeline index `pp_rank` with every other mesh coordinate 0."""
+    if pm.mesh is None:
+        return 0
     ranks = pm.mesh.mesh
     if "pp" in pm.mesh.mesh_dim_names:
         ranks = ranks.select(pm.mesh.mesh_dim_names.index("pp"), pp_rank)
@@ -49,7 +53,7 @@ def _stage_leader(pm: ParallelModel, pp_rank: int) -> int:
 
 def _iter_full(pm: ParallelModel, pick: Callable[[nn.Parameter], torch.Tensor | None], bucket_bytes: int
                ) -> Iterator[Bucket]:
-    me = dist.get_rank()
+    me = global_rank()
     local = dict(pm.named_parameters())
     dtype = next(iter(local.values())).dtype
     my_pp = coord(pm.mesh, "pp")
@@ -94,3 +98,22 @@ def iter_full_weights(pm: ParallelModel, bucket_bytes: int = 64 << 20) -> Iterat
 def iter_full_gradients(pm: ParallelModel, bucket_bytes: int = 64 << 20) -> Iterator[Bucket]:
     """Like iter_full_weights, for the accumulated gradients (checks and debugging)."""
     yield from _iter_full(pm, lambda p: p.grad, bucket_bytes)
+
+
+class GatheredWeights:
+    """The trainer's weights as a `titanrl.weight_sync` source: full tensors gathered bucket by
+    bucket to rank 0 as a sender reads them (every rank iterates; the others get nothing).
+
+    On a GPU they are device tensors; each sender copies a tensor off the device once (or, for
+    an NCCL broadcast, sends it from there).
+    """
+
+    def __init__(self, pm: ParallelModel, dtype: torch.dtype, gather_bucket_bytes: int = 64 << 20) -> None:
+        self.pm, self.dtype, self.gather_bucket_bytes = pm, dtype, gather_bucket_bytes
+
+    def layout(self) -> WeightLayout:
+        return build_layout((name, shape, self.dtype) for name, shape in hf_parameter_shapes(self.pm))
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in iter_full_weights(self.pm, self.gather_bucket_bytes):
+            yield from bucket

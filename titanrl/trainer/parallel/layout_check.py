@@ -32,7 +32,8 @@ from titanrl.trainer.parallel.parallelize import build_optimizers, parallelize
 from titanrl.trainer.parallel.step import ParallelGRPOStep
 from titanrl.trainer.parallel.tied import tied_copies_equal
 from titanrl.trainer.parallel.validate import validate_parallel
-from titanrl.trainer.trainer import GRPOTrainer, PackedBatch, pack
+from titanrl.trainer.batch import PackedBatch, pack
+from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.types import Group, Sample
 
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -139,11 +140,11 @@ def reference(case: Case) -> Reference:
     norm = torch.nn.utils.get_total_norm(list(grads.values())).item()
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     t2 = time.perf_counter()
-    trainer._optimizer_step(stats)
+    trainer.optimizer_step(stats)
     step_s = (t1 - t0) + (time.perf_counter() - t2)
     update = {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}
     t3 = time.perf_counter()
-    trainer._optimizer_step(trainer.accumulate_gradients(case.batch))
+    trainer.optimizer_step(trainer.accumulate_gradients(case.batch))
     warm_s = time.perf_counter() - t3
     return Reference(stats.loss_sum / stats.tokens, grads, norm, update, vars(stats).copy(), step_s, warm_s)
 

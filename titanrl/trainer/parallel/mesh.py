@@ -1,5 +1,8 @@
 """The device mesh: one named dimension per kind of parallelism, size-1 dimensions left out.
 
+A single-process trainer has no mesh (`None`): every helper here treats it as a world of one,
+so the trainer's step runs the same code for one process and for N.
+
 Dimension order, outermost first: pp, dp_replicate, dp_shard, cp, tp. TP is innermost so its
 ranks are neighbours (one host, the fastest links); PP is outermost (least traffic).
 """
@@ -70,34 +73,51 @@ def build_mesh(parallel: ParallelConfig, device_type: str) -> DeviceMesh:
     return mesh
 
 
-def has_dim(mesh: DeviceMesh, name: str) -> bool:
-    return name in (mesh.mesh_dim_names or ())
+def global_rank() -> int:
+    """This process's rank in the torch.distributed world; 0 in a single process."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def dim_size(mesh: DeviceMesh, name: str) -> int:
+def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh | None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+    """In-place all-reduce over the world of `mesh`; nothing to do in a single process."""
+    if mesh is not None:
+        dist.all_reduce(tensor, op=op)
+
+
+def barrier(mesh: DeviceMesh | None) -> None:
+    """Waits for every rank of `mesh`'s world; nothing to wait for in a single process."""
+    if mesh is not None:
+        dist.barrier()
+
+
+def has_dim(mesh: DeviceMesh | None, name: str) -> bool:
+    return mesh is not None and name in (mesh.mesh_dim_names or ())
+
+
+def dim_size(mesh: DeviceMesh | None, name: str) -> int:
     """Size of a (base) mesh dimension; 1 when it was left out."""
     return mesh.size(mesh.mesh_dim_names.index(name)) if has_dim(mesh, name) else 1
 
 
-def coord(mesh: DeviceMesh, name: str) -> int:
+def coord(mesh: DeviceMesh | None, name: str) -> int:
     """This rank's index along a (base) mesh dimension; 0 when it was left out."""
     return mesh.get_local_rank(name) if has_dim(mesh, name) else 0
 
 
-def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh | None:
+def submesh(mesh: DeviceMesh | None, name: str) -> DeviceMesh | None:
     """The 1-D mesh of a base or flattened dimension, or None when it is absent."""
     if has_dim(mesh, name):
         return mesh[name]
-    return getattr(mesh, "titanrl_flattened", {}).get(name)
+    return getattr(mesh, "titanrl_flattened", {}).get(name) if mesh is not None else None
 
 
-def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
+def dp_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:
     """This rank's data-parallel index and the data-parallel degree (replicate x shard)."""
     shard = dim_size(mesh, "dp_shard")
     return coord(mesh, "dp_replicate") * shard + coord(mesh, "dp_shard"), dim_size(mesh, "dp_replicate") * shard
 
 
-def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+def fsdp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     """The mesh FSDP2 shards over: dp_shard (x cp), with dp_replicate as HSDP's outer dimension."""
     shard = [d for d in ("dp_shard", "cp") if has_dim(mesh, d)]
     if not shard:
@@ -132,6 +152,8 @@ def replicated_dims(mesh: DeviceMesh, tensor: torch.Tensor) -> set[str]:
     return replicated | (world - covered)
 
 
-def owns(mesh: DeviceMesh, tensor: torch.Tensor) -> bool:
+def owns(mesh: DeviceMesh | None, tensor: torch.Tensor) -> bool:
     """Whether this rank is the one that counts `tensor`'s local values in a world-wide sum."""
+    if mesh is None:
+        return True
     return all(coord(mesh, d) == 0 for d in replicated_dims(mesh, tensor))

@@ -34,8 +34,8 @@ class ParallelModel:
     """Model parts on this rank: the whole (sharded) model, or its pipeline stages (HF parameter names)."""
     parallel: ParallelConfig
     """The layout applied."""
-    mesh: DeviceMesh
-    """World mesh with named dimensions (see mesh.build_mesh)."""
+    mesh: DeviceMesh | None
+    """World mesh with named dimensions (see mesh.build_mesh); None in a single process."""
     config: Qwen3Config
     """Architecture of the full model."""
     context: ContextLayout | None
@@ -79,16 +79,19 @@ def _layers(part: nn.Module) -> list[nn.Module]:
     return part.layers() if isinstance(part, PipelineStageModel) else list(part.model.layers)
 
 
-def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceMesh,
-                load_balance: bool = True) -> ParallelModel:
+def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceMesh | None,
+                load_balance: bool = True, device_type: str = "cpu") -> ParallelModel:
     """Shards `model` (a full copy, identical on every rank) for this rank; returns its parts.
 
     `model` must not be used directly afterwards: its modules now live in the returned parts.
     load_balance: context-parallel chunking that balances causal attention work (2 * cp chunks).
-    Call `validate_parallel` first for readable errors.
+    mesh None is a single process (`parallel` of world size 1): the model moves to `device_type`
+    and stays whole. Call `validate_parallel` first for readable errors.
     """
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
-        else torch.device(mesh.device_type)
+    if mesh is None and parallel.world_size != 1:
+        raise ValueError(f"a layout of {parallel.world_size} ranks needs a device mesh (see mesh.build_mesh)")
+    device_type = mesh.device_type if mesh is not None else device_type
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
     model = model.to(device)
     context = None
     if parallel.cp > 1:

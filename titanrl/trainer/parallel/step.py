@@ -1,17 +1,18 @@
-"""The GRPO gradient step under any parallel layout, equal to the single-process step.
+"""The GRPO gradient step under any layout: the one implementation, a single process included.
 
 Every rank receives the same whole `PackedBatch`. Each data-parallel rank takes an equal,
 contiguous share of its rows (zero-mask rows pad the batch to a multiple of the dp degree);
 TP ranks share rows and compute identically; CP ranks share rows and take sequence chunks;
 pipeline ranks share rows and run their stages. Every rank divides its loss sum by the token
 count of the *whole* batch, and FSDP sums (not averages) gradients, so the gradient is the
-token-mean's over the batch, as in `GRPOTrainer.accumulate_gradients`.
+token-mean's over the batch whatever the layout. A single process is the layout whose mesh is
+None: one data-parallel rank holding every row, and no collective.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -20,21 +21,14 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from titanrl import kernels
 from titanrl.config import TrainConfig
-from titanrl.trainer.grpo import clipped_surrogate_loss, token_logprobs
-from titanrl.trainer.parallel.mesh import coord, dp_rank_and_size, owns
+from titanrl.trainer.batch import PackedBatch
+from titanrl.trainer.grpo import clipped_surrogate_loss, decoupled_surrogate_loss, token_logprobs
+from titanrl.trainer.parallel.mesh import all_reduce, coord, dp_rank_and_size, owns
 from titanrl.trainer.parallel.parallelize import ParallelModel
 from titanrl.trainer.parallel.pipeline import build_schedule
 from titanrl.trainer.parallel.tied import sum_tied_grads
 from titanrl.trainer.parallel.validate import check_batch_invariant, sequence_multiple
-from titanrl.trainer.trainer import GradStats, LogprobParity, PackedBatch
-
-
-def _map_batch(batch: PackedBatch, per_token, per_row) -> PackedBatch:
-    """Applies per_token to the [B, T] fields and per_row to the [B] fields."""
-    return PackedBatch(**{
-        f.name: (per_token if getattr(batch, f.name).dim() == 2 else per_row)(getattr(batch, f.name))
-        for f in dataclasses.fields(batch)
-    })
+from titanrl.trainer.stats import GradStats, LogprobParity, nan_max
 
 
 def _pad_rows(batch: PackedBatch, rows: int) -> PackedBatch:
@@ -43,7 +37,7 @@ def _pad_rows(batch: PackedBatch, rows: int) -> PackedBatch:
     if extra <= 0:
         return batch
     pad = lambda t: torch.cat([t, t.new_zeros((extra, *t.shape[1:]))])  # noqa: E731
-    return _map_batch(batch, pad, pad)
+    return batch.map(pad, pad)
 
 
 def _fit_length(batch: PackedBatch, T: int) -> PackedBatch:
@@ -51,12 +45,12 @@ def _fit_length(batch: PackedBatch, T: int) -> PackedBatch:
     the real tokens' results unchanged."""
     cur = batch.input_ids_BT.shape[1]
     if T <= cur:
-        return _map_batch(batch, lambda t: t[:, :T], lambda t: t)
-    return _map_batch(batch, lambda t: torch.cat([t, t.new_zeros((t.shape[0], T - cur))], 1), lambda t: t)
+        return batch.map(lambda t: t[:, :T], lambda t: t)
+    return batch.map(lambda t: torch.cat([t, t.new_zeros((t.shape[0], T - cur))], 1), lambda t: t)
 
 
-def _trimmed_len(mask_BT: torch.Tensor, multiple: int) -> int:
-    """Length up to the last trained token (as the single-process step trims), rounded up to `multiple`."""
+def trimmed_len(mask_BT: torch.Tensor, multiple: int = 1) -> int:
+    """Length up to the last trained token (no compute over trailing padding), rounded up to `multiple`."""
     T = int(mask_BT.nonzero()[:, 1].max()) + 1 if mask_BT.any() else 1
     return -(-T // multiple) * multiple
 
@@ -67,28 +61,29 @@ class _Totals:
     def __init__(self) -> None:
         self.loss = self.clipped = self.diff_sum = 0.0
         self.diff_max = float("-inf")
-        self.nan = 0.0
         self.parity = LogprobParity()
 
     def add(self, loss_sum: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
         self.loss += loss_sum.item()
         self.clipped += stats["clipped_tokens"].item()
         self.diff_sum += stats["abs_logprob_diff_sum"].item()
-        d = stats["max_abs_logprob_diff"].item()
-        if math.isnan(d):
-            self.nan += 1
-        else:
-            self.diff_max = max(self.diff_max, d)
+        self.diff_max = nan_max(self.diff_max, stats["max_abs_logprob_diff"].item())
+
+    def merge(self, other: _Totals) -> None:
+        self.loss += other.loss
+        self.clipped += other.clipped
+        self.diff_sum += other.diff_sum
+        self.diff_max = nan_max(self.diff_max, other.diff_max)
+        self.parity.merge(other.parity)
 
 
 class ParallelGRPOStep:
     """GRPO gradient accumulation and optimizer step over a ParallelModel (call on every rank).
 
-    batch_invariant: run the model and the logprobs through `titanrl.kernels` (as
-    `GRPOTrainer(batch_invariant=True)` does), so each token's logprob has the same bits as in
-    one process. Data parallel and pipeline layouts (dp_replicate / dp_shard / pp) only change
-    which rows share a kernel call, so they keep those bits; tp and cp are refused
-    (validate.check_batch_invariant says why).
+    batch_invariant: run the model and the logprobs through `titanrl.kernels`, so they match a
+    batch-invariant generator bit for bit. Data parallel and pipeline layouts (dp_replicate /
+    dp_shard / pp) only change which rows share a kernel call, so they keep those bits; tp and
+    cp are refused (validate.check_batch_invariant says why).
     """
 
     def __init__(self, pm: ParallelModel, optimizers: list[torch.optim.Optimizer], train_config: TrainConfig,
@@ -97,8 +92,8 @@ class ParallelGRPOStep:
         self.seq_multiple = sequence_multiple(pm.parallel)
         if batch_invariant:
             check_batch_invariant(pm.parallel)
-            for part in pm.parts:  # the whole model, or pipeline stages (their LM head included)
-                part.set_batch_invariant(True)
+        for part in pm.parts:  # the whole model, or pipeline stages (their LM head included)
+            part.set_batch_invariant(batch_invariant)
         # The pipelined step's loss_fn uses this too, on the last stage's logits.
         self.token_logprobs = kernels.token_logprobs if batch_invariant else token_logprobs
 
@@ -107,9 +102,10 @@ class ParallelGRPOStep:
     def accumulate_gradients(self, batch: PackedBatch) -> GradStats:
         """Leaves in `.grad` the gradient of the whole batch's token-mean loss; returns global stats.
 
-        Same contract and numbers as GRPOTrainer.accumulate_gradients: micro-batches of
-        `micro_batch_size` rows (per data-parallel rank), each backward divided by the whole
-        batch's token count.
+        Forward/backward runs in micro-batches of `micro_batch_size` rows (per data-parallel
+        rank); each backward is divided by the whole batch's token count, so the sum is the
+        token-mean's gradient. With `train.decoupled_loss`, `batch.proximal_BT` holds the
+        logprobs before this step's first update (None: this forward is at those weights).
         """
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
@@ -131,6 +127,18 @@ class ParallelGRPOStep:
         totals, total_tokens = self._forward(batch, backward=False)
         return self._global_stats(totals, total_tokens).parity
 
+    @torch.no_grad()
+    def proximal_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        """The current weights' logprobs of every target token (the decoupled loss's proximal
+        policy), [B, T] on the batch's device. One process only: `validate` refuses
+        `train.decoupled_loss` for a parallel trainer."""
+        if self.pm.mesh is not None:
+            raise NotImplementedError("the parallel trainer has no decoupled loss (train.decoupled_loss)")
+        out = torch.zeros_like(batch.old_logprobs_BT)
+        for lo, sub, logprobs in self._logprobs_by_micro_batch(batch, backward=False):
+            out[lo:lo + sub.input_ids_BT.shape[0], :logprobs.shape[1]] = logprobs.to(out.device)
+        return out
+
     def _forward(self, batch: PackedBatch, backward: bool) -> tuple[_Totals, torch.Tensor]:
         """Runs this rank's share of the batch (with backward, or forward only): its totals and
         the whole batch's token count."""
@@ -142,73 +150,90 @@ class ParallelGRPOStep:
         if self.pm.pipelined:
             self._pipelined(local, total_tokens, totals, backward)
         else:
-            self._micro_batches(local, total_tokens, totals, backward)
+            for _, sub, logprobs in self._logprobs_by_micro_batch(local, backward):
+                loss_sum = self._loss(logprobs, sub, totals)
+                if backward:
+                    (loss_sum / total_tokens.to(loss_sum.device)).backward()
         return totals, total_tokens
 
-    def _loss(self, logits, targets, old, adv, mask, current, totals: _Totals) -> torch.Tensor:
-        """Summed clipped-surrogate loss of one micro-batch; records its stats in `totals`."""
-        logprobs = self.token_logprobs(logits, targets, self.temperature)
-        loss_sum, stats = clipped_surrogate_loss(logprobs, old, adv, mask, self.cfg.clip_eps, self.cfg.clip_eps_high)
+    def _loss(self, logprobs: torch.Tensor, sub: PackedBatch, totals: _Totals) -> torch.Tensor:
+        """Summed surrogate loss of one micro-batch (its tensors on the device); records its stats."""
+        mask, old, adv = sub.loss_mask_BT, sub.old_logprobs_BT, sub.advantages_B
+        cfg = self.cfg
+        if cfg.decoupled_loss:
+            proximal = logprobs.detach() if sub.proximal_BT is None else sub.proximal_BT
+            loss_sum, stats = decoupled_surrogate_loss(logprobs, proximal, old, adv, mask, cfg.clip_eps,
+                                                       cfg.clip_eps_high, cfg.behaviour_weight_cap)
+            with torch.no_grad():  # the mismatch stats stay trainer vs generator
+                gap = (logprobs - old).abs() * mask
+                stats["abs_logprob_diff_sum"], stats["max_abs_logprob_diff"] = gap.sum(), gap.max()
+        else:
+            loss_sum, stats = clipped_surrogate_loss(logprobs, old, adv, mask, cfg.clip_eps, cfg.clip_eps_high)
         totals.add(loss_sum.detach(), stats)
-        totals.parity.add(logprobs, old, mask * current[:, None])
+        totals.parity.add(logprobs, old, mask * sub.current_B.float()[:, None])
         return loss_sum
 
-    def _device_tensors(self, sub: PackedBatch) -> list[torch.Tensor]:
-        """ids, targets, mask, old logprobs (sequence-sharded under CP), advantages, current flags."""
+    def _to_device(self, sub: PackedBatch) -> PackedBatch:
+        """`sub` on this rank's device; its per-token fields sequence-sharded under CP."""
         ctx, dev = self.pm.context, self.pm.device
-        per_token = [t.to(dev) for t in (sub.input_ids_BT, sub.targets_BT, sub.loss_mask_BT, sub.old_logprobs_BT)]
-        if ctx:
-            per_token = [ctx.shard(t, dim=1) for t in per_token]
-        return [*per_token, sub.advantages_B.to(dev), sub.current_B.to(dev)]
+        per_token = (lambda t: ctx.shard(t.to(dev), dim=1)) if ctx else (lambda t: t.to(dev))
+        return sub.map(per_token, lambda t: t.to(dev))
 
-    def _micro_batches(self, local: PackedBatch, total_tokens: torch.Tensor, totals: _Totals, backward: bool) -> None:
+    def _logprobs_by_micro_batch(self, local: PackedBatch, backward: bool
+                                 ) -> Iterator[tuple[int, PackedBatch, torch.Tensor]]:
+        """For each micro-batch of `local`: its first row, its tensors on the device (trimmed to
+        its trained length), and the model's logprobs of its targets."""
         (model,) = self.pm.parts
         mb = self.cfg.micro_batch_size
         starts = list(range(0, local.input_ids_BT.shape[0], mb))
         for i, lo in enumerate(starts):
             sub = local.rows(lo, lo + mb)
-            sub = _fit_length(sub, _trimmed_len(sub.loss_mask_BT, self.seq_multiple))
-            ids, targets, mask, old, adv, current = self._device_tensors(sub)
+            sub = self._to_device(_fit_length(sub, trimmed_len(sub.loss_mask_BT, self.seq_multiple)))
             positions = None
             if self.pm.context:
+                ids = sub.input_ids_BT
                 positions = self.pm.context.positions(ids.shape[1], ids.device).expand_as(ids)
             if backward and isinstance(model, FSDPModule):
                 # Reduce-scatter gradients once, after the last micro-batch.
                 model.set_requires_gradient_sync(i == len(starts) - 1)
-            loss_sum = self._loss(model(ids, positions), targets, old, adv, mask, current.float(), totals)
-            if backward:
-                (loss_sum / total_tokens).backward()
+            logits = model(sub.input_ids_BT, positions)
+            yield lo, sub, self.token_logprobs(logits, sub.targets_BT, self.temperature)
 
     def _pipelined(self, local: PackedBatch, total_tokens: torch.Tensor, totals: _Totals, backward: bool) -> None:
         pm = self.pm
+        if local.proximal_BT is not None:
+            raise NotImplementedError("the pipelined trainer has no decoupled loss (train.decoupled_loss)")
         rows = local.input_ids_BT.shape[0]
         n_micro = max(-(-rows // self.cfg.micro_batch_size), pm.parallel.pp)
         n_micro = -(-n_micro // pm.parallel.pp) * pm.parallel.pp  # interleaving wants a multiple of pp
         local = _pad_rows(local, -(-rows // n_micro) * n_micro)
         # Every micro-batch of a pipeline runs at one shape: the longest trained length.
-        local = _fit_length(local, _trimmed_len(local.loss_mask_BT, self.seq_multiple))
-        ids, targets, mask, old, adv, current = self._device_tensors(local)
+        local = self._to_device(_fit_length(local, trimmed_len(local.loss_mask_BT, self.seq_multiple)))
         # The schedule splits one target tensor into micro-batches: pack what the loss needs.
+        mask = local.loss_mask_BT
         per_row = lambda t: t[:, None].double().expand_as(mask)  # noqa: E731
-        packed = torch.stack([targets.double(), mask.double(), old.double(), per_row(adv), per_row(current)], -1)
+        packed = torch.stack([local.targets_BT.double(), mask.double(), local.old_logprobs_BT.double(),
+                              per_row(local.advantages_B), per_row(local.current_B)], -1)
         calls: list[_Totals] = []
 
         def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             t, m, o, a, c = target.unbind(-1)
             if not self.pm.context:
-                # Trim this micro-batch's trailing padding as the single-process step does: the
+                # Trim this micro-batch's trailing padding as the unpipelined step does: the
                 # loss sums the same [rows, T] tensor, so with batch-invariant logprobs and the
                 # same rows per micro-batch it has the same bits (zero-mask columns add no gradient).
-                T = _trimmed_len(m, 1)
+                T = trimmed_len(m)
                 logits, t, m, o = logits[:, :T], t[:, :T], m[:, :T], o[:, :T]
             calls.append(_Totals())
-            loss_sum = self._loss(logits, t.long(), o.float(), a[:, 0].float(), m.float(), c[:, 0].float(), calls[-1])
-            return loss_sum / total_tokens
+            # The loss reads no input ids: the targets stand in for them.
+            sub = PackedBatch(t.long(), t.long(), m.float(), o.float(), a[:, 0].float(), c[:, 0] > 0)
+            loss_sum = self._loss(self.token_logprobs(logits, t.long(), self.temperature), sub, calls[-1])
+            return loss_sum / total_tokens.to(loss_sum.device)
 
         schedule = build_schedule(pm.parts, pm.parallel, pm.mesh, pm.device, n_micro, loss_fn)
         has_first = any(p.is_first for p in pm.parts)
         has_last = any(p.is_last for p in pm.parts)
-        args = (ids,) if has_first else ()
+        args = (local.input_ids_BT,) if has_first else ()
         # eval: the same schedule with its backward actions skipped (loss_fn still runs).
         run = schedule.step if backward else schedule.eval
         run(*args, target=packed if has_last else None, return_outputs=False)
@@ -218,12 +243,7 @@ class ParallelGRPOStep:
             if len(calls) < n_micro:
                 raise RuntimeError(f"pipeline schedule computed {len(calls)} losses for {n_micro} micro-batches")
             for c in calls[-n_micro:]:
-                totals.loss += c.loss
-                totals.clipped += c.clipped
-                totals.diff_sum += c.diff_sum
-                totals.diff_max = max(totals.diff_max, c.diff_max)
-                totals.nan += c.nan
-                _merge_parity(totals.parity, c.parity)
+                totals.merge(c)
 
     def _reduce_partial_grads(self) -> None:
         """Gradients left Partial (replicated weights over sharded activations) are summed now."""
@@ -237,14 +257,15 @@ class ParallelGRPOStep:
         pm = self.pm
         counts = coord(pm.mesh, "tp") == 0 and (not pm.pipelined or any(p.is_last for p in pm.parts))
         par = totals.parity
-        mine = [totals.loss, totals.clipped, totals.diff_sum, totals.nan,
+        # A NaN max travels as a count (a max-reduction would drop it).
+        mine = [totals.loss, totals.clipped, totals.diff_sum, float(math.isnan(totals.diff_max)),
                 par.diff_sum, par.different, par.checked, float(math.isnan(par.diff_max))]
         sums = torch.tensor(mine if counts else [0.0] * len(mine), dtype=torch.float64, device=pm.device)
-        dist.all_reduce(sums)
+        all_reduce(sums, pm.mesh)
         tops = [totals.diff_max, par.diff_max if par.checked else float("-inf")]
         top = torch.tensor([t if counts and not math.isnan(t) else float("-inf") for t in tops],
                            dtype=torch.float64, device=pm.device)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        all_reduce(top, pm.mesh, op=dist.ReduceOp.MAX)
         loss, clipped, diff_sum, nan, p_sum, p_diff, p_checked, p_nan = sums.tolist()
         diff_max, p_max = top.tolist()
         parity = LogprobParity(p_sum, float("nan") if p_nan else max(p_max, 0.0), p_diff, p_checked)
@@ -262,14 +283,15 @@ class ParallelGRPOStep:
                 continue
             local = g.to_local() if isinstance(g, DTensor) else g
             sq += local.double().pow(2).sum()
-        dist.all_reduce(sq)
+        all_reduce(sq, self.pm.mesh)
         return math.sqrt(sq.item())
 
     def clip_and_step(self, stats: GradStats) -> tuple[float, float, bool]:
-        """GRPOTrainer._optimizer_step across ranks: (token-mean loss, pre-clip norm, taken).
+        """The finite check, clip and optimizer step: (token-mean loss, pre-clip norm, taken).
 
-        Clips to `grad_clip` and steps every optimizer unless loss or norm is non-finite;
-        gradients are freed either way. The lr schedule is the caller's.
+        Clips to `grad_clip` and steps every optimizer unless loss or norm is non-finite; a
+        skipped step leaves no trace, and gradients are freed either way. The lr schedule is
+        the caller's.
         """
         loss = stats.loss_sum / stats.tokens
         norm = self.grad_norm()
@@ -286,12 +308,3 @@ class ParallelGRPOStep:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return loss, norm, taken
-
-
-def _merge_parity(into: LogprobParity, other: LogprobParity) -> None:
-    into.diff_sum += other.diff_sum
-    into.different += other.different
-    into.checked += other.checked
-    if other.checked:
-        into.diff_max = other.diff_max if math.isnan(other.diff_max) or other.diff_max > into.diff_max \
-            else into.diff_max
