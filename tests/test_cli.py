@@ -15,11 +15,11 @@ import torch
 
 import titanrl
 from titanrl.cli import main, one_line_reason, split_overrides
-from titanrl.commands.config_help import config_fields
 from titanrl.commands.evaluate import pass_at_k
 from titanrl.config import ConfigError, RunConfig, apply_overrides
+from titanrl.config.help import config_fields
 from titanrl.models.hf_checkpoint import hf_state_dict, read_state_dict
-from titanrl.run_checkpoints import writing_checkpoint
+from titanrl.rundir.checkpoints import writing_checkpoint
 
 # ----------------------------------------------------------------------------- overrides
 
@@ -165,8 +165,8 @@ class _FakeResult:
 
 @pytest.fixture
 def driver_calls(monkeypatch):
-    """Replaces titanrl.driver.train (only) with a recorder; the test sets what it does via `behaviour`."""
-    import titanrl.driver
+    """Replaces titanrl.driver.train.train (only) with a recorder; the test sets what it does via `behaviour`."""
+    import titanrl.driver.train
 
     calls: list[tuple[RunConfig, bool]] = []
     behaviour: dict = {}
@@ -177,7 +177,7 @@ def driver_calls(monkeypatch):
             raise behaviour["raise"]
         return _FakeResult(Path(config.output.dir), None, [{"step": 1, "time/elapsed_s": 6.0}])
 
-    monkeypatch.setattr(titanrl.driver, "train", fake_train)
+    monkeypatch.setattr(titanrl.driver.train, "train", fake_train)
     return calls, behaviour
 
 

@@ -233,7 +233,7 @@ def test_multiprocess_engine_receives_tensors_from_every_transport(tmp_path, ray
     """The multiprocess engine (engine core in its own process) loads the trainer's weights bit
     for bit through every transport: its process maps the segment or joins the broadcast group
     itself, and the object store's tensors reach it through a local segment, not a file."""
-    from titanrl.rollout.vllm_engine import VllmEngine, VllmEngineConfig
+    from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", seed=3, std=0.1)
     target = read_state_dict(other_checkpoint)

@@ -102,7 +102,7 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The `titanrl` parser and its subcommand parsers by name."""
-    from titanrl.commands.config_help import config_help
+    from titanrl.config.help import config_help
 
     parser = argparse.ArgumentParser(
         prog="titanrl", description="PyTorch-native GRPO post-training", formatter_class=_formatter, allow_abbrev=False
@@ -208,11 +208,11 @@ def _load(config_path: str, overrides: list[str]) -> RunConfig:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    import titanrl.driver
+    import titanrl.driver.train
 
     config = _load(args.config, overrides + ([f"output.dir={args.out}"] if args.out else []))
     try:
-        result = titanrl.driver.train(config, resume=args.resume)
+        result = titanrl.driver.train.train(config, resume=args.resume)
     except (ConfigError, KeyboardInterrupt):
         raise
     except Exception as e:  # the driver has saved a checkpoint and said where
@@ -291,7 +291,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; returns the exit status."""
     from titanrl.models.hf_checkpoint import CheckpointError
-    from titanrl.run_checkpoints import RunCheckpointError
+    from titanrl.rundir.checkpoints import RunCheckpointError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, commands = build_parser()

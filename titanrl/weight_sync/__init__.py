@@ -14,10 +14,10 @@ Actor methods (trainer: GRPOTrainer, TrainerGroup; worker: RolloutWorker):
 `WeightSync` (session.py) makes exactly these calls on Ray actor handles.
 """
 
+from titanrl.rollout.weight_receiver import WeightReceiver
 from titanrl.weight_sync.announcement import WeightAnnouncement
 from titanrl.weight_sync.layout import WeightLayout, WeightSyncError, build_layout, layout_of
 from titanrl.weight_sync.plan import TRANSPORTS, WeightSyncPlan, make_plan
-from titanrl.weight_sync.receiver import WeightReceiver
 from titanrl.weight_sync.sender import PassiveSender, make_sender
 from titanrl.weight_sync.session import WeightPush, WeightSync
 from titanrl.weight_sync.source import GatheredWeights, ModelWeights, TensorsWeights

@@ -21,8 +21,8 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from titanrl.models.qwen3 import HF_ARCHITECTURE, Qwen3Config, Qwen3ForCausalLM
-from titanrl.rollout.paged_attention import paged_batch_invariant_attention
-from titanrl.rollout.vllm_plugin import ARCHITECTURE, BATCH_INVARIANT_KEY
+from titanrl.rollout.vllm.paged_attention import paged_batch_invariant_attention
+from titanrl.rollout.vllm.plugin import ARCHITECTURE, BATCH_INVARIANT_KEY
 
 
 

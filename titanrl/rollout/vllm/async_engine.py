@@ -13,7 +13,7 @@ import asyncio
 import itertools
 from collections.abc import Callable, Sequence
 
-from titanrl.rollout.vllm_engine import Completion, VllmEngine
+from titanrl.rollout.vllm.engine import Completion, VllmEngine
 
 
 class WeightsChanged(Exception):

@@ -81,7 +81,7 @@ class RolloutConfig:
     rewards one after another in the worker's own thread."""
     continuous: bool = False
     """Workers generate group by group, without waiting for the trainer, into a trajectory buffer
-    (`titanrl.buffer`) that admits a group only while it can be trained within train.max_staleness
+    (`titanrl.driver.sources.buffer`) that admits a group only while it can be trained within train.max_staleness
     versions, and take new weights between engine steps (partial rollouts; Sample.token_versions).
     Off: each step's prompts go to the workers as one fixed batch per worker, which makes a run
     reproducible to the bit even without batch_invariant."""

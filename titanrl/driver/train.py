@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from titanrl.actors import shut_down, start_rollouts, start_trainer
 from titanrl.config import RunConfig, validate
 from titanrl.data import load_run_rows
-from titanrl.loop import GRPOLoop, RunStopped, say
-from titanrl.metrics import MetricsLogger, plot_run, read_metrics
-from titanrl.placement import Placement
-from titanrl.ray_runtime import init_ray, ship_user_code_by_value
-from titanrl.run_dir import create_run_dir, reopen_run_dir, set_aside_after
+from titanrl.driver.actors import shut_down, start_rollouts, start_trainer
+from titanrl.driver.loop import GRPOLoop, RunStopped, say
+from titanrl.driver.placement import Placement
+from titanrl.driver.ray_runtime import init_ray, ship_user_code_by_value
+from titanrl.rundir.layout import create_run_dir, reopen_run_dir, set_aside_after
+from titanrl.rundir.metrics import MetricsLogger, plot_run, read_metrics
 
 __all__ = ["RunResult", "RunStopped", "init_ray", "train"]
 

@@ -1,6 +1,6 @@
 """Continuous rollouts: rollout worker actors generating group by group into the trajectory buffer.
 
-The driver hands every admitted group (`titanrl.buffer`) to the least-loaded worker as its own
+The driver hands every admitted group (`titanrl.driver.sources.buffer`) to the least-loaded worker as its own
 call, so a slow group holds back neither its worker nor the others, and collects groups as they
 finish. Workers take new weights between engine steps (`ContinuousRolloutWorker`), so pushing
 never waits for generation to drain.
@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from titanrl.buffer import BufferState, GroupTask, TrajectoryBuffer
 from titanrl.data import PromptStream
+from titanrl.driver.sources.buffer import BufferState, GroupTask, TrajectoryBuffer
 from titanrl.errors import RunStopped
 from titanrl.types import StepRollouts, group_tokens
 from titanrl.weight_sync import WeightPush, WeightSync
@@ -215,7 +215,7 @@ class ContinuousRollouts:
                 f"rollout worker {i} died {self.deaths_in_a_row[i]} times in a row without finishing a group "
                 f"(last: {reason}); check its log above (out of memory? a crashing reward or environment?)"
             )
-        from titanrl.loop import say
+        from titanrl.driver.loop import say
 
         say(f"rollout worker {i} died ({reason}); starting a replacement, {len(lost)} group(s) will be generated again")
         try:

@@ -21,6 +21,6 @@ def register() -> None:
 
     if ARCHITECTURE in ModelRegistry.get_supported_archs():
         return
-    from titanrl.rollout.vllm_model import TitanQwen3ForVLLM
+    from titanrl.rollout.vllm.model import TitanQwen3ForVLLM
 
     ModelRegistry.register_model(ARCHITECTURE, TitanQwen3ForVLLM)

@@ -15,7 +15,7 @@ from titanrl.weight_sync.layout import WeightSyncError
 from titanrl.weight_sync.plan import WeightSyncPlan
 
 if TYPE_CHECKING:
-    from titanrl.rollout.vllm_engine import VllmEngine
+    from titanrl.rollout.vllm.engine import VllmEngine
 
 
 class WeightReceiver:

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from titanrl.config import RunConfig
-from titanrl.continuous import ContinuousRollouts
 from titanrl.data import PromptStream
-from titanrl.placement import Placement
+from titanrl.driver.placement import Placement
+from titanrl.driver.sources.continuous import ContinuousRollouts
+from titanrl.driver.sources.lockstep import LockstepRollouts
 from titanrl.rollout.seeds import request_seed
-from titanrl.rollout_requests import LockstepRollouts
 
 
 def start_trainer(config: RunConfig, placement: Placement) -> Any:

@@ -1,8 +1,8 @@
 """The GRPO loop: take the next step's rollouts, train on them, publish the weights, admit more.
 
 The rollout side is one of two sources with the same interface: `LockstepRollouts`
-(`titanrl.rollout_requests`: one fixed batch per worker per step, `1 + max_staleness`
-requests queued, reproducible to the bit) or `ContinuousRollouts` (`titanrl.continuous`:
+(`titanrl.driver.sources.lockstep`: one fixed batch per worker per step, `1 + max_staleness`
+requests queued, reproducible to the bit) or `ContinuousRollouts` (`titanrl.driver.sources.continuous`:
 group by group into the trajectory buffer, weights taken between engine steps). With
 `max_staleness=0` both are synchronous on-policy GRPO.
 
@@ -23,12 +23,12 @@ import numpy as np
 import torch
 
 from titanrl.config import RunConfig
+from titanrl.driver.sources.continuous import ContinuousRollouts, RolloutWorkersFailed
+from titanrl.driver.sources.lockstep import LockstepRollouts
 from titanrl.errors import RunStopped
-from titanrl.metrics import MetricsLogger
-from titanrl.continuous import ContinuousRollouts, RolloutWorkersFailed
-from titanrl.rollout_requests import LockstepRollouts
-from titanrl.run_checkpoints import RunCheckpoint, checkpoint_path, latest_checkpoint, writing_checkpoint
-from titanrl.summaries import rollout_rows, summarize_groups
+from titanrl.rundir.checkpoints import RunCheckpoint, checkpoint_path, latest_checkpoint, writing_checkpoint
+from titanrl.rundir.metrics import MetricsLogger
+from titanrl.rundir.rollout_log import rollout_rows, summarize_groups
 from titanrl.types import Group, StepRollouts
 from titanrl.weight_sync import WeightPush
 

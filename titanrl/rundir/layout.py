@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from titanrl.config import ConfigError, RunConfig
-from titanrl.run_checkpoints import RunCheckpoint, latest_checkpoint, remove_stale_temporaries
+from titanrl.rundir.checkpoints import RunCheckpoint, latest_checkpoint, remove_stale_temporaries
 
 CONFIG_FILE = "config.json"
 RESUMABLE_SECTIONS = ("output",)
