@@ -130,13 +130,13 @@ def test_split_overrides_takes_both_forms():
 
 def test_train_help_lists_every_field_with_type_default_and_docstring(capsys):
     """`titanrl train --help` shows every config field as --section.key / --key with its annotation,
-    default and docstring (read from config.py's source), in lines of at most 100 columns."""
+    default and docstring (read from config/schema.py's source), in lines of at most 100 columns."""
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     items = [item for _, _, section in config_fields() for item in section]
     for item in items:
         assert f"  --{item.key}  {item.type}  (default: " in out, item.key
-        assert item.doc, f"{item.key} has no docstring in config.py"
+        assert item.doc, f"{item.key} has no docstring in config/schema.py"
         assert " ".join(item.doc.split()[:6]) in " ".join(out.split()), item.key
     assert "  --train.lr  float  (default: 0.0001)\n      AdamW learning rate." in out
     assert "  --train.betas  tuple[float, float]  (default: 0.9,0.99)" in out

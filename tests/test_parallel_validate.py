@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from titanrl.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
-from titanrl.config.schema import _validate_trainer_layout
+from titanrl.config.validation import _validate_trainer_layout
 from titanrl.models.tiny import tiny_config
 from titanrl.trainer.parallel.ring_attention import ContextLayout
 from titanrl.trainer.parallel.validate import sequence_multiple, validate_parallel

@@ -6,7 +6,6 @@
 """
 
 from titanrl.config import (
-    ConfigError,
     DataConfig,
     EnvConfig,
     EvalConfig,
@@ -17,7 +16,7 @@ from titanrl.config import (
     RunConfig,
     TrainConfig,
 )
-from titanrl.errors import RunStopped
+from titanrl.errors import ConfigError, RunStopped
 
 
 def train(config: RunConfig, resume: bool = False):

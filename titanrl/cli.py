@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from titanrl.commands import CommandError
-from titanrl.config import ConfigError, RunConfig, apply_overrides
+from titanrl.config import RunConfig, apply_overrides
+from titanrl.errors import ConfigError
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 OVERRIDE_COMMANDS = ("train", "eval")

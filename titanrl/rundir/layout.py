@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from titanrl.config import ConfigError, RunConfig
+from titanrl.config import RunConfig
+from titanrl.errors import ConfigError
 from titanrl.rundir.checkpoints import RunCheckpoint, latest_checkpoint, remove_stale_temporaries
 
 CONFIG_FILE = "config.json"
