@@ -13,8 +13,8 @@ with the finished rollouts of older policies that no step has trained on yet.
 
 from __future__ import annotations
 
+import logging
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,9 +35,7 @@ from titanrl.weight_sync import WeightPush
 DRIVER_STATE = "driver.pt"
 TRAINER_STATE = "trainer"
 
-
-def say(message: str) -> None:
-    print(f"[titanrl] {message}", file=sys.stderr, flush=True)
+log = logging.getLogger("titanrl")
 
 
 class GRPOLoop:
@@ -79,7 +77,7 @@ class GRPOLoop:
         self.rollouts.publish(version).wait()
         self.saved_steps.add(self.step)
         exact = "" if state["queue"].exact else " (inexact: some rollouts are generated again)"
-        say(f"resumed from {checkpoint.path} at step {self.step}, policy version {version}{exact}")
+        log.info(f"resumed from {checkpoint.path} at step {self.step}, policy version {version}{exact}")
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -120,7 +118,7 @@ class GRPOLoop:
         except BaseException as e:  # the trainer itself may be what died
             newest = latest_checkpoint(self.run_dir)
             where = f"the newest checkpoint is {newest.path}" if newest else "there is no checkpoint yet"
-            say(f"could not save a checkpoint after the failure ({type(e).__name__}: {e}); {where}")
+            log.info(f"could not save a checkpoint after the failure ({type(e).__name__}: {e}); {where}")
             return newest.path if newest else None
 
     # ------------------------------------------------------------------ the loop

@@ -13,6 +13,7 @@ group is lost or trained twice: the buffer knows each one by id. A worker slot t
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,8 @@ from titanrl.weight_sync import WeightPush, WeightSync
 
 MAX_DEATHS_IN_A_ROW = 3
 """A worker slot whose actor dies this many times without finishing a group stops the run."""
+
+log = logging.getLogger("titanrl")
 
 
 class RolloutWorkersFailed(RunStopped):
@@ -215,9 +218,7 @@ class ContinuousRollouts:
                 f"rollout worker {i} died {self.deaths_in_a_row[i]} times in a row without finishing a group "
                 f"(last: {reason}); check its log above (out of memory? a crashing reward or environment?)"
             )
-        from titanrl.driver.loop import say
-
-        say(f"rollout worker {i} died ({reason}); starting a replacement, {len(lost)} group(s) will be generated again")
+        log.info(f"rollout worker {i} died ({reason}); starting a replacement, {len(lost)} group(s) will be generated again")
         try:
             ray.kill(self.workers[i])
         except Exception:  # already gone
