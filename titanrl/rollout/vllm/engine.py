@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from titanrl.rollout.vllm.plugin import ARCHITECTURE, BATCH_INVARIANT_KEY, register
+from titanrl.rollout.vllm.names import ARCHITECTURE, BATCH_INVARIANT_KEY
+from titanrl.rollout.vllm.plugin import register
 from titanrl.rollout.vllm.worker_extension import EXTENSION_QUALNAME
 
 if TYPE_CHECKING:
