@@ -15,10 +15,10 @@ pytest.importorskip("vllm")
 
 from titanrl.models.hf_checkpoint import read_state_dict  # noqa: E402
 from titanrl.models.tiny import write_tiny_checkpoint  # noqa: E402
+from titanrl.rollout.weight_receiver import WeightReceiver  # noqa: E402
 from titanrl.weight_sync import (  # noqa: E402
     ModelWeights,
     TensorsWeights,
-    WeightReceiver,
     WeightSyncError,
     layout_of,
     make_plan,

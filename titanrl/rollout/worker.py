@@ -75,7 +75,7 @@ class RolloutWorker:
             )
         )
         self.eos_id = self.engine.model_config.eos_token_id
-        from titanrl.weight_sync import WeightReceiver
+        from titanrl.rollout.weight_receiver import WeightReceiver
 
         # object_store needs no set-up; the other transports are joined with open_weight_sync.
         self.weight_receiver = WeightReceiver(self.engine)
