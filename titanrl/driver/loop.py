@@ -1,10 +1,10 @@
 """The GRPO loop: take the next step's rollouts, train on them, publish the weights, admit more.
 
-The rollout side is one of two sources with the same interface: `LockstepRollouts`
-(`titanrl.driver.sources.lockstep`: one fixed batch per worker per step, `1 + max_staleness`
-requests queued, reproducible to the bit) or `ContinuousRollouts` (`titanrl.driver.sources.continuous`:
-group by group into the trajectory buffer, weights taken between engine steps). With
-`max_staleness=0` both are synchronous on-policy GRPO.
+The rollout side is a `RolloutSource` (`titanrl.driver.sources.base`): `LockstepRollouts`
+(`sources.lockstep`: one fixed batch per worker per step, `1 + max_staleness` requests queued,
+reproducible to the bit) or `ContinuousRollouts` (`sources.continuous`: group by group into the
+trajectory buffer, weights taken between engine steps). With `max_staleness=0` both are
+synchronous on-policy GRPO.
 
 Everything the loop needs to continue is in a checkpoint (`save`): the trainer's model,
 optimizer, scheduler and RNG; the data-stream position; the rollout side's queue or buffer,
@@ -23,8 +23,7 @@ import numpy as np
 import torch
 
 from titanrl.config import RunConfig
-from titanrl.driver.sources.continuous import ContinuousRollouts, RolloutWorkersFailed
-from titanrl.driver.sources.lockstep import LockstepRollouts
+from titanrl.driver.sources.base import RolloutSource, RolloutWorkersFailed
 from titanrl.errors import RunStopped
 from titanrl.rundir.checkpoints import RunCheckpoint, checkpoint_path, latest_checkpoint, writing_checkpoint
 from titanrl.rundir.metrics import MetricsLogger
@@ -45,7 +44,7 @@ class GRPOLoop:
         self,
         config: RunConfig,
         trainer: Any,
-        rollouts: LockstepRollouts | ContinuousRollouts,
+        rollouts: RolloutSource,
         logger: MetricsLogger,
         run_dir: Path,
         eval_rows: list[dict[str, Any]],

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 from titanrl.data import PromptStream
+from titanrl.driver.sources.base import RolloutSource, RolloutWorkersFailed
 from titanrl.driver.sources.buffer import BufferState, GroupTask, TrajectoryBuffer
-from titanrl.errors import RunStopped
 from titanrl.types import StepRollouts, group_tokens
 from titanrl.weight_sync import WeightPush, WeightSync
 
@@ -30,12 +30,8 @@ MAX_DEATHS_IN_A_ROW = 3
 log = logging.getLogger("titanrl")
 
 
-class RolloutWorkersFailed(RunStopped):
-    """A rollout worker died and cannot be replaced (again); the loop saves and stops."""
-
-
-class ContinuousRollouts:
-    """The rollout side of a `rollout.continuous` run, as the GRPO loop sees it."""
+class ContinuousRollouts(RolloutSource):
+    """The rollout side of a `rollout.continuous` run, as the GRPO loop sees it (a `RolloutSource`)."""
 
     def __init__(self, make_worker: Callable[[int], Any], num_workers: int, buffer: TrajectoryBuffer) -> None:
         """`make_worker(i)` starts the actor of worker slot i (a `ContinuousRolloutWorker`)."""
