@@ -63,7 +63,7 @@ def measure_generator(checkpoint: str, repeats: int) -> dict[str, float]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from titanrl.rollout.vllm_engine import VllmEngine, VllmEngineConfig
+    from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
     engines = {flag: VllmEngine(VllmEngineConfig(checkpoint=checkpoint, max_model_len=PROMPT_LEN + TOKENS, max_num_seqs=512,
                                                  batch_invariant=flag)) for flag in (False, True)}

@@ -8,7 +8,7 @@ tokenizer, float32):
 
 1. Generation throughput, completion tokens per second, of
    - `builtin`: plain `vllm.LLM(model=ckpt)`, i.e. vLLM's own Qwen3ForCausalLM, and
-   - `ours`: `titanrl.rollout.vllm_engine.VllmEngine`, i.e. vLLM running TitanRL's Qwen3
+   - `ours`: `titanrl.rollout.vllm.engine.VllmEngine`, i.e. vLLM running TitanRL's Qwen3
      modules (`hf_overrides architectures=["TitanRLQwen3ForCausalLM"]`),
    with the same engine options (dtype float32, enforce_eager, max_model_len, max_num_seqs,
    1 GiB KV cache, prefix caching, logprobs_mode="processed_logprobs", in-process engine
@@ -122,7 +122,7 @@ class Ours:
     name = "ours"
 
     def __init__(self, ckpt: str, max_num_seqs: int) -> None:
-        from titanrl.rollout.vllm_engine import VllmEngine, VllmEngineConfig
+        from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
         self.engine = VllmEngine(
             VllmEngineConfig(

@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import ray
 
     from titanrl.config import ModelConfig, TrainConfig
+    from titanrl.driver.ray_runtime import init_ray
     from titanrl.models.tiny import write_tiny_checkpoint
-    from titanrl.ray_runtime import init_ray
     from titanrl.trainer.trainer import GRPOTrainer
 
     t_start = time.perf_counter()

@@ -30,7 +30,7 @@ def vllm_engine(vllm_tiny_checkpoint):
 
     Tests that push weights must push the checkpoint's weights back before returning.
     """
-    from titanrl.rollout.vllm_engine import VllmEngine, VllmEngineConfig
+    from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
     engine = VllmEngine(VllmEngineConfig(checkpoint=str(vllm_tiny_checkpoint), max_model_len=256, max_num_seqs=32))
     yield engine
@@ -43,7 +43,7 @@ def ray_session():
     """One local Ray instance (loopback only) shared by every test that starts actors."""
     import ray
 
-    from titanrl.driver import init_ray
+    from titanrl.driver.ray_runtime import init_ray
 
     init_ray(num_cpus=2)
     yield ray

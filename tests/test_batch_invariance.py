@@ -58,7 +58,7 @@ def test_trainer_logprobs_do_not_depend_on_the_batch(bi_checkpoint):
 
 
 def _engine(checkpoint, **kwargs):
-    from titanrl.rollout.vllm_engine import VllmEngine, VllmEngineConfig
+    from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
     kwargs = {"max_model_len": 512, "max_num_seqs": 64, **kwargs}
     return VllmEngine(VllmEngineConfig(checkpoint=str(checkpoint), batch_invariant=True, **kwargs))

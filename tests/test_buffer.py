@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titanrl.buffer import TrajectoryBuffer
 from titanrl.data import PromptStream
+from titanrl.driver.sources.buffer import TrajectoryBuffer
 from titanrl.types import Group, Sample
 
 

@@ -15,11 +15,11 @@ import torch
 
 import titanrl
 from titanrl.cli import main, one_line_reason, split_overrides
-from titanrl.commands.config_help import config_fields
 from titanrl.commands.evaluate import pass_at_k
 from titanrl.config import ConfigError, RunConfig, apply_overrides
+from titanrl.config.help import config_fields
 from titanrl.models.hf_checkpoint import hf_state_dict, read_state_dict
-from titanrl.run_checkpoints import writing_checkpoint
+from titanrl.rundir.checkpoints import writing_checkpoint
 
 # ----------------------------------------------------------------------------- overrides
 
@@ -130,13 +130,13 @@ def test_split_overrides_takes_both_forms():
 
 def test_train_help_lists_every_field_with_type_default_and_docstring(capsys):
     """`titanrl train --help` shows every config field as --section.key / --key with its annotation,
-    default and docstring (read from config.py's source), in lines of at most 100 columns."""
+    default and docstring (read from config/schema.py's source), in lines of at most 100 columns."""
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     items = [item for _, _, section in config_fields() for item in section]
     for item in items:
         assert f"  --{item.key}  {item.type}  (default: " in out, item.key
-        assert item.doc, f"{item.key} has no docstring in config.py"
+        assert item.doc, f"{item.key} has no docstring in config/schema.py"
         assert " ".join(item.doc.split()[:6]) in " ".join(out.split()), item.key
     assert "  --train.lr  float  (default: 0.0001)\n      AdamW learning rate." in out
     assert "  --train.betas  tuple[float, float]  (default: 0.9,0.99)" in out
@@ -165,8 +165,8 @@ class _FakeResult:
 
 @pytest.fixture
 def driver_calls(monkeypatch):
-    """Replaces titanrl.driver.train (only) with a recorder; the test sets what it does via `behaviour`."""
-    import titanrl.driver
+    """Replaces titanrl.driver.train.train (only) with a recorder; the test sets what it does via `behaviour`."""
+    import titanrl.driver.train
 
     calls: list[tuple[RunConfig, bool]] = []
     behaviour: dict = {}
@@ -177,7 +177,7 @@ def driver_calls(monkeypatch):
             raise behaviour["raise"]
         return _FakeResult(Path(config.output.dir), None, [{"step": 1, "time/elapsed_s": 6.0}])
 
-    monkeypatch.setattr(titanrl.driver, "train", fake_train)
+    monkeypatch.setattr(titanrl.driver.train, "train", fake_train)
     return calls, behaviour
 
 

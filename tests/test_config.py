@@ -318,7 +318,7 @@ def no_ray(monkeypatch):
     (unless an earlier test in the session left it running, which this test did not cause)."""
     import ray
 
-    import titanrl.driver
+    import titanrl.driver.train
 
     was_running = ray.is_initialized()
 
@@ -327,15 +327,15 @@ def no_ray(monkeypatch):
 
     monkeypatch.setattr(ray, "init", forbidden)
     for name in ("init_ray", "_init_ray"):  # the driver's Ray start-up helper, whatever its name
-        if hasattr(titanrl.driver, name):
-            monkeypatch.setattr(titanrl.driver, name, forbidden)
+        if hasattr(titanrl.driver.train, name):
+            monkeypatch.setattr(titanrl.driver.train, name, forbidden)
     yield
     assert was_running or not ray.is_initialized()
 
 
 def test_driver_train_validates_before_ray(good_config, tmp_path, no_ray):
-    """titanrl.driver.train raises the config error for a missing train file without starting Ray."""
-    from titanrl.driver import train
+    """titanrl.driver.train.train raises the config error for a missing train file without starting Ray."""
+    from titanrl.driver.train import train
 
     good_config.data.train_file = str(tmp_path / "missing.jsonl")
     good_config.output.dir = str(tmp_path / "run")
@@ -347,7 +347,7 @@ def test_driver_train_validates_before_ray(good_config, tmp_path, no_ray):
 def test_driver_train_bad_dataset_before_ray(good_config, tmp_path, no_ray):
     """An existing but empty train file fails in train() (DatasetError) before Ray starts."""
     from titanrl.data import DatasetError
-    from titanrl.driver import train
+    from titanrl.driver.train import train
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")

@@ -19,7 +19,7 @@ import titanrl
 from titanrl.data import write_rows
 from titanrl.errors import RunStopped
 from titanrl.models.tiny import write_tiny_checkpoint
-from titanrl.run_checkpoints import latest_checkpoint
+from titanrl.rundir.checkpoints import latest_checkpoint
 
 COUNTER_DIR = ""
 """Set by each test before its run; shipped to the workers with the reward function (by value)."""

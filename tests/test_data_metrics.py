@@ -8,7 +8,7 @@ import pytest
 
 from titanrl.config import ConfigError
 from titanrl.data import DatasetError, PromptStream, load_rows, write_rows
-from titanrl.metrics import MetricsLogger, plot_run, read_metrics
+from titanrl.rundir.metrics import MetricsLogger, plot_run, read_metrics
 
 # ----------------------------------------------------------------------------- load_rows
 

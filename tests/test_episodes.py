@@ -12,8 +12,8 @@ import torch
 
 from titanrl.envs.base import Environment, StepResult
 from titanrl.models.hf_checkpoint import load_model
-from titanrl.rollout.async_engine import AsyncGenerator
 from titanrl.rollout.episode import EpisodeBudget, run_episode
+from titanrl.rollout.vllm.async_engine import AsyncGenerator
 from titanrl.trainer.grpo import token_logprobs
 
 

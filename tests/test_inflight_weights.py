@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("vllm")
 
 from titanrl.models.hf_checkpoint import hf_state_dict, load_model, load_state_dict_into  # noqa: E402
-from titanrl.rollout.async_engine import AsyncGenerator, WeightsChanged  # noqa: E402
+from titanrl.rollout.vllm.async_engine import AsyncGenerator, WeightsChanged  # noqa: E402
 
 TOL = 1e-5
 PROMPT = [5, 6, 7, 8]

@@ -14,12 +14,12 @@ import torch.nn.functional as F
 
 from titanrl import kernels
 from titanrl.kernels import checks
-from titanrl.kernels.swiglu import silu_gate
 from titanrl.kernels.cpu_attention import KeyTable, attention, varlen_attention
+from titanrl.kernels.rotary import apply_rotary
+from titanrl.kernels.swiglu import silu_gate
 from titanrl.kernels.torch_linear import linear
 from titanrl.kernels.torch_logprobs import log_softmax, token_logprobs
 from titanrl.kernels.torch_rms_norm import rms_norm
-from titanrl.kernels.rotary import apply_rotary
 from titanrl.models import qwen3
 from titanrl.trainer import grpo
 
@@ -333,7 +333,7 @@ def test_attention_reads_a_paged_cache_in_place_with_the_dense_bits():
     """Keys scattered over a paged cache (vLLM's token-major layout written by `write_kv`,
     shuffled block ids, block size 16) read in place by `varlen_attention` give every query
     of a mixed decode/chunk/prefill step exactly the bits of the dense training forward."""
-    from titanrl.rollout.paged_attention import cache_key_table, write_kv
+    from titanrl.rollout.vllm.paged_attention import cache_key_table, write_kv
 
     gen = torch.Generator().manual_seed(13)
     lens, query_lens, Hq, Hkv, D, bs = [37, 5, 70], [1, 5, 23], 4, 2, 32, 16

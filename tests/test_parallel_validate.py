@@ -4,10 +4,11 @@ context-parallel chunking; no processes spawned."""
 import pytest
 import torch
 
-from titanrl.config import ConfigError, ParallelConfig, RunConfig, TrainConfig, _validate_trainer_layout
+from titanrl.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
+from titanrl.config.validation import _validate_trainer_layout
 from titanrl.models.tiny import tiny_config
 from titanrl.trainer.parallel.ring_attention import ContextLayout
-from titanrl.trainer.parallel.validate import sequence_multiple, validate_parallel
+from titanrl.config.parallel import sequence_multiple, validate_parallel
 
 MODEL = tiny_config(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, tie_word_embeddings=False)
 

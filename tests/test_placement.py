@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from titanrl.config import ConfigError, ParallelConfig, RolloutConfig, RunConfig, TrainConfig
-from titanrl.placement import TOKEN_CPU, Placement, check_fits, plan_layout
+from titanrl.driver.placement import TOKEN_CPU, Placement, check_fits, plan_layout
 
 
 def _config(world: int = 1, workers: int = 1, device: str = "cpu", threads: int = 1) -> RunConfig:
@@ -159,9 +159,9 @@ def _cluster_scenario(out: Path, tmp: Path) -> None:
     from ray.cluster_utils import Cluster
 
     from titanrl.config import ModelConfig
+    from titanrl.driver.ray_runtime import init_ray
     from titanrl.models.hf_checkpoint import read_state_dict
     from titanrl.models.tiny import write_tiny_checkpoint
-    from titanrl.ray_runtime import init_ray
     from titanrl.trainer.trainer_group import TrainerGroup, rank0_rendezvous_point
 
     loopback = dict(node_ip_address="127.0.0.1", include_dashboard=False)

@@ -23,7 +23,7 @@ from titanrl.config import apply_overrides
 from titanrl.data import write_rows
 from titanrl.models.hf_checkpoint import load_model
 from titanrl.models.tiny import write_tiny_checkpoint
-from titanrl.run_checkpoints import list_checkpoints
+from titanrl.rundir.checkpoints import list_checkpoints
 
 CONFIG_FILE = '''
 import math, random, time

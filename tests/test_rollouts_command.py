@@ -18,7 +18,7 @@ from titanrl.cli import main
 from titanrl.commands import CommandError
 from titanrl.commands.rollouts import format_episode, read_rollouts, rollouts_command, select_episodes
 from titanrl.envs.base import Environment, StepResult
-from titanrl.summaries import rollout_rows
+from titanrl.rundir.rollout_log import rollout_rows
 from titanrl.types import Group, Sample
 
 SYSTEM = "<|im_start|>system\nYou can call tools. " + "x" * 200 + "<|im_end|>\n"
@@ -258,8 +258,8 @@ def test_run_episode_transcript_alternates_and_joins_to_completion(vllm_engine):
     """On the real engine, Episode.transcript alternates model/env turns starting with the model, its
     model texts are the generated turns (3 of them), its env texts the inserted observations, and the
     texts joined equal completion_text; a failing step ends with the error note as the last env entry."""
-    from titanrl.rollout.async_engine import AsyncGenerator
     from titanrl.rollout.episode import EpisodeBudget, run_episode
+    from titanrl.rollout.vllm.async_engine import AsyncGenerator
 
     budget = EpisodeBudget(max_turns=8, max_total_tokens=200, max_tokens_per_turn=6, max_model_len=256)
 
@@ -289,8 +289,8 @@ def test_env_runner_rows_print_turn_by_turn(vllm_engine, tmp_path, capsys):
     them with stats, and `titanrl rollouts` prints each episode's turns in order: model, tool, model,
     tool, model, with 2 tool calls in the header and the reward of 1."""
     from titanrl.config import EnvConfig, RolloutConfig
-    from titanrl.metrics import MetricsLogger
     from titanrl.rollout.env_runner import EnvRunner
+    from titanrl.rundir.metrics import MetricsLogger
 
     rc = RolloutConfig(group_size=2, max_new_tokens=4, max_model_len=256, temperature=1.0)
     runner = EnvRunner(vllm_engine, lambda context: ToolLikeEnv(turns=3),

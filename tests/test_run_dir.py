@@ -10,14 +10,14 @@ import pytest
 import titanrl
 from titanrl.config import ConfigError
 from titanrl.data import DatasetError, drop_overlong, write_rows
-from titanrl.run_checkpoints import (
+from titanrl.rundir.checkpoints import (
     find_checkpoint,
     latest_checkpoint,
     list_checkpoints,
     RunCheckpointError,
     writing_checkpoint,
 )
-from titanrl.run_dir import config_differences, config_record, create_run_dir, reopen_run_dir, set_aside_after
+from titanrl.rundir.layout import config_differences, config_record, create_run_dir, reopen_run_dir, set_aside_after
 
 
 def _reward(prompt: str, completion: str, **fields) -> float:

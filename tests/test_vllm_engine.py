@@ -115,7 +115,7 @@ def test_multiprocess_engine_untied_push(tmp_path):
     """The multiprocess engine (engine core in a spawned process, which sees our architecture only
     through the `vllm.general_plugins` entry point) generates with our model, and a push of an
     untied checkpoint's weights (separate lm_head) crosses the process boundary exactly."""
-    from titanrl.rollout.vllm_engine import VllmEngine, VllmEngineConfig
+    from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", seed=4, std=0.1, tie_word_embeddings=False)
     model, _ = load_model(ckpt)

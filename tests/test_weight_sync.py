@@ -15,9 +15,9 @@ pytest.importorskip("vllm")
 
 from titanrl.models.hf_checkpoint import read_state_dict  # noqa: E402
 from titanrl.models.tiny import write_tiny_checkpoint  # noqa: E402
+from titanrl.rollout.weight_receiver import WeightReceiver  # noqa: E402
 from titanrl.weight_sync import (  # noqa: E402
     TensorsWeights,
-    WeightReceiver,
     WeightSyncError,
     layout_of,
     make_plan,
@@ -234,7 +234,7 @@ def test_multiprocess_engine_receives_tensors_from_every_transport(tmp_path, ray
     """The multiprocess engine (engine core in its own process) loads the trainer's weights bit
     for bit through every transport: its process maps the segment or joins the broadcast group
     itself, and the object store's tensors reach it through a local segment, not a file."""
-    from titanrl.rollout.vllm_engine import VllmEngine, VllmEngineConfig
+    from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", seed=3, std=0.1)
     target = read_state_dict(other_checkpoint)

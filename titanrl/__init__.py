@@ -6,7 +6,6 @@
 """
 
 from titanrl.config import (
-    ConfigError,
     DataConfig,
     EnvConfig,
     EvalConfig,
@@ -17,13 +16,13 @@ from titanrl.config import (
     RunConfig,
     TrainConfig,
 )
-from titanrl.errors import RunStopped
+from titanrl.errors import ConfigError, RunStopped
 
 
 def train(config: RunConfig, resume: bool = False):
     """Runs GRPO; with `resume=True` continues the run in `config.output.dir` from its newest
-    training checkpoint. See `titanrl.driver.train`."""
-    from titanrl.driver import train as _train
+    training checkpoint. See `titanrl.driver.train.train`."""
+    from titanrl.driver.train import train as _train
 
     return _train(config, resume=resume)
 

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from titanrl.commands import CommandError
-from titanrl.config import ConfigError, RunConfig, apply_overrides
+from titanrl.config import RunConfig, apply_overrides
+from titanrl.errors import ConfigError
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 OVERRIDE_COMMANDS = ("train", "eval")
@@ -102,7 +103,7 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The `titanrl` parser and its subcommand parsers by name."""
-    from titanrl.commands.config_help import config_help
+    from titanrl.config.help import config_help
 
     parser = argparse.ArgumentParser(
         prog="titanrl", description="PyTorch-native GRPO post-training", formatter_class=_formatter, allow_abbrev=False
@@ -208,11 +209,11 @@ def _load(config_path: str, overrides: list[str]) -> RunConfig:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    import titanrl.driver
+    import titanrl.driver.train
 
     config = _load(args.config, overrides + ([f"output.dir={args.out}"] if args.out else []))
     try:
-        result = titanrl.driver.train(config, resume=args.resume)
+        result = titanrl.driver.train.train(config, resume=args.resume)
     except (ConfigError, KeyboardInterrupt):
         raise
     except Exception as e:  # the driver has saved a checkpoint and said where
@@ -291,7 +292,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; returns the exit status."""
     from titanrl.models.hf_checkpoint import CheckpointError
-    from titanrl.run_checkpoints import RunCheckpointError
+    from titanrl.rundir.checkpoints import RunCheckpointError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, commands = build_parser()

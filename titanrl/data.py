@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 
-from titanrl.config import ConfigError, RunConfig
+from titanrl.config import RunConfig
+from titanrl.errors import ConfigError
 
 
 class DatasetError(ConfigError):

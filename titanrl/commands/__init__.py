@@ -1,4 +1,5 @@
-"""The `titanrl` subcommands other than `train`: export, eval, plot, rollouts, and the config field help."""
+"""The `titanrl` subcommands other than `train`: export, eval, plot, rollouts (the config field help
+is `titanrl.config.help`)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from titanrl.commands.export import find_run_policy, write_hf
 from titanrl.config import RunConfig, validate
 from titanrl.data import load_eval_rows
 from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE
-from titanrl.run_checkpoints import MANIFEST
+from titanrl.rundir.checkpoints import MANIFEST
 
 
 @dataclass

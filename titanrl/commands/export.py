@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titanrl.commands import CommandError
-from titanrl.loop import TRAINER_STATE as TRAINER_DIR  # the trainer's state dir inside a run checkpoint
-from titanrl.run_checkpoints import RunCheckpointError, find_checkpoint, list_checkpoints
+from titanrl.driver.loop import TRAINER_STATE as TRAINER_DIR  # the trainer's state dir inside a run checkpoint
+from titanrl.rundir.checkpoints import RunCheckpointError, find_checkpoint, list_checkpoints
 
 FINAL_DIR = "final"
 

@@ -10,8 +10,8 @@ from titanrl.commands import CommandError
 
 
 def plot_command(run_dir: str | os.PathLike) -> Path:
-    """Draws RUN_DIR/progress.png (titanrl.metrics.plot_run); works while a run is still writing."""
-    from titanrl.metrics import plot_run
+    """Draws RUN_DIR/progress.png (titanrl.rundir.metrics.plot_run); works while a run is still writing."""
+    from titanrl.rundir.metrics import plot_run
 
     run = Path(run_dir)
     metrics = run / "metrics.jsonl"

@@ -1,6 +1,6 @@
 """`titanrl rollouts RUN_DIR [--step N]`: a few episodes of a step, turn by turn.
 
-Reads `rollouts.jsonl` (rows from `titanrl.summaries.rollout_rows`) and prints each selected
+Reads `rollouts.jsonl` (rows from `titanrl.rundir.rollout_log.rollout_rows`) and prints each selected
 episode as a transcript: a header (step, group, reward, policy version, tool calls, errors),
 the prompt (its last user turn unless `full_prompt`), then every turn labelled `[model]`,
 `[tool]` (an observation holding a `<tool_response>`) or `[env]`. Rows written before turns were

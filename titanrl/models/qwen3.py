@@ -1,7 +1,7 @@
 """Qwen3-family dense decoder in plain PyTorch.
 
 This single definition serves the trainer, the native engine and vLLM (through
-`titanrl.rollout.vllm_model`, which swaps in vLLM's paged-KV attention as the
+`titanrl.rollout.vllm.model`, which swaps in vLLM's paged-KV attention as the
 attention backend). Module and parameter names are exactly Hugging Face's, so an
 HF state dict loads with no renaming.
 """

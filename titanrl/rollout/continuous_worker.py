@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from titanrl.rewards.batch_scoring import ToScore
 from titanrl.rewards.scoring import eval_summary, row_fields
-from titanrl.rollout.async_engine import AsyncGenerator, WeightsChanged
+from titanrl.rollout.vllm.async_engine import AsyncGenerator, WeightsChanged
 from titanrl.rollout.worker import RolloutWorker
 from titanrl.types import Group
 

@@ -17,10 +17,10 @@ from titanrl.config import EnvConfig, RewardFn, RolloutConfig
 from titanrl.envs.base import EnvContext, EnvFactory
 from titanrl.rewards.batch_scoring import RewardScorer, ToScore
 from titanrl.rewards.scoring import eval_summary, row_fields
-from titanrl.rollout.async_engine import AsyncGenerator
 from titanrl.rollout.episode import Episode, EpisodeBudget, env_error, failed_episode, run_episode
 from titanrl.rollout.seeds import episode_seed
-from titanrl.rollout.vllm_engine import VllmEngine
+from titanrl.rollout.vllm.async_engine import AsyncGenerator
+from titanrl.rollout.vllm.engine import VllmEngine
 from titanrl.types import Group, RolloutBatch, Sample, group_tokens
 
 

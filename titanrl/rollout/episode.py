@@ -14,7 +14,7 @@ from typing import Any
 
 from titanrl.envs.base import Environment, StepResult
 from titanrl.rewards.scoring import as_reward
-from titanrl.rollout.async_engine import AsyncGenerator
+from titanrl.rollout.vllm.async_engine import AsyncGenerator
 
 
 @dataclass

@@ -20,7 +20,7 @@ from titanrl.rewards.scoring import eval_summary, row_fields
 from titanrl.types import Group, RolloutBatch, Sample, group_tokens
 
 if TYPE_CHECKING:
-    from titanrl.rollout.vllm_engine import Completion
+    from titanrl.rollout.vllm.engine import Completion
 
 
 class RolloutWorker:
@@ -55,7 +55,7 @@ class RolloutWorker:
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(
             lambda record: "set_num_threads" not in record.getMessage()
         )
-        from titanrl.rollout.vllm_engine import VllmEngine, VllmEngineConfig
+        from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
         self.worker_id, self.cfg, self.prompt_field = worker_id, rc, prompt_field
         self.rewards = [resolve_reward(r, i) for i, r in enumerate(rewards)]
@@ -75,7 +75,7 @@ class RolloutWorker:
             )
         )
         self.eos_id = self.engine.model_config.eos_token_id
-        from titanrl.weight_sync import WeightReceiver
+        from titanrl.rollout.weight_receiver import WeightReceiver
 
         # object_store needs no set-up; the other transports are joined with open_weight_sync.
         self.weight_receiver = WeightReceiver(self.engine)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from titanrl.config import TrainConfig
+from titanrl.config.schema import TrainConfig
 
 
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int, decay: str, min_ratio: float) -> float:

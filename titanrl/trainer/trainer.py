@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from titanrl.config import ConfigError, ModelConfig, TrainConfig
+from titanrl.config.schema import ModelConfig, TrainConfig
+from titanrl.errors import ConfigError
 from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.batch import PackedBatch, minibatch_row_ranges, pack

@@ -21,7 +21,8 @@ import os
 import socket
 from typing import Any
 
-from titanrl.config import ConfigError, ModelConfig, TrainConfig
+from titanrl.config.schema import ModelConfig, TrainConfig
+from titanrl.errors import ConfigError
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.types import Group, PolicyVersion
 

@@ -11,19 +11,19 @@ Actor methods (trainer: GRPOTrainer, TrainerGroup; worker: RolloutWorker):
              trainer.send_weights(version) (moves the bytes for broadcast and, on x86, shared memory;
              no-op otherwise), all three concurrently
   shutdown   trainer.close_weight_sync(); worker_i.close_weight_sync()
-`WeightSync` (session.py) makes exactly these calls on Ray actor handles.
+`WeightSync` (session.py) makes exactly these calls on Ray actor handles. The workers' receiving
+end is `titanrl.rollout.weight_receiver.WeightReceiver` (the rollout side's, next to the engine).
 """
 
 from titanrl.weight_sync.announcement import WeightAnnouncement
 from titanrl.weight_sync.layout import WeightLayout, WeightSyncError, build_layout, layout_of
 from titanrl.weight_sync.plan import TRANSPORTS, WeightSyncPlan, make_plan
-from titanrl.weight_sync.receiver import WeightReceiver
 from titanrl.weight_sync.sender import PassiveSender, make_sender
 from titanrl.weight_sync.session import WeightPush, WeightSync
 from titanrl.weight_sync.source import TensorsWeights
 
 __all__ = [
     "TRANSPORTS", "PassiveSender", "TensorsWeights", "WeightAnnouncement",
-    "WeightLayout", "WeightPush", "WeightReceiver", "WeightSync", "WeightSyncError", "WeightSyncPlan",
+    "WeightLayout", "WeightPush", "WeightSync", "WeightSyncError", "WeightSyncPlan",
     "build_layout", "layout_of", "make_plan", "make_sender",
 ]

@@ -11,7 +11,7 @@ from titanrl.trainer.parallel.gather import iter_full_gradients, iter_full_weigh
 from titanrl.trainer.parallel.mesh import MESH_DIMS, build_mesh, init_distributed
 from titanrl.trainer.parallel.parallelize import ParallelModel, build_optimizers, parallelize
 from titanrl.trainer.parallel.step import ParallelGRPOStep
-from titanrl.trainer.parallel.validate import validate_parallel
+from titanrl.config.parallel import validate_parallel
 
 __all__ = [
     "MESH_DIMS",

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titanrl.config import ModelConfig, ParallelConfig, TrainConfig
+from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from titanrl.models.hf_checkpoint import load_model
 from titanrl.models.tiny import write_tiny_checkpoint
 from titanrl.trainer.grpo import token_logprobs
@@ -31,7 +31,7 @@ from titanrl.trainer.parallel.mesh import build_mesh
 from titanrl.trainer.parallel.parallelize import build_optimizers, parallelize
 from titanrl.trainer.parallel.step import ParallelGRPOStep
 from titanrl.trainer.parallel.tied import tied_copies_equal
-from titanrl.trainer.parallel.validate import validate_parallel
+from titanrl.config.parallel import validate_parallel
 from titanrl.trainer.batch import PackedBatch, pack
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.types import Group, Sample

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from titanrl.config import ParallelConfig
+from titanrl.config.schema import ParallelConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh dimension names, outermost first (ep joins when the MoE model does)."""

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from titanrl.config import ParallelConfig, TrainConfig
+from titanrl.config.schema import ParallelConfig, TrainConfig
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from titanrl.trainer.parallel.fsdp import apply_fsdp
 from titanrl.trainer.parallel.mesh import coord, fsdp_mesh

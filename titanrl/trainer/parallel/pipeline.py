@@ -13,10 +13,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from titanrl import kernels
-from titanrl.config import ParallelConfig
+from titanrl.config.schema import ParallelConfig
 from titanrl.models.qwen3 import Qwen3ForCausalLM
 from titanrl.trainer.parallel.ring_attention import ContextLayout
-from titanrl.trainer.parallel.validate import PP_SCHEDULES
+from titanrl.config.parallel import PP_SCHEDULES
 
 
 def num_stages(parallel: ParallelConfig) -> int:

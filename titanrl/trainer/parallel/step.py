@@ -20,14 +20,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from titanrl import kernels
-from titanrl.config import TrainConfig
+from titanrl.config.schema import TrainConfig
 from titanrl.trainer.batch import PackedBatch
 from titanrl.trainer.grpo import clipped_surrogate_loss, decoupled_surrogate_loss, token_logprobs
 from titanrl.trainer.parallel.mesh import all_reduce, coord, dp_rank_and_size, owns
 from titanrl.trainer.parallel.parallelize import ParallelModel
 from titanrl.trainer.parallel.pipeline import build_schedule
 from titanrl.trainer.parallel.tied import sum_tied_grads
-from titanrl.trainer.parallel.validate import check_batch_invariant, sequence_multiple
+from titanrl.config.parallel import check_batch_invariant, sequence_multiple
 from titanrl.trainer.stats import GradStats, LogprobParity, nan_max
 
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from titanrl.config import ConfigError, RunConfig
+from titanrl.config import RunConfig
+from titanrl.errors import ConfigError
 
 TOKEN_CPU = 0.01
 """CPU reserved per actor when CPUs are not reserved: enough for Ray to place a bundle, while

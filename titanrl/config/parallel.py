@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from titanrl.config import ConfigError, ParallelConfig
+from titanrl.config.schema import ParallelConfig
+from titanrl.errors import ConfigError
 from titanrl.models.qwen3 import Qwen3Config
 
 PP_SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}

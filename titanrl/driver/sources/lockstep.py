@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from titanrl.data import PromptStream
+from titanrl.driver.sources.base import RolloutSource
 from titanrl.rollout.seeds import request_seed
 from titanrl.types import RolloutBatch, StepRollouts
 from titanrl.weight_sync import WeightPush, WeightSync
@@ -136,8 +137,8 @@ class RequestQueue:
         self.stream.load_state_dict(saved.stream_state)
 
 
-class LockstepRollouts:
-    """The rollout side of a lock-step run, as the GRPO loop sees it (`ContinuousRollouts`'s interface).
+class LockstepRollouts(RolloutSource):
+    """The rollout side of a lock-step run, as the GRPO loop sees it (a `RolloutSource`).
 
     `1 + train.max_staleness` requests stay queued. Each step trains on the oldest one; the new
     weights are queued to every worker behind the requests already there (Ray runs an actor's

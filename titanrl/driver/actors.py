@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from titanrl.config import RunConfig
-from titanrl.continuous import ContinuousRollouts
 from titanrl.data import PromptStream
-from titanrl.placement import Placement
+from titanrl.driver.placement import Placement
+from titanrl.driver.sources.base import RolloutSource
+from titanrl.driver.sources.continuous import ContinuousRollouts
+from titanrl.driver.sources.lockstep import LockstepRollouts
 from titanrl.rollout.seeds import request_seed
-from titanrl.rollout_requests import LockstepRollouts
 
 
 def start_trainer(config: RunConfig, placement: Placement) -> Any:
@@ -33,7 +34,7 @@ def start_trainer(config: RunConfig, placement: Placement) -> Any:
 
 
 def start_rollouts(config: RunConfig, train_rows: list[dict[str, Any]],
-                   placement: Placement) -> LockstepRollouts | ContinuousRollouts:
+                   placement: Placement) -> RolloutSource:
     """The rollout workers and the source of each step's groups (`rollout.continuous` picks which);
     worker i (and any replacement of it) runs in the placement's bundle for worker i."""
     import ray
@@ -67,7 +68,7 @@ def start_rollouts(config: RunConfig, train_rows: list[dict[str, Any]],
     )
 
 
-def shut_down(rollouts: LockstepRollouts | ContinuousRollouts, trainer: Any) -> None:
+def shut_down(rollouts: RolloutSource, trainer: Any) -> None:
     """Closes the weight transport and the engines inside their actors first, then kills every actor
     (dead ones are skipped)."""
     import ray

@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from titanrl.config import ConfigError, RunConfig
-from titanrl.run_checkpoints import RunCheckpoint, latest_checkpoint, remove_stale_temporaries
+from titanrl.config import RunConfig
+from titanrl.errors import ConfigError
+from titanrl.rundir.checkpoints import RunCheckpoint, latest_checkpoint, remove_stale_temporaries
 
 CONFIG_FILE = "config.json"
 RESUMABLE_SECTIONS = ("output",)

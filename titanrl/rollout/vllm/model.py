@@ -7,7 +7,7 @@ cache and attends over that request's cached keys. `TitanQwen3ForVLLM` *is* our
 backend per layer that hands q/k/v to vLLM's `Attention`; the whole flattened batch runs
 as a batch of one, `[1, num_tokens]`.
 
-Registered under `ARCHITECTURE` (see `vllm_plugin.py`); an engine opts in with
+Registered under `ARCHITECTURE` (`names.py`) by `plugin.py`; an engine opts in with
 `hf_overrides={"architectures": [ARCHITECTURE]}`, so vLLM's built-in Qwen3 stays as is.
 """
 
@@ -21,8 +21,8 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from titanrl.models.qwen3 import HF_ARCHITECTURE, Qwen3Config, Qwen3ForCausalLM
-from titanrl.rollout.paged_attention import paged_batch_invariant_attention
-from titanrl.rollout.vllm_plugin import ARCHITECTURE, BATCH_INVARIANT_KEY
+from titanrl.rollout.vllm.names import ARCHITECTURE, BATCH_INVARIANT_KEY
+from titanrl.rollout.vllm.paged_attention import paged_batch_invariant_attention
 
 
 

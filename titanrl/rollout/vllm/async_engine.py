@@ -13,7 +13,7 @@ import asyncio
 import itertools
 from collections.abc import Callable, Sequence
 
-from titanrl.rollout.vllm_engine import Completion, VllmEngine
+from titanrl.rollout.vllm.engine import Completion, VllmEngine
 
 
 class WeightsChanged(Exception):
@@ -122,7 +122,7 @@ class AsyncGenerator:
 
     async def apply_update(self, load: Callable[[], object], version: int, regenerate: bool = False) -> None:
         """`update_weights` for any loader: `load()` must install `version` in the engine with
-        `recompute_running=True` (e.g. a `titanrl.weight_sync.WeightReceiver.receive` call)."""
+        `recompute_running=True` (e.g. a `titanrl.rollout.weight_receiver.WeightReceiver.receive` call)."""
         if regenerate and self._pending:
             self.engine.llm.llm_engine.abort_request(list(self._pending))
             for future in self._pending.values():

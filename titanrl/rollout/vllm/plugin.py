@@ -4,15 +4,17 @@ vLLM calls `register()` in every process it starts (driver, engine core, workers
 the `vllm.general_plugins` entry point declared in pyproject.toml; a registration made only
 in the driver is invisible to spawned engine processes. `VllmEngine` also calls it directly,
 so the in-process engine works even without the package installed.
+
+The model is registered by its `module:class` name, so this module does not import it (nor
+vLLM's model code with it); vLLM imports it when it builds the model.
 """
 
 from __future__ import annotations
 
-ARCHITECTURE = "TitanRLQwen3ForCausalLM"
-"""The architecture name our model class is registered under."""
-BATCH_INVARIANT_KEY = "titanrl_batch_invariant"
-"""HF-config key (set through `hf_overrides`) that builds the model in batch-invariant mode;
-it reaches spawned engine processes with the rest of the config."""
+from titanrl.rollout.vllm.names import ARCHITECTURE
+
+MODEL_CLASS = "titanrl.rollout.vllm.model:TitanQwen3ForVLLM"
+"""Our model class, as `module:class` for `ModelRegistry.register_model`'s lazy registration."""
 
 
 def register() -> None:
@@ -21,6 +23,4 @@ def register() -> None:
 
     if ARCHITECTURE in ModelRegistry.get_supported_archs():
         return
-    from titanrl.rollout.vllm_model import TitanQwen3ForVLLM
-
-    ModelRegistry.register_model(ARCHITECTURE, TitanQwen3ForVLLM)
+    ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)

@@ -1,6 +1,6 @@
 """Every RunConfig field with its type, default and docstring, for `titanrl train --help`.
 
-Field docstrings are the string literal written after each dataclass field in config.py;
+Field docstrings are the string literal written after each dataclass field in config/schema.py;
 Python keeps no trace of them at run time, so they are read from the source with `ast`.
 """
 
@@ -14,8 +14,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from titanrl import config as config_module
-from titanrl.config import RunConfig
+from titanrl.config import schema as config_module
+from titanrl.config.schema import RunConfig
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class FieldHelp:
     key: str
     """Dotted override key: 'train.lr', or 'seed' for a top-level field."""
     type: str
-    """The annotation as written in config.py ('float | None', 'tuple[float, float]')."""
+    """The annotation as written in config/schema.py ('float | None', 'tuple[float, float]')."""
     default: Any
     """The dataclass default (default_factory called)."""
     doc: str
@@ -34,7 +34,7 @@ class FieldHelp:
 
 @functools.cache
 def _class_docs() -> dict[str, dict[str, str]]:
-    """{class name: {field name: docstring}} for every class in config.py ({} without its source)."""
+    """{class name: {field name: docstring}} for every class in config/schema.py ({} without its source)."""
     try:
         tree = ast.parse(inspect.getsource(config_module))
     except (OSError, TypeError):  # installed without .py sources: help shows types and defaults only
@@ -66,7 +66,7 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def _help(key: str, cls: type, f: dataclasses.Field) -> FieldHelp:
-    # config.py has `from __future__ import annotations`: f.type is the annotation as written.
+    # config/schema.py has `from __future__ import annotations`: f.type is the annotation as written.
     annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     return FieldHelp(key, annotation, _default(f), _class_docs().get(cls.__name__, {}).get(f.name, ""))
 

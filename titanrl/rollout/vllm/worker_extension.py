@@ -15,11 +15,11 @@ import time
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 
-EXTENSION_QUALNAME = "titanrl.rollout.vllm_worker_extension.TitanRLWorkerExtension"
+EXTENSION_QUALNAME = "titanrl.rollout.vllm.worker_extension.TitanRLWorkerExtension"
 
 
 def _find_titan_model(root: torch.nn.Module) -> torch.nn.Module:
-    from titanrl.rollout.vllm_model import TitanQwen3ForVLLM
+    from titanrl.rollout.vllm.model import TitanQwen3ForVLLM
 
     for module in root.modules():  # the runner may wrap the model
         if isinstance(module, TitanQwen3ForVLLM):

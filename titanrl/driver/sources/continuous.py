@@ -1,6 +1,6 @@
 """Continuous rollouts: rollout worker actors generating group by group into the trajectory buffer.
 
-The driver hands every admitted group (`titanrl.buffer`) to the least-loaded worker as its own
+The driver hands every admitted group (`titanrl.driver.sources.buffer`) to the least-loaded worker as its own
 call, so a slow group holds back neither its worker nor the others, and collects groups as they
 finish. Workers take new weights between engine steps (`ContinuousRolloutWorker`), so pushing
 never waits for generation to drain.
@@ -13,26 +13,25 @@ group is lost or trained twice: the buffer knows each one by id. A worker slot t
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from titanrl.buffer import BufferState, GroupTask, TrajectoryBuffer
 from titanrl.data import PromptStream
-from titanrl.errors import RunStopped
+from titanrl.driver.sources.base import RolloutSource, RolloutWorkersFailed
+from titanrl.driver.sources.buffer import BufferState, GroupTask, TrajectoryBuffer
 from titanrl.types import StepRollouts, group_tokens
 from titanrl.weight_sync import WeightPush, WeightSync
 
 MAX_DEATHS_IN_A_ROW = 3
 """A worker slot whose actor dies this many times without finishing a group stops the run."""
 
-
-class RolloutWorkersFailed(RunStopped):
-    """A rollout worker died and cannot be replaced (again); the loop saves and stops."""
+log = logging.getLogger("titanrl")
 
 
-class ContinuousRollouts:
-    """The rollout side of a `rollout.continuous` run, as the GRPO loop sees it."""
+class ContinuousRollouts(RolloutSource):
+    """The rollout side of a `rollout.continuous` run, as the GRPO loop sees it (a `RolloutSource`)."""
 
     def __init__(self, make_worker: Callable[[int], Any], num_workers: int, buffer: TrajectoryBuffer) -> None:
         """`make_worker(i)` starts the actor of worker slot i (a `ContinuousRolloutWorker`)."""
@@ -215,9 +214,7 @@ class ContinuousRollouts:
                 f"rollout worker {i} died {self.deaths_in_a_row[i]} times in a row without finishing a group "
                 f"(last: {reason}); check its log above (out of memory? a crashing reward or environment?)"
             )
-        from titanrl.loop import say
-
-        say(f"rollout worker {i} died ({reason}); starting a replacement, {len(lost)} group(s) will be generated again")
+        log.info(f"rollout worker {i} died ({reason}); starting a replacement, {len(lost)} group(s) will be generated again")
         try:
             ray.kill(self.workers[i])
         except Exception:  # already gone

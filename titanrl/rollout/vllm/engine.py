@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from titanrl.rollout.vllm_plugin import ARCHITECTURE, BATCH_INVARIANT_KEY, register
-from titanrl.rollout.vllm_worker_extension import EXTENSION_QUALNAME
+from titanrl.rollout.vllm.names import ARCHITECTURE, BATCH_INVARIANT_KEY
+from titanrl.rollout.vllm.plugin import register
+from titanrl.rollout.vllm.worker_extension import EXTENSION_QUALNAME
 
 if TYPE_CHECKING:
     from titanrl.weight_sync import WeightAnnouncement, WeightSyncPlan
@@ -64,7 +65,7 @@ class VllmEngineConfig:
     titanrl `vllm.general_plugins` entry point installed. In-process starts ~5x faster."""
     batch_invariant: bool = False
     """Run our model through `titanrl.kernels` (including attention over the paged cache), so
-    its logprobs equal the trainer's bit for bit; see `titanrl.rollout.paged_attention`."""
+    its logprobs equal the trainer's bit for bit; see `titanrl.rollout.vllm.paged_attention`."""
     extra_llm_kwargs: dict = field(default_factory=dict)
     """Passed to `vllm.LLM(...)` last, for options not surfaced here."""
 

@@ -12,7 +12,7 @@ step was skipped: a skipped step does not advance the version). In-flight weight
 make tokens newer. So no finished group is ever thrown away for being stale, and
 `max_staleness=0` is synchronous on-policy GRPO: step s's groups start after step s - 1's weights.
 
-Pure bookkeeping, no Ray: `titanrl.continuous` moves the tasks to and from the workers.
+Pure bookkeeping, no Ray: `titanrl.driver.sources.continuous` moves the tasks to and from the workers.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The rollout worker's end: loads announced versions into its VllmEngine.
+"""The rollout worker's end of a weight transport (`titanrl.weight_sync`): loads announced versions
+into its VllmEngine.
 
 The bytes land where the model lives: for shared memory and broadcast the engine's worker
 extension maps the segment or joins the group itself (in the engine-core process when vLLM
@@ -15,7 +16,7 @@ from titanrl.weight_sync.layout import WeightSyncError
 from titanrl.weight_sync.plan import WeightSyncPlan
 
 if TYPE_CHECKING:
-    from titanrl.rollout.vllm_engine import VllmEngine
+    from titanrl.rollout.vllm.engine import VllmEngine
 
 
 class WeightReceiver:

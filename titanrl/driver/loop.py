@@ -1,10 +1,10 @@
 """The GRPO loop: take the next step's rollouts, train on them, publish the weights, admit more.
 
-The rollout side is one of two sources with the same interface: `LockstepRollouts`
-(`titanrl.rollout_requests`: one fixed batch per worker per step, `1 + max_staleness`
-requests queued, reproducible to the bit) or `ContinuousRollouts` (`titanrl.continuous`:
-group by group into the trajectory buffer, weights taken between engine steps). With
-`max_staleness=0` both are synchronous on-policy GRPO.
+The rollout side is a `RolloutSource` (`titanrl.driver.sources.base`): `LockstepRollouts`
+(`sources.lockstep`: one fixed batch per worker per step, `1 + max_staleness` requests queued,
+reproducible to the bit) or `ContinuousRollouts` (`sources.continuous`: group by group into the
+trajectory buffer, weights taken between engine steps). With `max_staleness=0` both are
+synchronous on-policy GRPO.
 
 Everything the loop needs to continue is in a checkpoint (`save`): the trainer's model,
 optimizer, scheduler and RNG; the data-stream position; the rollout side's queue or buffer,
@@ -13,8 +13,8 @@ with the finished rollouts of older policies that no step has trained on yet.
 
 from __future__ import annotations
 
+import logging
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,21 +23,18 @@ import numpy as np
 import torch
 
 from titanrl.config import RunConfig
+from titanrl.driver.sources.base import RolloutSource, RolloutWorkersFailed
 from titanrl.errors import RunStopped
-from titanrl.metrics import MetricsLogger
-from titanrl.continuous import ContinuousRollouts, RolloutWorkersFailed
-from titanrl.rollout_requests import LockstepRollouts
-from titanrl.run_checkpoints import RunCheckpoint, checkpoint_path, latest_checkpoint, writing_checkpoint
-from titanrl.summaries import rollout_rows, summarize_groups
+from titanrl.rundir.checkpoints import RunCheckpoint, checkpoint_path, latest_checkpoint, writing_checkpoint
+from titanrl.rundir.metrics import MetricsLogger
+from titanrl.rundir.rollout_log import rollout_rows, summarize_groups
 from titanrl.types import Group, StepRollouts
 from titanrl.weight_sync import WeightPush
 
 DRIVER_STATE = "driver.pt"
 TRAINER_STATE = "trainer"
 
-
-def say(message: str) -> None:
-    print(f"[titanrl] {message}", file=sys.stderr, flush=True)
+log = logging.getLogger("titanrl")
 
 
 class GRPOLoop:
@@ -47,7 +44,7 @@ class GRPOLoop:
         self,
         config: RunConfig,
         trainer: Any,
-        rollouts: LockstepRollouts | ContinuousRollouts,
+        rollouts: RolloutSource,
         logger: MetricsLogger,
         run_dir: Path,
         eval_rows: list[dict[str, Any]],
@@ -79,7 +76,7 @@ class GRPOLoop:
         self.rollouts.publish(version).wait()
         self.saved_steps.add(self.step)
         exact = "" if state["queue"].exact else " (inexact: some rollouts are generated again)"
-        say(f"resumed from {checkpoint.path} at step {self.step}, policy version {version}{exact}")
+        log.info(f"resumed from {checkpoint.path} at step {self.step}, policy version {version}{exact}")
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -120,7 +117,7 @@ class GRPOLoop:
         except BaseException as e:  # the trainer itself may be what died
             newest = latest_checkpoint(self.run_dir)
             where = f"the newest checkpoint is {newest.path}" if newest else "there is no checkpoint yet"
-            say(f"could not save a checkpoint after the failure ({type(e).__name__}: {e}); {where}")
+            log.info(f"could not save a checkpoint after the failure ({type(e).__name__}: {e}); {where}")
             return newest.path if newest else None
 
     # ------------------------------------------------------------------ the loop

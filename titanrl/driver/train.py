@@ -1,30 +1,36 @@
 """`titanrl.train(config)`: checks the config and data, starts the actors, runs the loop, cleans up.
 
-The parts live in their own modules: the run directory (`run_dir`), Ray start-up
-(`ray_runtime`), the actors (`actors`), the rollout side (`rollout_requests` for lock-step
-runs, `continuous` with the trajectory `buffer` for continuous ones), the step loop and its
-checkpoints (`loop`). This file only orders them and makes sure that whatever happens (an
-exception, Ctrl-C, a broken reward, a dead actor), the last completed step is saved and no
-actor outlives the run.
+The parts live in their own modules: the run directory (`titanrl.rundir.layout`), Ray start-up
+(`ray_runtime`), the actors (`actors`), the rollout side (`sources.lockstep` for lock-step
+runs, `sources.continuous` with the trajectory `sources.buffer` for continuous ones), the step
+loop and its checkpoints (`loop`). This file only orders them and makes sure that whatever
+happens (an exception, Ctrl-C, a broken reward, a dead actor), the last completed step is saved
+and no actor outlives the run. Progress messages go to `logging.getLogger("titanrl")`, shown on
+stderr as `[titanrl] ...` (`log.show_messages`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from titanrl.actors import shut_down, start_rollouts, start_trainer
 from titanrl.config import RunConfig, validate
 from titanrl.data import load_run_rows
-from titanrl.loop import GRPOLoop, RunStopped, say
-from titanrl.metrics import MetricsLogger, plot_run, read_metrics
-from titanrl.placement import Placement
-from titanrl.ray_runtime import init_ray, ship_user_code_by_value
-from titanrl.run_dir import create_run_dir, reopen_run_dir, set_aside_after
+from titanrl.driver.actors import shut_down, start_rollouts, start_trainer
+from titanrl.driver.log import show_messages
+from titanrl.driver.loop import GRPOLoop
+from titanrl.driver.placement import Placement
+from titanrl.driver.ray_runtime import init_ray, ship_user_code_by_value
+from titanrl.errors import RunStopped
+from titanrl.rundir.layout import create_run_dir, reopen_run_dir, set_aside_after
+from titanrl.rundir.metrics import MetricsLogger, plot_run, read_metrics
 
 __all__ = ["RunResult", "RunStopped", "init_ray", "train"]
+
+log = logging.getLogger("titanrl")
 
 
 @dataclass
@@ -47,6 +53,7 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
     Raises `RunStopped` (after saving a checkpoint) when the run cannot go on.
     """
     started = time.perf_counter()
+    show_messages()
     validate(config)
     train_rows, eval_rows = load_run_rows(config)
     checkpoint = None
@@ -58,7 +65,7 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
 
     import ray
 
-    say(f"run directory {run_dir}; " + (f"joining Ray at {config.ray_address}" if config.ray_address else "starting Ray"))
+    log.info(f"run directory {run_dir}; " + (f"joining Ray at {config.ray_address}" if config.ray_address else "starting Ray"))
     init_ray(address=config.ray_address)
     ship_user_code_by_value(config.rewards + ([config.env.factory] if config.env.factory is not None else []))
     placement = Placement.create(config)
@@ -69,27 +76,27 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
         placement.remove()
         raise
     if config.ray_address:
-        say(f"placed {placement.summary()}")
+        log.info(f"placed {placement.summary()}")
     logger = MetricsLogger(run_dir, tensorboard=config.output.tensorboard)
     loop = GRPOLoop(config, trainer, rollouts, logger, run_dir, eval_rows, started)
     final: Path | None = None
     try:
         t0 = time.perf_counter()
-        say(f"starting the trainer and {len(rollouts.workers)} vLLM rollout worker(s) (~20 s on CPU)")
+        log.info(f"starting the trainer and {len(rollouts.workers)} vLLM rollout worker(s) (~20 s on CPU)")
         ray.get([w.ready.remote() for w in rollouts.workers] + [trainer.get_version.remote()])
         rollouts.open_weight_sync(trainer, config.rollout.weight_transport)
-        say(f"actors ready in {time.perf_counter() - t0:.0f} s")
+        log.info(f"actors ready in {time.perf_counter() - t0:.0f} s")
         if checkpoint is not None:
             loop.restore(checkpoint)
         final = loop.run()
     except RunStopped as e:
-        say(str(e))
+        log.info(str(e))
         raise
     except BaseException as e:
         reason = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
         where = loop.save_after_failure(reason)
         if where is not None:
-            say(f"run stopped after step {loop.step}: {reason}; newest checkpoint {where} (continue with --resume)")
+            log.info(f"run stopped after step {loop.step}: {reason}; newest checkpoint {where} (continue with --resume)")
         if isinstance(e, KeyboardInterrupt):
             raise
         raise RunStopped(f"{reason}" + (f"; the newest checkpoint is {where}" if where else "")) from e

@@ -1,0 +1,30 @@
+"""Typed run configuration, validated before any actor starts.
+
+    from titanrl.config import RunConfig, TrainConfig, apply_overrides, validate
+
+`schema` holds the dataclasses (a leaf), `overrides` the CLI `section.key=value` parsing,
+`validation` the checks run before any actor starts, `help` the `titanrl train --help` text.
+`ConfigError` lives in `titanrl.errors`; it is re-exported here for users.
+"""
+
+from titanrl.config.overrides import apply_overrides
+from titanrl.config.schema import (
+    DataConfig,
+    EnvConfig,
+    EvalConfig,
+    ModelConfig,
+    OutputConfig,
+    ParallelConfig,
+    RewardFn,
+    RolloutConfig,
+    RunConfig,
+    TrainConfig,
+)
+from titanrl.config.validation import resolve_env_factory, resolve_reward, validate
+from titanrl.errors import ConfigError
+
+__all__ = [
+    "ConfigError", "DataConfig", "EnvConfig", "EvalConfig", "ModelConfig", "OutputConfig", "ParallelConfig",
+    "RewardFn", "RolloutConfig", "RunConfig", "TrainConfig", "apply_overrides", "resolve_env_factory",
+    "resolve_reward", "validate",
+]

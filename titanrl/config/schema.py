@@ -1,0 +1,253 @@
+"""Typed run configuration: the dataclasses, and nothing else (a leaf: it imports nothing of titanrl).
+
+Every field has a docstring saying why it exists (`titanrl train --help` shows them, see
+`help`). CLI-style `section.key=value` overrides are parsed in `overrides`; `validation`
+checks a whole config before any actor starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """Which policy to start from."""
+
+    checkpoint: str = ""
+    """HF checkpoint directory (config.json, safetensors, tokenizer) of the initial policy."""
+    dtype: str = "float32"
+    """Parameter dtype for trainer and generator: float32 or bfloat16 (float32 is faster on AVX2 CPUs)."""
+
+
+@dataclass
+class DataConfig:
+    """Prompts to train and evaluate on."""
+
+    train_file: str = ""
+    """JSON-lines file of training rows; each row has `prompt_field` plus any fields the reward needs."""
+    eval_file: str = ""
+    """JSON-lines file of held-out rows for eval accuracy; empty disables eval."""
+    prompt_field: str = "prompt"
+    """Row key holding the prompt text."""
+    shuffle_seed: int = 0
+    """Seed of the per-epoch shuffle of the training rows."""
+    on_overlong: str = "drop"
+    """Rows whose prompt tokens + rollout.max_new_tokens exceed rollout.max_model_len: 'drop' them
+    (one warning with the count and first index) or 'error' before any actor starts."""
+
+
+@dataclass
+class RolloutConfig:
+    """How completions are generated."""
+
+    num_workers: int = 1
+    """Rollout worker actors, each owning one vLLM engine."""
+    prompts_per_step: int = 32
+    """Prompts per optimizer step; each yields `group_size` completions."""
+    group_size: int = 8
+    """Completions per prompt; GRPO compares them to each other."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer scores tokens under the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 keeps the exact softmax the trainer recomputes."""
+    max_new_tokens: int = 32
+    """Token limit per completion."""
+    max_model_len: int = 512
+    """Longest prompt + completion the engine accepts."""
+    max_num_seqs: int = 256
+    """Sequences the engine batches at once; should cover prompts_per_step * group_size."""
+    kv_cache_gib: float = 1.0
+    """KV-cache memory per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    vllm_multiprocess: bool = False
+    """Run vLLM's engine core in its own process (slower start on CPU, isolates crashes)."""
+    threads_per_worker: int = 1
+    """Intra-op threads of each worker; 1 is robust on a busy 2-core machine."""
+    reward_concurrency: int = 16
+    """How many sync reward calls run at once per worker (its helper threads); async rewards of
+    all samples are awaited together regardless. 1 (with reward_timeout_s=None) calls sync
+    rewards one after another in the worker's own thread."""
+    continuous: bool = False
+    """Workers generate group by group, without waiting for the trainer, into a trajectory buffer
+    (`titanrl.driver.sources.buffer`) that admits a group only while it can be trained within train.max_staleness
+    versions, and take new weights between engine steps (partial rollouts; Sample.token_versions).
+    Off: each step's prompts go to the workers as one fixed batch per worker, which makes a run
+    reproducible to the bit even without batch_invariant."""
+    on_weight_update: str = "continue"
+    """Continuous mode, when new weights arrive while requests are running: 'continue' keeps their
+    tokens and recomputes their KV cache with the new weights (each token keeps the version that
+    sampled it); 'regenerate' aborts unfinished groups and generates them again from scratch."""
+    weight_transport: str = "object_store"
+    """How new weights reach the workers: 'object_store' (Ray's object store), 'shared_memory'
+    (one shared-memory copy read by every worker of the machine) or 'broadcast' (a
+    torch.distributed group from the trainer to the workers: gloo on CPU, NCCL on GPU)."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the trainer's processes split the work; the product of all degrees is its world size."""
+
+    dp_replicate: int = 1
+    """Data-parallel replicas holding full copies (HSDP's outer dimension when dp_shard > 1)."""
+    dp_shard: int = 1
+    """Data-parallel ranks that shard parameters, gradients and optimizer state (FSDP2)."""
+    tp: int = 1
+    """Tensor-parallel degree: attention heads and MLP columns split across ranks."""
+    sequence_parallel: bool = False
+    """With tp > 1, also shard norms and activations along the sequence between TP regions."""
+    pp: int = 1
+    """Pipeline stages: the decoder layers split into consecutive stages."""
+    pp_schedule: str = "1F1B"
+    """Pipeline schedule: 'GPipe', '1F1B' or 'Interleaved1F1B' (two stages per rank)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split across ranks, attention as a ring."""
+    ep: int = 1
+    """Expert-parallel degree for mixture-of-experts layers (reserved for the MoE model)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp * self.ep
+
+
+@dataclass
+class TrainConfig:
+    """The GRPO optimization."""
+
+    steps: int = 100
+    """Optimizer steps (one per rollout batch)."""
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps."""
+    lr_decay: str = "constant"
+    """After warm-up: 'constant', or 'cosine' down to min_lr_ratio * lr at the last step."""
+    min_lr_ratio: float = 0.1
+    """Final lr as a fraction of lr under cosine decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; <= 0 disables clipping."""
+    clip_eps: float = 0.2
+    """PPO clip range below 1 (and above, unless clip_eps_high is set)."""
+    clip_eps_high: float | None = None
+    """Upper clip range (DAPO's clip-higher); None means clip_eps."""
+    decoupled_loss: bool = False
+    """Clip the PPO ratio around the trainer's weights before the update (the proximal policy) and
+    weight each token by pi_prox / pi_generator (truncated at behaviour_weight_cap), as AReaL does
+    for stale samples. On-policy it equals plain PPO-clip; with max_staleness >= 1 it keeps stale
+    tokens from being clipped away. The trust region then acts only from a step's second
+    minibatch or epoch on: with minibatches=ppo_epochs=1 a step is as unbounded as on-policy
+    GRPO, so use an lr that is stable on-policy (or minibatches > 1). Costs one no-grad forward
+    with minibatches or ppo_epochs > 1."""
+    behaviour_weight_cap: float = 2.0
+    """Truncation of the decoupled loss's importance weight pi_prox / pi_generator."""
+    scale_advantages_by_std: bool = True
+    """Divide group-centered rewards by the group std (GRPO); False gives Dr.GRPO-style centering."""
+    micro_batch_size: int = 64
+    """Sequences per forward/backward; gradients accumulate to one step per batch."""
+    max_staleness: int = 0
+    """Oldest policy version the trainer accepts, in steps behind; 0 is synchronous on-policy."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch (PPO-style); >1 lets the clip bound on-policy updates."""
+    minibatches: int = 1
+    """Optimizer steps per pass: the batch's groups are split into this many minibatches."""
+    max_skipped_steps: int = 3
+    """Consecutive steps with a non-finite loss or gradient norm (each skipped) that stop the run."""
+    threads: int = 1
+    """Intra-op threads of the trainer process."""
+    device: str = "auto"
+    """Trainer device: 'auto' (CUDA when present, else CPU), 'cpu' or 'cuda'."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout of the trainer's processes (FSDP2, HSDP, TP/SP, PP, CP, EP)."""
+
+
+@dataclass
+class EvalConfig:
+    """Held-out greedy accuracy."""
+
+    every_steps: int = 10
+    """Evaluate before step 1, every this many steps, and after the last; 0 disables."""
+    max_prompts: int = 200
+    """Evaluate on at most this many rows of the eval file."""
+    max_new_tokens: int = 0
+    """Token limit for eval completions; 0 means rollout.max_new_tokens."""
+    correct_threshold: float = 1.0
+    """A greedy completion counts as correct when its summed reward is at least this."""
+
+
+@dataclass
+class OutputConfig:
+    """What lands in the run directory."""
+
+    dir: str = ""
+    """Run directory for metrics, TensorBoard events, plots, rollouts, checkpoints; empty: runs/<timestamp>.
+    It must not already hold a run (nothing written before is ever overwritten)."""
+    save_every_steps: int = 0
+    """Write a full training checkpoint (for exact `--resume`) every this many steps; 0: only the
+    final HF policy and the checkpoint written when a run stops early."""
+    rollouts_per_step: int = 4
+    """Sample groups per step written to rollouts.jsonl."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar on stderr."""
+    tensorboard: bool = True
+    """Write TensorBoard event files next to metrics.jsonl."""
+
+
+@dataclass
+class EnvConfig:
+    """Multi-turn environments: set `factory` to turn rollouts into episodes."""
+
+    factory: Any = None
+    """Environment factory `make_env(context) -> titanrl.envs.Environment` (or 'module:function');
+    None means single-turn completions scored by `rewards`. With an env, `rewards` are optional
+    and add to the episode's own reward."""
+    max_turns: int = 4
+    """Model turns per episode before it is cut off."""
+    max_total_tokens: int = 512
+    """Completion-side tokens per episode (model turns + inserted observations)."""
+    sandbox_pool_size: int = 4
+    """Pre-warmed code sandboxes per rollout worker (0: environments get no sandbox pool)."""
+
+
+RewardFn = Callable[..., float]
+
+
+@dataclass
+class RunConfig:
+    """A whole GRPO run: `titanrl.train(RunConfig(...))`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Initial policy."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Train and eval prompts."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation settings."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimizer and loss settings."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
+    output: OutputConfig = field(default_factory=OutputConfig)
+    """Run directory contents."""
+    rewards: list[Any] = field(default_factory=list)
+    """Reward callables `(prompt, completion, **row_fields) -> float` (or 'module:function' strings); summed."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn environment, episode budgets and sandbox pool size."""
+    seed: int = 0
+    """Seed of sampling and of anything random in the trainer."""
+    batch_invariant: bool = False
+    """Trainer and generators compute every op with `titanrl.kernels`, so the generator's logprobs
+    equal the trainer's bit for bit (parity/logprob_diff_max is 0) and runs are bitwise reproducible;
+    False uses the faster library kernels."""
+    reward_timeout_s: float | None = 60.0
+    """A reward call (one sample) running longer than this gets `reward_error_value`; None: no limit."""
+    reward_error_value: float = 0.0
+    """Reward given to a sample whose reward function raised, timed out or returned a non-finite number."""
+    ray_address: str | None = None
+    """Address of an existing Ray cluster to join (e.g. '10.0.0.1:6379' or 'auto'); None starts a
+    local single-machine Ray on loopback."""
+    max_reward_error_frac: float = 0.5
+    """A step where more than this fraction of samples had reward errors stops the run (after a checkpoint)."""

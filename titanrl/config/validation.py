@@ -1,0 +1,198 @@
+"""Checks a whole RunConfig before any actor starts: types, ranges, paths, callables, and the
+trainer's layout against the model. Raises `ConfigError` naming the field and what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from titanrl.config.overrides import type_name
+from titanrl.config.schema import RewardFn, RunConfig
+from titanrl.errors import ConfigError
+
+
+def _check_type(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_check_type(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is tuple:
+        return isinstance(value, tuple) and len(value) == len(args) and all(map(_check_type, value, args))
+    if origin is list:
+        return isinstance(value, list)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True
+
+
+def _check_types(obj: Any, prefix: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, name = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_types(value, f"{name}.")
+        elif not _check_type(value, hints[f.name]):
+            raise ConfigError(
+                f"{name} must be {type_name(hints[f.name])}, got {type(value).__name__} {value!r}"
+            )
+
+
+def _import_callable(spec: Any, field_name: str, example: str, signature: str) -> Callable[..., Any]:
+    """A callable, or one named by a 'package.module:attribute' string."""
+    if isinstance(spec, str):
+        import importlib
+
+        module_name, _, attr = spec.partition(":")
+        try:
+            spec = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ConfigError(f"{field_name}={spec!r} cannot be imported ({e}); use '{example}'") from e
+    if not callable(spec):
+        raise ConfigError(f"{field_name} must be callable as {signature}, got {type(spec).__name__} {spec!r}")
+    return spec
+
+
+def resolve_reward(spec: Any, index: int) -> RewardFn:
+    """Turns a callable or a 'module:function' string into a reward callable."""
+    return _import_callable(
+        spec, f"rewards[{index}]", "package.module:function", "reward(prompt, completion, **row_fields) -> float"
+    )
+
+
+def resolve_env_factory(spec: Any) -> Callable[..., Any]:
+    """Turns a callable or a 'module:function' string into an environment factory."""
+    return _import_callable(spec, "env.factory", "package.module:make_env", "make_env(context) -> Environment")
+
+
+def _positive(config: RunConfig, *dotted: str) -> None:
+    for d in dotted:
+        section, name = d.split(".")
+        value = getattr(getattr(config, section), name)
+        if value <= 0:
+            raise ConfigError(f"{d} must be > 0, got {value}")
+
+
+def validate(config: RunConfig) -> None:
+    """Raises ConfigError for anything that would fail later, before any actor starts."""
+    if not isinstance(config, RunConfig):
+        raise ConfigError(f"expected a titanrl.RunConfig, got {type(config).__name__}")
+    _check_types(config, "")
+    _positive(
+        config,
+        "rollout.num_workers", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
+        "rollout.max_model_len", "rollout.max_num_seqs", "rollout.kv_cache_gib", "rollout.threads_per_worker",
+        "train.steps", "train.lr", "train.micro_batch_size", "train.threads",
+    )
+    if config.rollout.group_size < 2:
+        raise ConfigError("rollout.group_size must be >= 2: GRPO compares completions of the same prompt")
+    if config.rollout.temperature <= 0:
+        raise ConfigError("rollout.temperature must be > 0 for training rollouts (eval is always greedy)")
+    if config.rollout.reward_concurrency < 1:
+        raise ConfigError(
+            f"rollout.reward_concurrency must be >= 1 (sync reward calls run at once per worker), "
+            f"got {config.rollout.reward_concurrency}"
+        )
+    for key, allowed in (("on_weight_update", ("continue", "regenerate")),
+                         ("weight_transport", ("object_store", "shared_memory", "broadcast"))):
+        if getattr(config.rollout, key) not in allowed:
+            raise ConfigError(f"rollout.{key} must be one of {', '.join(map(repr, allowed))}, "
+                              f"got {getattr(config.rollout, key)!r}")
+    if not 0 < config.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p}")
+    for name in ("clip_eps", "clip_eps_high"):
+        value = getattr(config.train, name)
+        if value is not None and not 0 < value < 1:
+            raise ConfigError(f"train.{name} must be in (0, 1), got {value}")
+    for dotted in ("train.warmup_steps", "eval.every_steps", "eval.max_new_tokens", "output.save_every_steps",
+                   "output.rollouts_per_step"):
+        section, name = dotted.split(".")
+        if getattr(getattr(config, section), name) < 0:
+            raise ConfigError(f"{dotted} must be >= 0, got {getattr(getattr(config, section), name)}")
+    if config.rollout.max_new_tokens >= config.rollout.max_model_len:
+        raise ConfigError(
+            f"rollout.max_new_tokens ({config.rollout.max_new_tokens}) must be < rollout.max_model_len "
+            f"({config.rollout.max_model_len}) to leave room for the prompt"
+        )
+    if config.train.lr_decay not in ("constant", "cosine"):
+        raise ConfigError(f"train.lr_decay must be 'constant' or 'cosine', got {config.train.lr_decay!r}")
+    if not 0 <= config.train.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {config.train.min_lr_ratio}")
+    if config.train.max_staleness < 0:
+        raise ConfigError(f"train.max_staleness must be >= 0, got {config.train.max_staleness}")
+    _positive(config, "train.ppo_epochs", "train.minibatches", "train.max_skipped_steps")
+    if config.train.minibatches > config.rollout.prompts_per_step:
+        raise ConfigError(
+            f"train.minibatches ({config.train.minibatches}) must be <= rollout.prompts_per_step "
+            f"({config.rollout.prompts_per_step}): each minibatch holds whole prompt groups"
+        )
+    if config.data.on_overlong not in ("drop", "error"):
+        raise ConfigError(f"data.on_overlong must be 'drop' or 'error', got {config.data.on_overlong!r}")
+    if config.reward_timeout_s is not None and config.reward_timeout_s <= 0:
+        raise ConfigError(f"reward_timeout_s must be > 0 (or None for no limit), got {config.reward_timeout_s}")
+    if not math.isfinite(config.reward_error_value):
+        raise ConfigError(f"reward_error_value must be a finite number, got {config.reward_error_value}")
+    if not 0 <= config.max_reward_error_frac <= 1:
+        raise ConfigError(f"max_reward_error_frac must be in [0, 1], got {config.max_reward_error_frac}")
+    if config.model.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {config.model.dtype!r}")
+    if not config.model.checkpoint:
+        raise ConfigError("model.checkpoint is empty: set it to an HF checkpoint directory")
+    from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, read_config
+
+    try:
+        model_config = read_config(config.model.checkpoint)
+    except CheckpointError as e:
+        raise ConfigError(f"model.checkpoint: {e}") from e
+    ckpt = Path(config.model.checkpoint)
+    if not (ckpt / SINGLE_FILE).is_file() and not (ckpt / INDEX_FILE).is_file():
+        raise ConfigError(f"model.checkpoint: {str(ckpt)!r} has no {SINGLE_FILE} or {INDEX_FILE}")
+    if not (ckpt / "tokenizer.json").is_file() and not (ckpt / "tokenizer_config.json").is_file():
+        raise ConfigError(f"model.checkpoint: {str(ckpt)!r} has no tokenizer files (tokenizer.json)")
+    for name in ("train_file", "eval_file"):
+        path = getattr(config.data, name)
+        if name == "train_file" and not path:
+            raise ConfigError("data.train_file is empty: set it to a JSON-lines file of prompts")
+        if path and not Path(path).is_file():
+            raise ConfigError(f"data.{name}: file {path!r} does not exist")
+    if config.env.factory is not None:
+        resolve_env_factory(config.env.factory)
+        _positive(config, "env.max_turns", "env.max_total_tokens")
+        if config.env.sandbox_pool_size < 0:
+            raise ConfigError("env.sandbox_pool_size must be >= 0")
+    elif not config.rewards:
+        raise ConfigError(
+            "rewards is empty: give at least one reward(prompt, completion, **row_fields) -> float (or an env)"
+        )
+    for i, spec in enumerate(config.rewards):
+        resolve_reward(spec, i)
+    _validate_trainer_layout(config, model_config)
+
+
+def _validate_trainer_layout(config: RunConfig, model_config: Any) -> None:
+    """The trainer's device and parallel layout against the model (the layout sets the world size)."""
+    from titanrl.config.parallel import validate_parallel
+
+    if config.train.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device must be 'auto', 'cpu' or 'cuda', got {config.train.device!r}")
+    p = config.train.parallel
+    validate_parallel(p, model_config, world_size=None, batch_invariant=config.batch_invariant)
+    if config.train.decoupled_loss and p.world_size > 1:
+        raise ConfigError(
+            f"train.decoupled_loss is implemented for the single-process trainer, but train.parallel has "
+            f"world size {p.world_size}: set train.decoupled_loss=false or use one trainer process"
+        )
+    if config.train.behaviour_weight_cap <= 0:
+        raise ConfigError(f"train.behaviour_weight_cap must be > 0, got {config.train.behaviour_weight_cap}")

@@ -1,0 +1,2 @@
+"""Where each step's rollouts come from: lock-step requests (`lockstep`) or continuous
+generation into the trajectory buffer (`continuous`, `buffer`)."""
