@@ -49,10 +49,13 @@ def start_rollouts(config: RunConfig, train_rows: list[dict[str, Any]],
     kwargs = dict(reward_timeout_s=config.reward_timeout_s, reward_error_value=config.reward_error_value,
                   batch_invariant=config.batch_invariant)
     if not rc.continuous:
-        worker_cls = ray.remote(RolloutWorker)
-        workers = [worker_cls.options(**placement.worker_options(i)).remote(i, *args, **kwargs)
-                   for i in range(rc.num_workers)]
-        return LockstepRollouts(workers, stream, config.seed, rc.group_size, turns, tc.max_staleness, tc.steps)
+        lockstep_cls = ray.remote(RolloutWorker)
+
+        def make_lockstep_worker(i: int) -> Any:
+            return lockstep_cls.options(**placement.worker_options(i)).remote(i, *args, **kwargs)
+
+        return LockstepRollouts(make_lockstep_worker, rc.num_workers, stream, config.seed, rc.group_size, turns,
+                                tc.max_staleness, tc.steps)
 
     # An async actor: every admitted group is a call in flight on it (see ContinuousRolloutWorker).
     most_in_flight = (1 + tc.max_staleness) * rc.prompts_per_step

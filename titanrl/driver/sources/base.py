@@ -8,7 +8,8 @@ between engine steps). `rollout.continuous` picks one (`titanrl.driver.actors.st
 A step's life, as the loop drives it: `fill` queues or admits what the staleness bound allows,
 `next_step` waits for the step's groups, the trainer trains on them, `trained` lets them go,
 `publish` sends the new weights. `checkpoint` / `restore` carry what is in flight across a
-restart.
+restart. Both keep their actors in a `WorkerPool` (`sources.workers`): a worker that dies is
+replaced mid-run, whatever the weight transport.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ if TYPE_CHECKING:
 
 
 class RolloutWorkersFailed(RunStopped):
-    """A rollout worker died and cannot be replaced (again); the loop saves and stops."""
+    """A rollout worker died and cannot be replaced (again: `WorkerPool.max_deaths_in_a_row`); the loop
+    saves and stops."""
 
 
 class SourceCheckpoint(Protocol):
@@ -55,8 +57,10 @@ class RolloutSource(Protocol):
         """`step` was trained on: its groups are released."""
         ...
 
-    def open_weight_sync(self, trainer: Any, transport: str) -> None:
-        """Connects the trainer to every worker with `rollout.weight_transport`."""
+    def open_weight_sync(self, trainer: Any, transport: str, **plan_options: Any) -> None:
+        """Connects the trainer to every worker with `rollout.weight_transport`; `plan_options`
+        are `WeightSyncPlan` fields (`backend="nccl"`, `host=...`) passed to `WeightSync.open`
+        (and again when a replaced worker re-forms the transport)."""
         ...
 
     def publish(self, version: int) -> WeightPush:

@@ -6,9 +6,10 @@ finish. Workers take new weights between engine steps (`ContinuousRolloutWorker`
 never waits for generation to drain.
 
 A worker that dies (its process killed, out of memory) is replaced by a new actor that loads
-the newest weights; the groups it was running are generated again, from those weights. No
-group is lost or trained twice: the buffer knows each one by id. A worker slot that dies
-`MAX_DEATHS_IN_A_ROW` times without finishing a group in between stops the run.
+the newest weights (`titanrl.driver.sources.workers.WorkerPool`, as in lock-step runs); the
+groups it was running are generated again, from those weights. No group is lost or trained
+twice: the buffer knows each one by id. A worker slot that dies `MAX_DEATHS_IN_A_ROW` times
+without finishing a group in between stops the run.
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ from collections.abc import Callable
 from typing import Any
 
 from titanrl.data import PromptStream
-from titanrl.driver.sources.base import RolloutSource, RolloutWorkersFailed
+from titanrl.driver.sources.base import RolloutSource
 from titanrl.driver.sources.buffer import BufferState, GroupTask, TrajectoryBuffer
+from titanrl.driver.sources.workers import MAX_DEATHS_IN_A_ROW, WorkerPool
 from titanrl.types import StepRollouts, group_tokens
-from titanrl.weight_sync import WeightPush, WeightSync
-
-MAX_DEATHS_IN_A_ROW = 3
-"""A worker slot whose actor dies this many times without finishing a group stops the run."""
+from titanrl.weight_sync import WeightPush
 
 log = logging.getLogger("titanrl")
 
@@ -33,24 +32,29 @@ log = logging.getLogger("titanrl")
 class ContinuousRollouts(RolloutSource):
     """The rollout side of a `rollout.continuous` run, as the GRPO loop sees it (a `RolloutSource`)."""
 
-    def __init__(self, make_worker: Callable[[int], Any], num_workers: int, buffer: TrajectoryBuffer) -> None:
-        """`make_worker(i)` starts the actor of worker slot i (a `ContinuousRolloutWorker`)."""
-        self.make_worker, self.buffer = make_worker, buffer
-        self.workers = [make_worker(i) for i in range(num_workers)]
+    def __init__(self, make_worker: Callable[[int], Any], num_workers: int, buffer: TrajectoryBuffer,
+                 max_deaths_in_a_row: int = MAX_DEATHS_IN_A_ROW) -> None:
+        """`make_worker(i)` starts the actor of worker slot i (a `ContinuousRolloutWorker`), again
+        for a replacement; see `WorkerPool` for `max_deaths_in_a_row`."""
+        self.buffer = buffer
+        self.pool = WorkerPool(make_worker, num_workers, max_deaths_in_a_row)
         self.in_flight: dict[Any, tuple[GroupTask, int]] = {}
         """Ray ref of a `generate_group` call -> (its task, its worker slot)."""
         self.load = [0] * num_workers
-        self.deaths_in_a_row = [0] * num_workers
-        self.restarts = 0
-        self.trainer: Any = None
-        self.sync: WeightSync | None = None
         self.version = 0
         now = time.perf_counter()
         self.idle_since: list[float | None] = [now] * num_workers
         self.idle_s = 0.0
         """Worker-seconds with no group in flight since the last step's metrics."""
-        self.pushes: list[WeightPush] = []
         self.last_step_at = now
+
+    @property
+    def workers(self) -> list[Any]:
+        return self.pool.workers
+
+    @property
+    def restarts(self) -> int:
+        return self.pool.restarts
 
     @classmethod
     def for_run(cls, make_worker: Callable[[int], Any], num_workers: int, stream: PromptStream,
@@ -102,30 +106,28 @@ class ContinuousRollouts(RolloutSource):
     def trained(self, step: int) -> None:
         self.buffer.take(step)
 
-    def open_weight_sync(self, trainer: Any, transport: str) -> None:
-        """Connects the trainer to every worker with `rollout.weight_transport`."""
-        self.trainer = trainer
-        self.sync = WeightSync.open(trainer, self.workers, transport)
+    def open_weight_sync(self, trainer: Any, transport: str, **plan_options: Any) -> None:
+        """Connects the trainer to every worker with `rollout.weight_transport`; `plan_options`
+        are WeightSyncPlan fields (backend, host, ...)."""
+        self.pool.open_weight_sync(trainer, transport, **plan_options)
 
     def publish(self, version: int) -> WeightPush:
         """Sends the trainer's weights as `version`; workers load them between engine steps."""
-        assert self.sync is not None, "open_weight_sync first"
         self.version = version
-        push = self.sync.push(version)
-        self.pushes.append(push)
-        return push
+        return self.pool.push(version)
 
     def evaluate(self, rows: list[dict[str, Any]], max_tokens: int, threshold: float, version: int) -> dict[str, Any]:
         """Greedy evaluation on worker 0 once it holds `version`, alongside the training groups (on a
-        replacement if worker 0 dies meanwhile)."""
+        replacement if worker 0 dies meanwhile: its groups are handed out again)."""
         import ray
         from ray.exceptions import RayActorError
 
         while True:
+            actor = self.workers[0]
             try:
-                return ray.get(self.workers[0].evaluate.remote(rows, max_tokens, threshold, version))
+                return ray.get(actor.evaluate.remote(rows, max_tokens, threshold, version))
             except RayActorError as e:
-                self._replace(0, e)
+                self._replace(0, actor, e)
 
     def checkpoint(self, version: int, wait_s: float | None = None, drop_first: bool = False) -> BufferState:
         """The buffer's tasks and finished groups; unfinished groups are generated again on resume.
@@ -184,66 +186,33 @@ class ContinuousRollouts(RolloutSource):
             try:
                 group = ray.get(ref)
             except RayActorError as e:
-                self._replace(i, e, task)
+                self._replace(i, self.workers[i], e, task)
                 continue
-            self.deaths_in_a_row[i] = 0
+            self.pool.served(i)
             self.buffer.finish(task.group_id, group)
 
-    def _replace(self, i: int, error: BaseException, first_lost: GroupTask | None = None) -> None:
-        """Starts a new actor for slot i with the newest weights and hands it the groups the dead one had."""
-        import ray
-
-        self.deaths_in_a_row[i] += 1
-        self.restarts += 1
+    def _replace(self, i: int, dead: Any, error: BaseException, first_lost: GroupTask | None = None) -> None:
+        """Slot i's actor `dead` died: the pool starts a replacement with the newest weights, which
+        is handed the groups the dead one had (`first_lost` and those still in flight on slot i)."""
         lost = [first_lost] if first_lost is not None else []
         for ref, (task, j) in list(self.in_flight.items()):
             if j == i:
                 del self.in_flight[ref]
                 self._busy(i, -1)
                 lost.append(task)
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        assert self.sync is not None and self.trainer is not None, "open_weight_sync first"
-        if self.sync.plan.transport != "object_store":
-            raise RolloutWorkersFailed(
-                f"rollout worker {i} died ({reason}); with rollout.weight_transport="
-                f"{self.sync.plan.transport!r} every worker is a fixed member of the transport, so it cannot be "
-                "replaced mid-run: resume with --resume, or use weight_transport='object_store' to survive deaths"
-            )
-        if self.deaths_in_a_row[i] >= MAX_DEATHS_IN_A_ROW:
-            raise RolloutWorkersFailed(
-                f"rollout worker {i} died {self.deaths_in_a_row[i]} times in a row without finishing a group "
-                f"(last: {reason}); check its log above (out of memory? a crashing reward or environment?)"
-            )
-        log.info(f"rollout worker {i} died ({reason}); starting a replacement, {len(lost)} group(s) will be generated again")
-        try:
-            ray.kill(self.workers[i])
-        except Exception:  # already gone
-            pass
-        self.workers[i] = self.sync.workers[i] = self.make_worker(i)
-        # The trainer is between steps here (the loop is waiting for rollouts): it holds self.version.
-        self.workers[i].update_weights.remote(self.trainer.state_dict_for_push.remote(), self.version)
+        if not self.pool.replace(i, dead, error):
+            lost = []  # replaced already; groups dispatched since then run on the new actor
+        elif lost:
+            log.info(f"{len(lost)} group(s) of rollout worker {i} are generated again")
         for task in sorted(lost, key=lambda t: t.group_id):
             self._dispatch(self.buffer.retry(task.group_id, self.version))
 
     def _push_metrics(self) -> dict[str, float]:
         """`time/weight_sync_s`: wall time of the newest push every worker has loaded (from its start to
         the moment the driver saw it done, so an upper bound)."""
-        import ray
-
-        done = None
-        for push in list(self.pushes):
-            ready, _ = ray.wait(push.refs, num_returns=len(push.refs), timeout=0)
-            if len(ready) < len(push.refs):
-                break
-            self.pushes.remove(push)
-            try:
-                ray.get(push.refs)
-                done = time.perf_counter() - push.started
-            except Exception:  # a worker that died meanwhile; its replacement loads on its own
-                pass
-        return {"time/weight_sync_s": done} if done is not None else {}
+        done = [seconds for seconds in self.pool.finished_pushes() if seconds is not None]
+        return {"time/weight_sync_s": done[-1]} if done else {}
 
     def close(self) -> None:
         """Closes the weight transport (shared memory, broadcast group); the actors stay up."""
-        if self.sync is not None:
-            self.sync.close()
+        self.pool.close()

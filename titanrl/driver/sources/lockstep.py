@@ -9,20 +9,50 @@ That makes the queue checkpointable: a request issued with the trainer's current
 be issued again after a restart and yields the same samples, so the checkpoint only records
 where the data stream stood before it. A request issued with an older policy cannot be
 regenerated (those weights no longer exist), so its finished results are stored.
+
+The same purity makes a worker's death survivable (`titanrl.driver.sources.workers`): the
+replacement loads the trainer's current weights and is handed the dead worker's part of every
+queued request, same rows, seeds and group ids. A part issued with the current weights (every
+part, with max_staleness=0) yields the very samples the dead worker would have; one issued with
+an older policy is generated from the current weights instead (fresher, not the same bits).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from collections.abc import Callable
+
 from titanrl.data import PromptStream
 from titanrl.driver.sources.base import RolloutSource
+from titanrl.driver.sources.workers import MAX_DEATHS_IN_A_ROW, WorkerPool
 from titanrl.rollout.seeds import request_seed
 from titanrl.types import RolloutBatch, StepRollouts
-from titanrl.weight_sync import WeightPush, WeightSync
+from titanrl.weight_sync import WeightPush
+
+log = logging.getLogger("titanrl")
+
+
+@dataclass
+class RequestPart:
+    """What one worker was asked for one request (to ask it again of a replacement)."""
+
+    slot: int
+    """The worker slot it went to."""
+    actor: Any
+    """The actor that runs it (a replacement of the slot gets the part again)."""
+    rows: list[dict[str, Any]]
+    """Its prompts."""
+    seed: int
+    """`request_seed` of its first group."""
+    first_group_id: int
+    """Group id of its first prompt."""
+    version: int
+    """The policy version its worker holds when it runs it."""
 
 
 @dataclass
@@ -39,6 +69,8 @@ class Request:
     """Data-stream position before its prompts were drawn (to issue it again)."""
     refs: list[Any] = field(default_factory=list)
     """Ray object refs of the per-worker RolloutBatch results."""
+    parts: list[RequestPart] = field(default_factory=list)
+    """What each ref was asked of which worker (empty for results restored from a checkpoint)."""
 
 
 @dataclass
@@ -60,8 +92,8 @@ class QueueCheckpoint:
 class RequestQueue:
     """Issues generation requests to the workers and hands their results back in order."""
 
-    def __init__(self, workers: list[Any], stream: PromptStream, run_seed: int, group_size: int, turns_per_sample: int):
-        self.workers, self.stream = workers, stream
+    def __init__(self, pool: WorkerPool, stream: PromptStream, run_seed: int, group_size: int, turns_per_sample: int):
+        self.pool, self.stream = pool, stream
         self.run_seed, self.group_size, self.turns_per_sample = run_seed, group_size, turns_per_sample
         self.pending: deque[Request] = deque()
         self.next_index = 0
@@ -75,23 +107,77 @@ class RequestQueue:
         state = self.stream.state_dict()
         rows = self.stream.next_batch()
         request = Request(self.next_index, self.next_group_id, policy_version, state)
-        n = len(self.workers)
-        for i, worker in enumerate(self.workers):
+        n = len(self.pool.workers)
+        for i, worker in enumerate(self.pool.workers):
             chunk = rows[i::n]
             if chunk:
                 first = self.next_group_id
                 seed = request_seed(self.run_seed, first, self.group_size, self.turns_per_sample)
+                part = RequestPart(i, worker, chunk, seed, first, policy_version)
                 request.refs.append(worker.generate.remote(chunk, seed, first))
+                request.parts.append(part)
                 self.next_group_id += len(chunk)
         self.next_index += 1
         self.pending.append(request)
 
-    def peek(self, timeout: float | None = None) -> tuple[Request, list[RolloutBatch]]:
-        """Waits for the oldest request's results without removing it."""
+    def peek(self) -> tuple[Request, list[RolloutBatch]]:
+        """Waits for the oldest request's results without removing it; a part whose worker died is
+        generated again by the replacement, a part run with other weights than it was issued for
+        (its worker missed a push) again by its worker, now holding the current ones."""
         import ray
+        from ray.exceptions import RayActorError
 
         request = self.pending[0]
-        return request, ray.get(request.refs, timeout=timeout)
+        results: list[RolloutBatch] = []
+        for k in range(len(request.refs)):
+            while True:
+                try:
+                    batch = ray.get(request.refs[k])
+                except RayActorError as e:
+                    part = request.parts[k]
+                    self.pool.replace(part.slot, part.actor, e)  # unless it was replaced already
+                    self._hand_over(part.slot)
+                    continue
+                if not request.parts:
+                    break  # restored from a checkpoint
+                part = request.parts[k]
+                if batch.policy_version == part.version:
+                    self.pool.served(part.slot)
+                    break
+                log.info(f"rollout worker {part.slot} ran groups {part.first_group_id}+ with policy "
+                         f"{batch.policy_version}, not {part.version} (a push it missed); generating them again")
+                self._reissue(request, k)
+            results.append(batch)
+        return request, results
+
+    def _hand_over(self, slot: int) -> None:
+        """Gives slot's new actor the parts of every queued request that its dead actor had not
+        finished, in queue order."""
+        import ray
+
+        actor = self.pool.workers[slot]
+        for request in self.pending:
+            for k, part in enumerate(request.parts):
+                if part.slot != slot or part.actor is actor:
+                    continue
+                ready, _ = ray.wait([request.refs[k]], timeout=0)
+                if ready:
+                    try:
+                        ray.get(ready[0])
+                        continue  # finished before the death: its result is kept
+                    except Exception:
+                        pass
+                self._reissue(request, k)
+
+    def _reissue(self, request: Request, k: int) -> None:
+        """Part k of `request` again, same rows and seeds, on its slot's current actor and weights."""
+        old = request.parts[k]
+        if old.version != self.pool.version:
+            log.info(f"groups {old.first_group_id}+ of request {request.index} were issued with policy {old.version}, "
+                     f"which is gone: they are generated from policy {self.pool.version}")
+        actor = self.pool.workers[old.slot]
+        request.parts[k] = dataclasses.replace(old, actor=actor, version=self.pool.version)
+        request.refs[k] = actor.generate.remote(old.rows, old.seed, old.first_group_id)
 
     def pop(self) -> Request:
         return self.pending.popleft()
@@ -118,7 +204,7 @@ class RequestQueue:
                 break
             try:
                 results = ray.get(request.refs, timeout=wait_s)
-                finished.append((dataclasses.replace(request, refs=[]), results))
+                finished.append((dataclasses.replace(request, refs=[], parts=[]), results))
             except Exception:
                 rewind, exact = request, False
                 break
@@ -145,11 +231,18 @@ class LockstepRollouts(RolloutSource):
     calls in order, so a request never mixes two policy versions).
     """
 
-    def __init__(self, workers: list[Any], stream: PromptStream, run_seed: int, group_size: int,
-                 turns_per_sample: int, max_staleness: int, steps: int) -> None:
-        self.workers = workers
-        self.queue = RequestQueue(workers, stream, run_seed, group_size, turns_per_sample)
+    def __init__(self, make_worker: Callable[[int], Any], num_workers: int, stream: PromptStream, run_seed: int,
+                 group_size: int, turns_per_sample: int, max_staleness: int, steps: int,
+                 max_deaths_in_a_row: int = MAX_DEATHS_IN_A_ROW) -> None:
+        """`make_worker(i)` starts the actor of worker slot i (a `RolloutWorker`), again for a
+        replacement; see `WorkerPool` for `max_deaths_in_a_row`."""
+        self.pool = WorkerPool(make_worker, num_workers, max_deaths_in_a_row)
+        self.queue = RequestQueue(self.pool, stream, run_seed, group_size, turns_per_sample)
         self.max_staleness, self.steps = max_staleness, steps
+
+    @property
+    def workers(self) -> list[Any]:
+        return self.pool.workers
 
     def fill(self, completed_steps: int, version: int) -> None:
         while len(self.queue) < 1 + self.max_staleness and self.queue.next_index < self.steps:
@@ -165,23 +258,25 @@ class LockstepRollouts(RolloutSource):
             max(b.gen_seconds for b in batches),
             # Summed over the step's requests (workers score in parallel, so it can exceed gen_s).
             sum(b.reward_seconds for b in batches),
+            {"workers/restarts": float(self.pool.restarts)},
         )
 
     def trained(self, step: int) -> None:
         self.queue.pop()
 
-    def open_weight_sync(self, trainer: Any, transport: str) -> None:
-        """Connects the trainer to every worker with `rollout.weight_transport`."""
-        self.sync = WeightSync.open(trainer, self.workers, transport)
+    def open_weight_sync(self, trainer: Any, transport: str, **plan_options: Any) -> None:
+        """Connects the trainer to every worker with `rollout.weight_transport`; `plan_options`
+        are WeightSyncPlan fields (backend, host, ...)."""
+        self.pool.open_weight_sync(trainer, transport, **plan_options)
 
     def publish(self, version: int) -> WeightPush:
         """Sends the trainer's weights as `version`; each worker loads them behind its queued requests."""
-        return self.sync.push(version)
+        self.pool.finished_pushes()  # forget the ones done
+        return self.pool.push(version)
 
     def evaluate(self, rows: list[dict[str, Any]], max_tokens: int, threshold: float, version: int) -> dict[str, Any]:
-        import ray
-
-        return ray.get(self.workers[0].evaluate.remote(rows, max_tokens, threshold))
+        """Greedy evaluation on worker 0 (on a replacement if it dies meanwhile)."""
+        return self.pool.call(0, "evaluate", rows, max_tokens, threshold)
 
     def checkpoint(self, version: int, wait_s: float | None = None, drop_first: bool = False) -> QueueCheckpoint:
         return self.queue.checkpoint(version, wait_s=wait_s, drop_first=drop_first)
@@ -194,5 +289,4 @@ class LockstepRollouts(RolloutSource):
 
     def close(self) -> None:
         """Closes the weight transport (shared memory, broadcast group); the actors stay up."""
-        if getattr(self, "sync", None) is not None:
-            self.sync.close()
+        self.pool.close()

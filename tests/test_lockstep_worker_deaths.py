@@ -1,0 +1,56 @@
+"""Lock-step runs survive a rollout worker's death (real Ray, real vLLM, tiny model).
+
+A reward that SIGKILLs its own worker process at a chosen call (`test_continuous_runs.killing_reward`)
+is a worker dying mid-request, exactly as an out-of-memory kill would. The replacement loads the
+trainer's current weights and is handed the dead worker's part of the request with the same rows
+and seeds; with batch_invariant=True the run's metrics then equal an undisturbed run's bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_continuous_runs import _alive_run_actors, _arm, _config, killing_reward
+
+import titanrl
+
+KILL_AT = 8 + 16 + 3
+"""Reward call that kills its worker: past the 8 evaluation calls of step 0 and step 1's 16 samples,
+inside step 2's request."""
+
+
+def _lockstep_config(tmp_path: Path, **rollout) -> titanrl.RunConfig:
+    config = _config(tmp_path, killing_reward, num_workers=2, **rollout)
+    config.rollout.continuous = False
+    config.train.steps, config.train.max_staleness = 3, 0
+    config.output.save_every_steps = 0
+    config.batch_invariant = True
+    return config
+
+
+def _columns(metrics: list[dict]) -> list[tuple]:
+    return [(m["step"], m["loss"], m["reward/mean"], m["grad_norm"], m.get("eval/accuracy"))
+            for m in metrics if m["step"] > 0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["object_store", "shared_memory", "broadcast"])
+def test_killed_lockstep_worker_is_replaced_and_the_run_equals_an_undisturbed_one(tmp_path, ray_session, transport):
+    """A lock-step run (2 workers, max_staleness=0, batch_invariant=True) whose worker is SIGKILLed in
+    step 2's request completes all 3 steps with workers/restarts == 1, and its loss, reward/mean,
+    grad_norm and eval accuracy equal an undisturbed run's to the bit: the replacement joined the
+    weight transport (re-formed for shared_memory and broadcast), held the current weights, and
+    generated the dead worker's part with the same seeds."""
+    _arm(tmp_path / "ref", kill_at=10**9)
+    (tmp_path / "ref").mkdir()
+    reference = titanrl.train(_lockstep_config(tmp_path / "ref", weight_transport=transport))
+    _arm(tmp_path / "killed", kill_at=KILL_AT)
+    (tmp_path / "killed").mkdir()
+    killed = titanrl.train(_lockstep_config(tmp_path / "killed", weight_transport=transport))
+
+    assert [m["step"] for m in killed.metrics if m["step"] > 0] == [1, 2, 3]
+    assert killed.metrics[-1]["workers/restarts"] == 1.0
+    assert reference.metrics[-1]["workers/restarts"] == 0.0
+    assert _columns(killed.metrics) == _columns(reference.metrics)
+    assert _alive_run_actors() == []

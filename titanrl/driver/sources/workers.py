@@ -1,0 +1,222 @@
+"""The rollout workers of a run, the weight transport that feeds them, and the replacement of dead ones.
+
+Both rollout sources (`lockstep`, `continuous`) keep their worker actors in a `WorkerPool`. It
+opens the trainer-to-workers transport (`titanrl.weight_sync.WeightSync`), pushes versions, and
+when a worker's actor dies (its process killed, out of memory) starts a new actor in the same
+slot that loads the trainer's current weights before it serves anything: that load is the
+first call queued on it, and Ray runs a worker's calls in order (an async worker's
+`generate_group` also waits for its `min_version`). 'shared_memory' and 'broadcast' fix their
+members when they open, so for them the transport is closed and opened again with the
+replacement in it. The source then hands the replacement whatever the dead actor had not
+finished (`LockstepRollouts`: its part of every queued request, same rows and seeds;
+`ContinuousRollouts`: its groups).
+
+A slot whose actor dies `max_deaths_in_a_row` times without finishing anything in between
+stops the run with `RolloutWorkersFailed` (a crashing reward or environment, memory that is
+never enough); `max_deaths_in_a_row=1` turns replacement off (the first death stops the run).
+
+Known limit: a 'broadcast' push already running when a member dies can wait on the dead member
+(gloo does not always notice it) for up to the plan's `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from titanrl.driver.sources.base import RolloutWorkersFailed
+from titanrl.weight_sync import WeightPush, WeightSync
+
+MAX_DEATHS_IN_A_ROW = 3
+"""A worker slot whose actor dies this many times in a row (finishing nothing in between) stops the run."""
+
+log = logging.getLogger("titanrl")
+
+T = TypeVar("T")
+
+
+@dataclass
+class PoolPush(WeightPush):
+    """A push whose `wait` survives a worker's death: the source replaces that worker, and the
+    replacement loads the current weights itself. Any other failure is raised."""
+
+    def wait(self) -> float:
+        import ray
+        from ray.exceptions import RayActorError
+
+        died, errors = False, []
+        for ref in self.refs:
+            try:
+                ray.get(ref)
+            except RayActorError:
+                died = True
+            except Exception as e:  # broadcast: the live members fail too when one died
+                errors.append(e)
+        if errors and not died:
+            raise errors[0]
+        return time.perf_counter() - self.started
+
+
+def describe(error: BaseException) -> str:
+    """`Type: first line of the message`, for one-line log messages."""
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+class WorkerPool:
+    """Worker slots 0..N-1, each running one rollout worker actor, and the weight transport to them."""
+
+    def __init__(self, make_worker: Callable[[int], Any], num_workers: int,
+                 max_deaths_in_a_row: int = MAX_DEATHS_IN_A_ROW) -> None:
+        """`make_worker(i)` starts the actor of slot i (in slot i's placement bundle)."""
+        self.make_worker, self.max_deaths_in_a_row = make_worker, max_deaths_in_a_row
+        self.workers: list[Any] = [make_worker(i) for i in range(num_workers)]
+        """The live actor of each slot; a replacement takes its slot's place."""
+        self.deaths_in_a_row = [0] * num_workers
+        self.restarts = 0
+        """Replacements started so far (`workers/restarts`)."""
+        self.trainer: Any = None
+        self.sync: WeightSync | None = None
+        self.transport = "object_store"
+        self.plan_options: dict[str, Any] = {}
+        self.version = 0
+        """The newest version pushed: the weights the trainer holds between steps."""
+        self.pushes: list[WeightPush] = []
+        """Pushes not yet seen loaded by every worker, oldest first."""
+
+    # ------------------------------------------------------------------ weights
+
+    def open_weight_sync(self, trainer: Any, transport: str, **plan_options: Any) -> None:
+        """Connects `trainer` to every worker with `transport` (`rollout.weight_transport`);
+        `plan_options` are `WeightSyncPlan` fields (backend, host, ...), kept for re-opening."""
+        self.trainer, self.transport, self.plan_options = trainer, transport, dict(plan_options)
+        self.sync = WeightSync.open(trainer, self.workers, transport, **self.plan_options)
+
+    def push(self, version: int) -> PoolPush:
+        """Sends the trainer's weights to every worker as `version` (non-blocking)."""
+        if self.sync is None:
+            raise RuntimeError("open_weight_sync before the first push")
+        push = self.sync.push(version)
+        self.version = version
+        self.pushes.append(PoolPush(push.loads, push.sent, push.started))
+        return self.pushes[-1]
+
+    def finished_pushes(self) -> list[float | None]:
+        """Removes the pushes every worker has answered, oldest first, stopping at the first one
+        still running; each as its wall time, or None where some worker failed it (a death)."""
+        import ray
+
+        done: list[float | None] = []
+        while self.pushes:
+            push = self.pushes[0]
+            ready, _ = ray.wait(push.refs, num_returns=len(push.refs), timeout=0)
+            if len(ready) < len(push.refs):
+                break
+            self.pushes.pop(0)
+            try:
+                ray.get(push.refs)
+                done.append(time.perf_counter() - push.started)
+            except Exception:  # a worker that died meanwhile; its replacement loads on its own
+                done.append(None)
+        return done
+
+    def close(self) -> None:
+        """Closes the weight transport (shared memory, broadcast group); the actors stay up."""
+        if self.sync is not None:
+            self.sync.close()
+
+    # ------------------------------------------------------------------ failures
+
+    def served(self, i: int) -> None:
+        """Slot i finished something: its deaths no longer count as 'in a row'."""
+        self.deaths_in_a_row[i] = 0
+
+    def call(self, i: int, method: str, *args: Any) -> Any:
+        """`ray.get` of `method(*args)` on slot i's worker, on a replacement if it dies meanwhile."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        while True:
+            actor = self.workers[i]
+            try:
+                result = ray.get(getattr(actor, method).remote(*args))
+            except RayActorError as e:
+                self.replace(i, actor, e)
+                continue
+            self.served(i)
+            return result
+
+    def replace(self, i: int, dead: Any, error: BaseException) -> bool:
+        """Slot i's actor `dead` died of `error`: starts a replacement holding the current weights
+        and, for 'shared_memory' / 'broadcast', re-forms the transport with it. Returns False
+        (and does nothing) when slot i already runs another actor. Raises RolloutWorkersFailed
+        past the limit of deaths in a row."""
+        from ray.exceptions import RayActorError
+
+        if self.workers[i] is not dead:
+            return False
+        while True:
+            self.deaths_in_a_row[i] += 1
+            if self.deaths_in_a_row[i] >= self.max_deaths_in_a_row:
+                raise RolloutWorkersFailed(self._stop_message(i, error))
+            self.restarts += 1
+            log.info(f"rollout worker {i} died ({describe(error)}); starting a replacement")
+            try:
+                self._start_replacement(i)
+                return True
+            except RayActorError as e:  # the replacement died too, starting up
+                error = e
+
+    def _stop_message(self, i: int, error: BaseException) -> str:
+        if self.max_deaths_in_a_row <= 1:
+            return f"rollout worker {i} died ({describe(error)}) and replacement is off"
+        return (f"rollout worker {i} died {self.deaths_in_a_row[i]} times in a row without finishing anything "
+                f"(last: {describe(error)}); check its log above (out of memory? a crashing reward or environment?)")
+
+    def _start_replacement(self, i: int) -> None:
+        import ray
+
+        if self.sync is None or self.trainer is None:
+            raise RuntimeError("open_weight_sync before a worker can be replaced")
+        try:
+            ray.kill(self.workers[i])
+        except Exception:  # already gone
+            pass
+        missed = self._settle_pushes() if self.transport != "object_store" else set()
+        self.workers[i] = self.make_worker(i)
+        if self.transport == "object_store":
+            self.sync.workers[i] = self.workers[i]
+            self.workers[i].open_weight_sync.remote(self.sync.plan, i + 1)
+        else:
+            # The members are fixed when the transport opens: open it again, the replacement in it.
+            self.sync.close()
+            self.sync = WeightSync.open(self.trainer, self.workers, self.transport, **self.plan_options)
+        # The trainer is between steps here (the source is waiting for rollouts): it holds self.version.
+        weights = self.trainer.state_dict_for_push.remote()
+        for j in sorted(missed | {i}):
+            self.workers[j].update_weights.remote(weights, self.version)
+
+    def _settle_pushes(self) -> set[int]:
+        """Waits (up to the transport's timeout) for the pushes in flight before the transport closes,
+        so no live worker is still reading it; returns the slots of live workers that failed one
+        (a broadcast with a dead member fails for all): they load the current weights directly."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        assert self.sync is not None
+        deadline = time.monotonic() + self.sync.plan.timeout_s
+        missed: set[int] = set()
+        for push in self.pushes:
+            ray.wait(push.refs, num_returns=len(push.refs), timeout=max(0.0, deadline - time.monotonic()))
+            for j, ref in enumerate(push.loads):
+                try:
+                    ray.get(ref, timeout=0)
+                except RayActorError:
+                    pass  # the dead one (its replacement loads the current weights)
+                except Exception:
+                    missed.add(j)
+        self.pushes.clear()
+        return missed
