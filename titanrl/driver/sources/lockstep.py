@@ -36,6 +36,9 @@ from titanrl.weight_sync import WeightPush
 
 log = logging.getLogger("titanrl")
 
+MAX_ATTEMPTS = 8
+"""A request part generated this many times with the wrong weights is an error, not bad luck."""
+
 
 @dataclass
 class RequestPart:
@@ -53,6 +56,8 @@ class RequestPart:
     """Group id of its first prompt."""
     version: int
     """The policy version its worker holds when it runs it."""
+    attempts: int = 1
+    """Times it was issued (more than 1 after its worker died, or ran it with other weights)."""
 
 
 @dataclass
@@ -144,6 +149,10 @@ class RequestQueue:
                 if batch.policy_version == part.version:
                     self.pool.served(part.slot)
                     break
+                if part.attempts >= MAX_ATTEMPTS:
+                    raise RuntimeError(f"rollout worker {part.slot} keeps generating groups {part.first_group_id}+ "
+                                       f"with policy {batch.policy_version} instead of {part.version}: its weight "
+                                       "pushes are not landing (see its log)")
                 log.info(f"rollout worker {part.slot} ran groups {part.first_group_id}+ with policy "
                          f"{batch.policy_version}, not {part.version} (a push it missed); generating them again")
                 self._reissue(request, k)
@@ -176,7 +185,7 @@ class RequestQueue:
             log.info(f"groups {old.first_group_id}+ of request {request.index} were issued with policy {old.version}, "
                      f"which is gone: they are generated from policy {self.pool.version}")
         actor = self.pool.workers[old.slot]
-        request.parts[k] = dataclasses.replace(old, actor=actor, version=self.pool.version)
+        request.parts[k] = dataclasses.replace(old, actor=actor, version=self.pool.version, attempts=old.attempts + 1)
         request.refs[k] = actor.generate.remote(old.rows, old.seed, old.first_group_id)
 
     def pop(self) -> Request:
