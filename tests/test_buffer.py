@@ -32,6 +32,8 @@ from titanrl.driver.sources.continuous import ContinuousRollouts
 from titanrl.types import Group, Sample
 
 ROWS = [{"prompt": f"row {i}"} for i in range(7)]
+HANG_GUARD_S = 120
+"""Longest a run may make no progress (stand-in groups take milliseconds)."""
 
 
 def _seed_of_group(group_id: int) -> int:
@@ -183,7 +185,7 @@ def run(fleet: Fleet, ch: Chaos, prompts_per_step: int, max_staleness: int, step
     admitted_at: dict[int, int] = {}  # group id -> steps completed when it was admitted
     version, restarts = 0, 0
     try:
-        with hang_guard(120):
+        with hang_guard(HANG_GUARD_S):
             source.fill(0, version)
             admitted_at.update({gid: 0 for gid in source.buffer.tasks})
             for step in range(1, steps + 1):
