@@ -70,6 +70,11 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
     ship_user_code_by_value(config.rewards + ([config.env.factory] if config.env.factory is not None else []))
     placement = Placement.create(config)
     try:
+        sync_options = placement.weight_sync_options(config.rollout.weight_transport)
+    except BaseException:
+        placement.remove()
+        raise
+    try:
         trainer = start_trainer(config, placement)
         rollouts = start_rollouts(config, train_rows, placement)
     except BaseException:
@@ -84,7 +89,7 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
         t0 = time.perf_counter()
         log.info(f"starting the trainer and {len(rollouts.workers)} vLLM rollout worker(s) (~20 s on CPU)")
         ray.get([w.ready.remote() for w in rollouts.workers] + [trainer.get_version.remote()])
-        rollouts.open_weight_sync(trainer, config.rollout.weight_transport)
+        rollouts.open_weight_sync(trainer, config.rollout.weight_transport, **sync_options)
         log.info(f"actors ready in {time.perf_counter() - t0:.0f} s")
         if checkpoint is not None:
             loop.restore(checkpoint)

@@ -55,8 +55,9 @@ class RolloutSource(Protocol):
         """`step` was trained on: its groups are released."""
         ...
 
-    def open_weight_sync(self, trainer: Any, transport: str) -> None:
-        """Connects the trainer to every worker with `rollout.weight_transport`."""
+    def open_weight_sync(self, trainer: Any, transport: str, **plan_options: Any) -> None:
+        """Connects the trainer to every worker with `rollout.weight_transport`; `plan_options` are
+        WeightSyncPlan fields (e.g. the broadcast's `backend`)."""
         ...
 
     def publish(self, version: int) -> WeightPush:

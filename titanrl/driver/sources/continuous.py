@@ -102,10 +102,11 @@ class ContinuousRollouts(RolloutSource):
     def trained(self, step: int) -> None:
         self.buffer.take(step)
 
-    def open_weight_sync(self, trainer: Any, transport: str) -> None:
-        """Connects the trainer to every worker with `rollout.weight_transport`."""
+    def open_weight_sync(self, trainer: Any, transport: str, **plan_options: Any) -> None:
+        """Connects the trainer to every worker with `rollout.weight_transport`; `plan_options` are
+        WeightSyncPlan fields (e.g. the broadcast's `backend`)."""
         self.trainer = trainer
-        self.sync = WeightSync.open(trainer, self.workers, transport)
+        self.sync = WeightSync.open(trainer, self.workers, transport, **plan_options)
 
     def publish(self, version: int) -> WeightPush:
         """Sends the trainer's weights as `version`; workers load them between engine steps."""

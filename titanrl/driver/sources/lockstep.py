@@ -170,9 +170,10 @@ class LockstepRollouts(RolloutSource):
     def trained(self, step: int) -> None:
         self.queue.pop()
 
-    def open_weight_sync(self, trainer: Any, transport: str) -> None:
-        """Connects the trainer to every worker with `rollout.weight_transport`."""
-        self.sync = WeightSync.open(trainer, self.workers, transport)
+    def open_weight_sync(self, trainer: Any, transport: str, **plan_options: Any) -> None:
+        """Connects the trainer to every worker with `rollout.weight_transport`; `plan_options` are
+        WeightSyncPlan fields (e.g. the broadcast's `backend`)."""
+        self.sync = WeightSync.open(trainer, self.workers, transport, **plan_options)
 
     def publish(self, version: int) -> WeightPush:
         """Sends the trainer's weights as `version`; each worker loads them behind its queued requests."""
