@@ -60,9 +60,9 @@ def apply_overrides(config: RunConfig, overrides: Sequence[str]) -> RunConfig:
 
     A value is parsed by its field's annotation (see `titanrl.config.values`): int, float, str;
     a Literal field one of its choices; bool as true/false, yes/no, on/off or 1/0; `X | None`
-    and `Any` fields take none/null for None; tuples and lists take comma-separated items
-    (`train.betas=0.9,0.95`, `rewards=pkg.mod:fn,pkg.mod:fn2`); an `Any` field otherwise keeps
-    the text (a 'module:function' string that `validate` imports).
+    fields take none/null for None; tuples and lists take comma-separated items
+    (`train.betas=0.9,0.95`, `rewards=pkg.mod:fn,pkg.mod:fn2`); a callable field (`rewards`,
+    `env.factory`) keeps the text, a 'module:function' string that `validate` imports.
     """
     args = []
     for raw in overrides:

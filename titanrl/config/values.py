@@ -3,9 +3,9 @@
 tyro parses the keys, the nesting, `--k=v` and `--k v`, Literal choices and the help; this rule
 keeps the value syntax users write today where it differs from tyro's own (`True`/`False`,
 `None`, space-separated tuples): bools as true/false, yes/no, on/off or 1/0; none/null for
-`X | None` and `Any` fields; comma-separated tuples and lists (`0.9,0.95`, `(0.9, 0.95)`,
-`[a,b]`, tyro's space-separated form too); 'module:function' text for `Any` fields (callables,
-imported by `validate`). `check_type` and `type_name` are shared with `validation`.
+`X | None` fields; comma-separated tuples and lists (`0.9,0.95`, `(0.9, 0.95)`, `[a,b]`, and
+tyro's space-separated form); 'module:function' text for callable fields (`rewards`,
+`env.factory`: imported by `validate`). `check_type` and `type_name` are shared with `validation`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,14 @@ class _Unparsable(ValueError):
 
 def _is_union(hint: Any) -> bool:
     return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _text_options(args: tuple[Any, ...]) -> list[Any]:
+    """A union's options as text describes them: `Callable | str` is one ('module:function')."""
+    options = [a for a in args if a is not type(None)]
+    if any(typing.get_origin(a) is collections.abc.Callable for a in options):
+        options = [a for a in options if a is not str]
+    return options
 
 
 def parse(text: str, hint: Any) -> Any:
@@ -105,8 +113,7 @@ def expected(hint: Any) -> str:
     if origin is collections.abc.Callable:
         return "'package.module:function'"
     if _is_union(hint):
-        options = [expected(a) for a in args if a is not type(None) and a is not str]
-        return " or ".join(options + (["none"] if type(None) in args else []))
+        return " or ".join([*map(expected, _text_options(args)), *(["none"] if type(None) in args else [])])
     if origin is Literal:
         return f"choice ({type_name(hint)})"
     if hint is bool:
@@ -181,8 +188,7 @@ def _metavar(hint: Any) -> str:
     if hint is Any or typing.get_origin(hint) is collections.abc.Callable:
         return "MODULE:FUNCTION"
     if _is_union(hint):
-        args = tuple(a for a in args if a is not str or typing.get_origin(args[0]) is not collections.abc.Callable)
-        return "|".join([_metavar(a) for a in args if a is not type(None)] + (["none"] * (type(None) in args)))
+        return "|".join([*map(_metavar, _text_options(args)), *(["none"] if type(None) in args else [])])
     if hint is bool:
         return "{true,false}"
     if origin is tuple:
