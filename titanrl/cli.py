@@ -10,8 +10,10 @@
 CONFIG.py is a Python file that defines `config`, a `titanrl.RunConfig` (or a function
 `make_config()` returning one); dotted overrides (`--train.lr=3e-4` or `--train.lr 3e-4`)
 are applied on top of it by tyro (`titanrl.config.overrides`). argparse keeps the commands and
-their own options; `split_overrides` routes every other `--name` to the overrides. Exit status: 0 done; 2 bad input (config, paths, checkpoints),
-nothing started; 1 a run that stopped on an error; 130 interrupted (Ctrl-C).
+their own options; `split_overrides` routes every other `--name` to the overrides.
+
+Exit status: 0 done; 2 bad input (config, paths, checkpoints), nothing started; 1 a run that
+stopped on an error; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
