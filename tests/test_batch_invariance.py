@@ -177,25 +177,20 @@ def test_batch_invariant_gradients_match_the_library_model(bi_checkpoint):
 
 
 @pytest.mark.slow
-def test_runs_have_zero_mismatch_and_repeat_to_the_bit(tmp_path, ray_session):
+def test_runs_have_zero_mismatch_and_repeat_to_the_bit(tmp_path, ray_session, tiny_run):
     """Two seeded `batch_invariant=True`, on-policy runs (Ray actors, vLLM worker): every step's
     parity/logprob_diff_max is exactly 0.0 over all generated tokens, and the two runs write
     identical loss, reward/mean and grad_norm columns."""
     import titanrl
-    from titanrl.data import write_rows
-
-    rows = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(40)]
-    write_rows(tmp_path / "train.jsonl", rows)
-    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", seed=5, std=0.1)
 
     def run(name: str):
         config = titanrl.RunConfig(
-            model=titanrl.ModelConfig(checkpoint=str(ckpt)),
-            data=titanrl.DataConfig(train_file=str(tmp_path / "train.jsonl")),
+            model=titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)),
+            data=titanrl.DataConfig(train_file=str(tiny_run.train_file)),
             rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=8, max_model_len=64),
             train=titanrl.TrainConfig(steps=4, lr=3e-3, minibatches=2),
             output=titanrl.OutputConfig(dir=str(tmp_path / name), progress_bar=False),
-            rewards=[_digit_share],
+            rewards=[tiny_run.reward],
             batch_invariant=True,
             seed=9,
         )
@@ -209,7 +204,3 @@ def test_runs_have_zero_mismatch_and_repeat_to_the_bit(tmp_path, ray_session):
     columns = [(m["loss"], m["reward/mean"], m["grad_norm"]) for m in first]
     assert columns == [(m["loss"], m["reward/mean"], m["grad_norm"]) for m in second]
     assert len({c[0] for c in columns}) > 1  # the policy moved: not a constant column
-
-
-def _digit_share(prompt: str, completion: str, **fields) -> float:
-    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)

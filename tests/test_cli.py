@@ -597,7 +597,7 @@ def test_plot_without_metrics_is_a_clear_error(tmp_path, capsys):
     assert "is empty" in capsys.readouterr().err
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2, "rew\n')
     assert main(["plot", str(tmp_path)]) == 2
-    assert "not JSON" in capsys.readouterr().err
+    assert "metrics.jsonl:2 is not valid JSON" in capsys.readouterr().err
     assert not (tmp_path / "progress.png").exists()
 
 

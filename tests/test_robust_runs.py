@@ -20,9 +20,7 @@ import pytest
 import titanrl
 from titanrl.cli import load_config_file
 from titanrl.config import apply_overrides
-from titanrl.data import write_rows
 from titanrl.models.hf_checkpoint import load_model
-from titanrl.models.tiny import write_tiny_checkpoint
 from titanrl.rundir.checkpoints import list_checkpoints
 
 CONFIG_FILE = '''
@@ -59,16 +57,10 @@ config = titanrl.RunConfig(
 '''
 
 
-def _write_config(tmp_path: Path, steps: int = 8, sleep: float = 0.0, rewards: str = "digit_share") -> Path:
-    ckpt = tmp_path / "ckpt"
-    if not ckpt.exists():
-        write_tiny_checkpoint(ckpt, seed=5, std=0.1)
-        rows = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(40)]
-        write_rows(tmp_path / "train.jsonl", rows)
-        write_rows(tmp_path / "eval.jsonl", rows[:8])
+def _write_config(tmp_path: Path, tiny_run, steps: int = 8, sleep: float = 0.0, rewards: str = "digit_share") -> Path:
     path = tmp_path / "config.py"
-    path.write_text(CONFIG_FILE.format(ckpt=str(ckpt), train=str(tmp_path / "train.jsonl"),
-                                       eval=str(tmp_path / "eval.jsonl"), steps=steps, sleep=sleep, rewards=rewards))
+    path.write_text(CONFIG_FILE.format(ckpt=str(tiny_run.checkpoint), train=str(tiny_run.train_file),
+                                       eval=str(tiny_run.eval_file(8)), steps=steps, sleep=sleep, rewards=rewards))
     return path
 
 
@@ -77,12 +69,12 @@ def _columns(metrics: list[dict], after: int) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, ray_session):
+def test_sigkill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, ray_session, tiny_run):
     """A `titanrl train` process SIGKILLed after a checkpoint, then resumed, writes the same loss,
     reward/mean and grad_norm for every later step as an uninterrupted run, bit for bit; metrics.jsonl
     reads as one run and the killed attempt's rows are kept aside. max_staleness=1, so the
     checkpoint must carry rollouts of a policy that no longer exists."""
-    config_path = _write_config(tmp_path, sleep=0.03)
+    config_path = _write_config(tmp_path, tiny_run, sleep=0.03)
     reference = titanrl.train(apply_overrides(load_config_file(str(config_path)), [f"output.dir={tmp_path / 'ref'}"]))
 
     killed_dir = tmp_path / "killed"
@@ -125,10 +117,10 @@ def test_sigkill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, r
 
 
 @pytest.mark.slow
-def test_rewards_that_raise_or_return_nan_are_contained(tmp_path, ray_session):
+def test_rewards_that_raise_or_return_nan_are_contained(tmp_path, ray_session, tiny_run):
     """A reward raising on ~10 % and returning NaN on ~5 % of samples: the run completes, counts the
     errors, keeps their text in rollouts.jsonl, never sees a NaN loss, and saves a loadable policy."""
-    config_path = _write_config(tmp_path, steps=4, rewards="digit_share, flaky")
+    config_path = _write_config(tmp_path, tiny_run, steps=4, rewards="digit_share, flaky")
     config = apply_overrides(load_config_file(str(config_path)), [f"output.dir={tmp_path / 'run'}"])
     result = titanrl.train(config)
     steps = [m for m in result.metrics if "loss" in m]
@@ -144,10 +136,10 @@ def test_rewards_that_raise_or_return_nan_are_contained(tmp_path, ray_session):
 
 
 @pytest.mark.slow
-def test_too_many_reward_errors_stop_the_run_with_a_checkpoint(tmp_path, ray_session):
+def test_too_many_reward_errors_stop_the_run_with_a_checkpoint(tmp_path, ray_session, tiny_run):
     """A reward that always raises stops the run with a message quoting the error; a checkpoint
     is written and the actors are gone."""
-    config_path = _write_config(tmp_path, steps=4)
+    config_path = _write_config(tmp_path, tiny_run, steps=4)
     text = config_path.read_text().replace('time.sleep(', 'raise KeyError("no answer field"); time.sleep(')
     config_path.write_text(text)
     config = apply_overrides(load_config_file(str(config_path)), [f"output.dir={tmp_path / 'run'}"])
@@ -183,10 +175,10 @@ def _actor_processes(timeout_s: float = 20.0) -> list[str]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_the_last_step_and_exits_nonzero(tmp_path):
+def test_ctrl_c_saves_the_last_step_and_exits_nonzero(tmp_path, tiny_run):
     """SIGINT to `titanrl train` saves the last completed step, exits non-zero with a one-line
     reason, and leaves no process of the run behind."""
-    config_path = _write_config(tmp_path, steps=40, sleep=0.03)
+    config_path = _write_config(tmp_path, tiny_run, steps=40, sleep=0.03)
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen(

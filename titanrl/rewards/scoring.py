@@ -274,6 +274,11 @@ def _short(value: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def is_correct(reward: float, error: str | None, correct_threshold: float) -> bool:
+    """Whether a scored completion counts as correct: reward >= eval.correct_threshold and no reward error."""
+    return reward >= correct_threshold and error is None
+
+
 def eval_summary(
     rewards: list[float], correct_threshold: float, policy_version: int, errors: list[str | None] | None = None
 ) -> dict[str, Any]:
@@ -281,7 +286,7 @@ def eval_summary(
     errors = errors if errors is not None else [None] * len(rewards)
     return {
         "rewards": rewards,
-        "correct": sum(r >= correct_threshold and e is None for r, e in zip(rewards, errors, strict=True)),
+        "correct": sum(is_correct(r, e, correct_threshold) for r, e in zip(rewards, errors, strict=True)),
         "reward_errors": sum(e is not None for e in errors),
         "policy_version": policy_version,
     }
