@@ -93,3 +93,37 @@ def test_what_is_not_plain_data_is_refused_naming_where_it_is():
     with pytest.raises(TypeError, match=r"rollouts\.row\['lock'\]"):
         to_plain(bad, "rollouts")
     assert pickle.dumps(to_plain(GroupTask(1, {"prompt": "1+1="}, 1, 1, 0)))  # the plain form stores
+
+
+def test_resuming_a_run_of_the_old_format_is_refused_before_start_up(tmp_path, monkeypatch):
+    """`titanrl.train(config, resume=True)` on a run whose newest checkpoint has a format-0
+    driver.pt stops with the format message before Ray or any actor is started."""
+    import titanrl
+    import titanrl.driver.train
+    from titanrl.data import write_rows
+    from titanrl.models.tiny import write_tiny_checkpoint
+    from titanrl.rundir.checkpoints import writing_checkpoint
+    from titanrl.rundir.layout import create_run_dir
+
+    write_rows(tmp_path / "train.jsonl", [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(8)])
+    config = titanrl.RunConfig(
+        model=titanrl.ModelConfig(checkpoint=str(write_tiny_checkpoint(tmp_path / "ckpt"))),
+        data=titanrl.DataConfig(train_file=str(tmp_path / "train.jsonl")),
+        rollout=titanrl.RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=4, max_model_len=64),
+        output=titanrl.OutputConfig(dir=str(tmp_path / "run"), progress_bar=False),
+        rewards=[_zero],
+    )
+    run_dir = create_run_dir(config)
+    with writing_checkpoint(run_dir, 2, {"policy_version": 1, "exact": True}) as tmp:
+        torch.save({"step": 2, "policy_version": 1, "queue": _lockstep(), "rng": {}}, tmp / DRIVER_STATE)
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started for a run that cannot resume")
+
+    monkeypatch.setattr(titanrl.driver.train, "init_ray", no_ray)
+    with pytest.raises(RunCheckpointError, match=r"saved by an older TitanRL \(driver.pt format 0"):
+        titanrl.train(config, resume=True)
+
+
+def _zero(prompt: str, completion: str, **fields) -> float:
+    return 0.0
