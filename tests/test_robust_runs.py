@@ -177,7 +177,34 @@ def _actor_processes(timeout_s: float = 20.0) -> list[str]:
 @pytest.mark.slow
 def test_ctrl_c_saves_the_last_step_and_exits_nonzero(tmp_path, tiny_run):
     """SIGINT to `titanrl train` saves the last completed step, exits non-zero with a one-line
-    reason, and leaves no process of the run behind."""
+    reason, and leaves no process of the run behind (also where this test process itself
+    ignores SIGINT, e.g. a background job: the child gets SIGINT at its default)."""
+    returncode, err = _stop_a_run_with(tmp_path, tiny_run, signal.SIGINT)
+    assert returncode != 0, err[-3000:]
+    saved = list_checkpoints(tmp_path / "run")
+    assert saved and saved[-1].step >= 3, err[-3000:]
+    assert "interrupted" in saved[-1].manifest()["reason"]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_last_step_shuts_down_and_exits_143(tmp_path, tiny_run):
+    """SIGTERM (what SLURM, Kubernetes and `kill` send on preemption) does what Ctrl-C does: the
+    last completed step is saved, no process of the run is left, and the exit status is 143
+    (128 + SIGTERM, not an abort) with a one-line reason naming SIGTERM."""
+    returncode, err = _stop_a_run_with(tmp_path, tiny_run, signal.SIGTERM)
+    assert returncode == 128 + signal.SIGTERM, err[-3000:]
+    saved = list_checkpoints(tmp_path / "run")
+    assert saved and saved[-1].step >= 3, err[-3000:]
+    assert saved[-1].manifest()["reason"] == "terminated (SIGTERM)"
+    reasons = [line for line in err.splitlines() if "run stopped" in line]
+    assert len(reasons) == 1 and "terminated (SIGTERM)" in reasons[0], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+def _stop_a_run_with(tmp_path: Path, tiny_run, signum: int) -> tuple[int, str]:
+    """Starts `titanrl train` (40 slow steps, no periodic checkpoints), sends `signum` once step 3
+    is logged, waits for it to exit; returns its exit status and stderr. Checks that no process
+    of the run outlived it."""
     config_path = _write_config(tmp_path, tiny_run, steps=40, sleep=0.03)
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -185,20 +212,20 @@ def test_ctrl_c_saves_the_last_step_and_exits_nonzero(tmp_path, tiny_run):
         [sys.executable, "-m", "titanrl.cli", "train", str(config_path), "--out", str(run_dir),
          "--output.save_every_steps=0"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        # A background job inherits SIGINT ignored, and an ignored signal stays ignored across
+        # exec: the child would never see the Ctrl-C this test sends.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 240  # a hang guard: start-up and three steps take far less
         while not (run_dir / "metrics.jsonl").is_file() or "\"step\": 3" not in (run_dir / "metrics.jsonl").read_text():
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, signum)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
-    saved = list_checkpoints(run_dir)
-    assert saved and saved[-1].step >= 3, err.decode()[-3000:]
-    assert "interrupted" in saved[-1].manifest()["reason"]
     assert _session_processes(proc.pid) == [], "processes of the run outlived it"
+    return proc.returncode, err.decode()

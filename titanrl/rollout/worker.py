@@ -39,7 +39,7 @@ class RolloutWorker:
     ) -> None:
         """`reward_timeout_s` and `reward_error_value` are RunConfig's: a reward call (or an
         episode's environment) that fails gives its sample `reward_error_value` instead of
-        crashing the run (see `titanrl.rewards.scoring.score_sample`); all samples of a request
+        crashing the run (see `titanrl.rewards.scoring`); all samples of a request
         are scored concurrently (`titanrl.rewards.batch_scoring`, `rollout.reward_concurrency`).
         `batch_invariant` runs the engine's model through `titanrl.kernels` (RunConfig.batch_invariant)."""
         rc = rollout_config

@@ -4,6 +4,7 @@
         checkpoint.json      written last: step, policy version, whether it resumes exactly
         trainer/             model + optimizer (torch.distributed.checkpoint), scheduler, RNG
         driver.pt            data-stream position, request counters, rollouts not yet trained on
+                             (plain data, read with weights_only=True: `titanrl.rundir.driver_state`)
 
 A checkpoint is written under a temporary name and renamed into place only when every part
 is on disk, so a crash while writing leaves the previous checkpoint intact and the

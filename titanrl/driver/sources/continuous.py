@@ -33,6 +33,8 @@ log = logging.getLogger("titanrl")
 class ContinuousRollouts(RolloutSource):
     """The rollout side of a `rollout.continuous` run, as the GRPO loop sees it (a `RolloutSource`)."""
 
+    checkpoint_type = BufferState
+
     def __init__(self, make_worker: Callable[[int], Any], num_workers: int, buffer: TrajectoryBuffer) -> None:
         """`make_worker(i)` starts the actor of worker slot i (a `ContinuousRolloutWorker`)."""
         self.make_worker, self.buffer = make_worker, buffer

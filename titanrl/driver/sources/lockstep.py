@@ -145,6 +145,8 @@ class LockstepRollouts(RolloutSource):
     calls in order, so a request never mixes two policy versions).
     """
 
+    checkpoint_type = QueueCheckpoint
+
     def __init__(self, workers: list[Any], stream: PromptStream, run_seed: int, group_size: int,
                  turns_per_sample: int, max_staleness: int, steps: int) -> None:
         self.workers = workers
