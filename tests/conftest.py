@@ -1,6 +1,9 @@
 """Shared pytest fixtures."""
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,6 +38,47 @@ def vllm_engine(vllm_tiny_checkpoint):
     engine = VllmEngine(VllmEngineConfig(checkpoint=str(vllm_tiny_checkpoint), max_model_len=256, max_num_seqs=32))
     yield engine
     engine.close()
+
+
+# --- the tiny arithmetic run the end-to-end tests train ---------------------------------
+def digit_share(prompt: str, completion: str, **fields: Any) -> float:
+    """Fraction of completion characters that are digits: varies across samples of a random model."""
+    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
+
+
+@dataclass(frozen=True)
+class TinyRun:
+    """Inputs of a small real training run: a tiny checkpoint, `{i}+{i%7}=` rows and a reward."""
+
+    checkpoint: Path
+    """A tiny tied-embedding Qwen3 HF checkpoint (seed 5, init std 0.1); read only, never written."""
+    rows: list[dict[str, Any]]
+    """40 rows `{"prompt": "i+(i%7)=", "answer": "<sum>"}`."""
+    train_file: Path
+    """`rows` as a JSON-lines file (data.train_file)."""
+    reward: Any = digit_share
+    """The reward the runs train on (`digit_share`; rewards get the row's `answer` and ignore it)."""
+
+    def eval_file(self, n: int) -> Path:
+        """The first `n` rows as a JSON-lines file (data.eval_file), written on first use."""
+        from titanrl.data import write_rows
+
+        path = self.train_file.with_name(f"eval_{n}.jsonl")
+        if not path.exists():
+            write_rows(path, self.rows[:n])
+        return path
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> TinyRun:
+    """The checkpoint, rows and reward shared by the end-to-end run tests (written once a session)."""
+    from titanrl.data import write_rows
+    from titanrl.models.tiny import write_tiny_checkpoint
+
+    folder = tmp_path_factory.mktemp("tiny_run")
+    rows = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(40)]
+    write_rows(folder / "train.jsonl", rows)
+    return TinyRun(write_tiny_checkpoint(folder / "ckpt", seed=5, std=0.1), rows, folder / "train.jsonl")
 
 
 # --- Ray ---------------------------------------------------------------------------------

@@ -177,39 +177,42 @@ def test_batch_invariant_gradients_match_the_library_model(bi_checkpoint):
 
 
 @pytest.mark.slow
-def test_runs_have_zero_mismatch_and_repeat_to_the_bit(tmp_path, ray_session):
-    """Two seeded `batch_invariant=True`, on-policy runs (Ray actors, vLLM worker): every step's
-    parity/logprob_diff_max is exactly 0.0 over all generated tokens, and the two runs write
-    identical loss, reward/mean and grad_norm columns."""
+def test_runs_have_zero_mismatch_and_repeat_to_the_bit(tmp_path, ray_session, tiny_run):
+    """Two seeded `batch_invariant=True` continuous-mode runs (Ray actors, vLLM worker) whose
+    engine batches the sequences differently (rollout.max_num_seqs 16: all of a step's
+    sequences in one forward pass; 2: two at a time) write identical loss, reward/mean and
+    grad_norm columns, and every step's parity/logprob_diff_max is exactly 0.0 over all
+    generated tokens.
+
+    The batches differ on purpose because that is what only batch invariance survives: in
+    continuous mode which sequences share a forward pass is up to timing and load, and without
+    the mode a token's logprob bits depend on it (checked by hand: with batch_invariant=False
+    these two runs' columns differ). Two identical runs would not prove the mode: lock-step runs
+    repeat without it, and so did two continuous runs on an idle machine. max_staleness=0: no
+    new weights arrive while a group is generated (an in-flight update's timing decides which
+    version samples a token, which no mode can make repeat)."""
     import titanrl
-    from titanrl.data import write_rows
 
-    rows = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(40)]
-    write_rows(tmp_path / "train.jsonl", rows)
-    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", seed=5, std=0.1)
-
-    def run(name: str):
+    def run(name: str, max_num_seqs: int):
         config = titanrl.RunConfig(
-            model=titanrl.ModelConfig(checkpoint=str(ckpt)),
-            data=titanrl.DataConfig(train_file=str(tmp_path / "train.jsonl")),
-            rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=8, max_model_len=64),
-            train=titanrl.TrainConfig(steps=4, lr=3e-3, minibatches=2),
+            model=titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)),
+            data=titanrl.DataConfig(train_file=str(tiny_run.train_file)),
+            rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=8, max_model_len=64,
+                                          continuous=True, max_num_seqs=max_num_seqs),
+            train=titanrl.TrainConfig(steps=4, lr=3e-3, minibatches=2, max_staleness=0),
             output=titanrl.OutputConfig(dir=str(tmp_path / name), progress_bar=False),
-            rewards=[_digit_share],
+            rewards=[tiny_run.reward],
             batch_invariant=True,
             seed=9,
         )
         return [m for m in titanrl.train(config).metrics if "loss" in m]
 
-    first, second = run("a"), run("b")
+    first, second = run("a", max_num_seqs=16), run("b", max_num_seqs=2)
     assert len(first) == 4
-    for m in first:
-        assert m["parity/logprob_diff_max"] == 0.0 and m["parity/tokens_different_frac"] == 0.0
-        assert m["parity/tokens_checked"] == m["train/tokens"] > 0
     columns = [(m["loss"], m["reward/mean"], m["grad_norm"]) for m in first]
     assert columns == [(m["loss"], m["reward/mean"], m["grad_norm"]) for m in second]
     assert len({c[0] for c in columns}) > 1  # the policy moved: not a constant column
+    for m in first + second:
+        assert m["parity/logprob_diff_max"] == 0.0 and m["parity/tokens_different_frac"] == 0.0
+        assert m["parity/tokens_checked"] == m["train/tokens"] > 0
 
-
-def _digit_share(prompt: str, completion: str, **fields) -> float:
-    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)

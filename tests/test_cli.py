@@ -17,7 +17,7 @@ import titanrl
 from titanrl.cli import main, one_line_reason, split_overrides
 from titanrl.commands.evaluate import pass_at_k
 from titanrl.config import ConfigError, RunConfig, apply_overrides
-from titanrl.config.help import config_fields
+from titanrl.config.values import show
 from titanrl.models.hf_checkpoint import hf_state_dict, read_state_dict
 from titanrl.rundir.checkpoints import writing_checkpoint
 
@@ -53,36 +53,80 @@ def test_override_parses_every_field_type():
     assert again.train.betas == (0.8, 0.9) and again.rewards == [] and again.seed == -1
 
 
-def _cli_text(value) -> str:
-    """How a user writes `value` on the command line."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "none"
-    if isinstance(value, (tuple, list)):
-        return ",".join(map(str, value))
-    return str(value)
+def _leaves(obj, prefix=""):
+    """(dotted key, default value, owning dataclass, field name) of every settable field, sections flattened."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, value, type(obj), f.name
 
 
 def test_every_config_field_round_trips_through_an_override():
-    """Each field of RunConfig (all sections) set on the command line to its default's text gets
-    back exactly its default, with the same type: no field is unreachable from the CLI."""
+    """Each field of RunConfig (all sections) set on the command line to its default's text (as
+    --help shows it) gets back exactly its default, with the same type: no field is unreachable
+    from the CLI."""
     base = RunConfig()
+    for key, default, _, _ in _leaves(base):
+        cfg = apply_overrides(base, [f"--{key}={show(default)}"])
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        assert obj == default and type(obj) is type(default), key
 
-    def leaves(obj, prefix=""):
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            yield from leaves(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [prefix + f.name]
 
-    keys = [item.key for _, _, items in config_fields() for item in items]
-    assert sorted(keys) == sorted(leaves(base)) and len(keys) == len(set(keys))
-    for _, _, items in config_fields():
-        for item in items:
-            cfg = apply_overrides(base, [f"--{item.key}={_cli_text(item.default)}"])
-            obj = cfg
-            for part in item.key.split("."):
-                obj = getattr(obj, part)
-            assert obj == item.default and type(obj) is type(item.default), item.key
+def _literal_fields():
+    """(dotted key, allowed values) of every Literal-typed field of RunConfig."""
+    import typing
+
+    out = []
+    for key, _, cls, name in _leaves(RunConfig()):
+        hint = typing.get_type_hints(cls)[name]
+        if typing.get_origin(hint) is typing.Literal:
+            out.append((key, typing.get_args(hint)))
+    return out
+
+
+def test_string_choices_are_literal_types():
+    """The string settings with a fixed set of values are Literal types (tyro turns them into choices)."""
+    keys = {key for key, _ in _literal_fields()}
+    assert keys == {
+        "model.dtype", "data.on_overlong", "rollout.on_weight_update", "rollout.weight_transport",
+        "train.lr_decay", "train.device", "train.parallel.pp_schedule",
+    }
+
+
+@pytest.mark.parametrize("key, allowed", _literal_fields())
+def test_literal_override_outside_its_choices_names_field_and_choices(key, allowed):
+    """`--train.device=tpu` (and a bad value for every other Literal field) is a ConfigError naming
+    the field, the value and every allowed value; each allowed value is accepted."""
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(RunConfig(), [f"--{key}=tpu"])
+    assert f"{key}='tpu' is not one of " + ", ".join(map(repr, allowed)) in str(info.value)
+    for value in allowed:
+        obj = apply_overrides(RunConfig(), [f"--{key}={value}"])
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        assert obj == value
+
+
+@pytest.mark.parametrize("key, allowed", _literal_fields())
+def test_literal_field_set_in_python_is_refused_by_validate(key, allowed):
+    """A CONFIG.py that sets a Literal field to another string gets a ConfigError from `validate`
+    naming the field and the allowed values (tyro passes such a default through untouched)."""
+    from titanrl.config import validate
+
+    cfg = apply_overrides(RunConfig(), ["seed=1"])
+    *path, name = key.split(".")
+    section = cfg
+    for part in path:
+        section = getattr(section, part)
+    setattr(section, name, "tpu")
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    quoted = [repr(a) for a in allowed]
+    assert f"{key} must be {', '.join(quoted[:-1])} or {quoted[-1]}, got str 'tpu'" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -129,22 +173,48 @@ def test_split_overrides_takes_both_forms():
 
 
 def test_train_help_lists_every_field_with_type_default_and_docstring(capsys):
-    """`titanrl train --help` shows every config field as --section.key / --key with its annotation,
-    default and docstring (read from config/schema.py's source), in lines of at most 100 columns."""
+    """`titanrl train --help` shows every config field as --section.key / --key with its type,
+    default and docstring (tyro reads the docstrings from config/schema.py), Literal fields with
+    their choices, in lines of at most 100 columns."""
+    from tyro._docstrings import get_field_docstring
+
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
-    items = [item for _, _, section in config_fields() for item in section]
-    for item in items:
-        assert f"  --{item.key}  {item.type}  (default: " in out, item.key
-        assert item.doc, f"{item.key} has no docstring in config/schema.py"
-        assert " ".join(item.doc.split()[:6]) in " ".join(out.split()), item.key
-    assert "  --train.lr  float  (default: 0.0001)\n      AdamW learning rate." in out
-    assert "  --train.betas  tuple[float, float]  (default: 0.9,0.99)" in out
-    assert "  --reward_timeout_s  float | None  (default: 60.0)" in out
-    assert "  --env.factory  Any  (default: none)" in out
-    assert "  --output.tensorboard  bool  (default: true)" in out
+    blocks = {}  # '--key' -> the help text up to the next option
+    for block in out.split("\n  --")[1:]:
+        name, _, rest = block.partition(" ")
+        blocks["--" + name] = " ".join(rest.split())
+    for key, default, cls, name in _leaves(RunConfig()):
+        doc = get_field_docstring(cls, name, ())
+        assert doc, f"{key} has no docstring in config/schema.py"
+        assert f"--{key}" in blocks, key
+        assert " ".join(doc.split()[:6]) in blocks[f"--{key}"], key
+        assert "(default: " in blocks[f"--{key}"], key
+    assert "  --train.lr FLOAT\n        AdamW learning rate. (default: 0.0001)" in out
+    assert "  --train.betas FLOAT,FLOAT\n        AdamW betas. (default: 0.9,0.99)" in out
+    assert "  --reward_timeout_s FLOAT|none\n" in out
+    assert "  --env.factory MODULE:FUNCTION|none\n" in out
+    assert "  --output.tensorboard {true,false}\n" in out
+    assert "  --train.device {auto,cpu,cuda}\n" in out
     assert "--resume" in out and "--out RUN_DIR" in out
     assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_train_help_shows_the_config_files_values_as_defaults(tmp_path, capsys):
+    """`titanrl train CONFIG.py --help` shows CONFIG.py's values as the defaults the overrides apply to."""
+    cfg = _write_config(tmp_path, """
+        from titanrl import TrainConfig
+
+        def my_reward(prompt, completion, **fields):
+            return 0.0
+
+        config = RunConfig(train=TrainConfig(lr=0.123, device="cpu"), rewards=[my_reward])
+    """)
+    assert main(["train", str(cfg), "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "AdamW learning rate. (default: 0.123)" in out
+    assert "(default: cpu)" in out and "my_reward (default:" not in out
+    assert ":my_reward)" in out  # a callable reward shows as module:function
 
 
 # ----------------------------------------------------------------------------- train
@@ -249,6 +319,15 @@ def test_unknown_argument_and_missing_config(tmp_path, capsys):
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
     assert main(["train", str(tmp_path / "absent.py")]) == 2
     assert "absent.py" in capsys.readouterr().err
+
+
+def test_train_refuses_a_bad_choice_before_the_driver(tmp_path, driver_calls, capsys):
+    """`titanrl train CFG --train.device tpu` exits 2 naming the field and the allowed devices; the
+    driver is never called."""
+    calls, _ = driver_calls
+    assert main(["train", str(_write_config(tmp_path)), "--train.device", "tpu"]) == 2
+    assert "titanrl: config error: train.device='tpu' is not one of 'auto', 'cpu', 'cuda'" in capsys.readouterr().err
+    assert calls == []
 
 
 # ----------------------------------------------------------------------------- export
@@ -518,7 +597,7 @@ def test_plot_without_metrics_is_a_clear_error(tmp_path, capsys):
     assert "is empty" in capsys.readouterr().err
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2, "rew\n')
     assert main(["plot", str(tmp_path)]) == 2
-    assert "not JSON" in capsys.readouterr().err
+    assert "metrics.jsonl:2 is not valid JSON" in capsys.readouterr().err
     assert not (tmp_path / "progress.png").exists()
 
 

@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 
 import titanrl
-from titanrl.data import write_rows
 from titanrl.errors import RunStopped
-from titanrl.models.tiny import write_tiny_checkpoint
 from titanrl.rundir.checkpoints import latest_checkpoint
 
 COUNTER_DIR = ""
@@ -66,14 +64,10 @@ def trainer_killing_reward(prompt: str, completion: str, **fields) -> float:
     return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
 
 
-def _config(tmp_path: Path, reward, **rollout) -> titanrl.RunConfig:
-    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", seed=5, std=0.1)
-    rows = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(40)]
-    write_rows(tmp_path / "train.jsonl", rows)
-    write_rows(tmp_path / "eval.jsonl", rows[:8])
+def _config(tmp_path: Path, tiny_run, reward, **rollout) -> titanrl.RunConfig:
     return titanrl.RunConfig(
-        model=titanrl.ModelConfig(checkpoint=str(ckpt)),
-        data=titanrl.DataConfig(train_file=str(tmp_path / "train.jsonl"), eval_file=str(tmp_path / "eval.jsonl")),
+        model=titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)),
+        data=titanrl.DataConfig(train_file=str(tiny_run.train_file), eval_file=str(tiny_run.eval_file(8))),
         rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=8, max_model_len=64,
                                       continuous=True, **rollout),
         train=titanrl.TrainConfig(steps=4, lr=3e-3, max_staleness=1),
@@ -101,13 +95,13 @@ def _alive_run_actors() -> list[int]:
 
 
 @pytest.mark.slow
-def test_killed_worker_is_replaced_and_every_group_is_trained_exactly_once(tmp_path, ray_session):
+def test_killed_worker_is_replaced_and_every_group_is_trained_exactly_once(tmp_path, ray_session, tiny_run):
     """Worker 0 or 1 is SIGKILLed mid-run (reward call 24 of 64, inside step 2's or 3's groups). The run
     finishes: a replacement took the newest weights and regenerated the lost groups; every step
     trained exactly its own 4 groups (no group lost, none twice); staleness stayed <= 1; the buffer
     and idle metrics are logged; no actor of the run is left alive."""
     _arm(tmp_path, kill_at=24)
-    result = titanrl.train(_config(tmp_path, killing_reward, num_workers=2))
+    result = titanrl.train(_config(tmp_path, tiny_run, killing_reward, num_workers=2))
 
     steps = [m for m in result.metrics if m["step"] > 0]
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
@@ -129,13 +123,13 @@ def test_killed_worker_is_replaced_and_every_group_is_trained_exactly_once(tmp_p
 
 
 @pytest.mark.slow
-def test_worker_that_keeps_dying_stops_the_run_with_a_checkpoint(tmp_path, ray_session):
+def test_worker_that_keeps_dying_stops_the_run_with_a_checkpoint(tmp_path, ray_session, tiny_run):
     """From reward call 45 on (after 8 eval and 32 step-1/2 calls: step 3's groups, admitted after step 1
     finished), every reward kills its worker: the
     replacements die too, and after three deaths in a row the run stops with a message that says so
     and the last completed step saved."""
     _arm(tmp_path, kill_at=45, every_later_call=True)
-    config = _config(tmp_path, killing_reward, num_workers=1)
+    config = _config(tmp_path, tiny_run, killing_reward, num_workers=1)
     with pytest.raises(RunStopped, match="died 3 times in a row") as stopped:
         titanrl.train(config)
     saved = latest_checkpoint(config.output.dir)
@@ -145,12 +139,12 @@ def test_worker_that_keeps_dying_stops_the_run_with_a_checkpoint(tmp_path, ray_s
 
 
 @pytest.mark.slow
-def test_dead_trainer_stops_the_run_cleanly_with_the_last_checkpoint(tmp_path, ray_session):
+def test_dead_trainer_stops_the_run_cleanly_with_the_last_checkpoint(tmp_path, ray_session, tiny_run):
     """The trainer's process is SIGKILLed mid-run (reward call 60: past 8 eval and 48 step-1..3 calls, so
     step 4's groups or step 2's eval, both after step 1's checkpoint): the run stops with RunStopped
     naming the newest checkpoint, and no actor of the run is left alive."""
     _arm(tmp_path, kill_at=60)
-    config = _config(tmp_path, trainer_killing_reward, num_workers=1)
+    config = _config(tmp_path, tiny_run, trainer_killing_reward, num_workers=1)
     with pytest.raises(RunStopped) as stopped:
         titanrl.train(config)
     saved = latest_checkpoint(config.output.dir)
@@ -169,12 +163,12 @@ def _shm_names() -> set[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("continuous", [False, True])
-def test_shared_memory_transport_run_leaves_no_segment_or_actor_behind(tmp_path, ray_session, continuous):
+def test_shared_memory_transport_run_leaves_no_segment_or_actor_behind(tmp_path, ray_session, continuous, tiny_run):
     """A whole run pushing weights through shared memory (lock-step and continuous): every step's push
     reached the workers (eval after the last step reports its version), and once `train` returns no
     shared-memory segment it created is left in /dev/shm and no actor of the run is alive."""
     _arm(tmp_path, kill_at=10**9)
-    config = _config(tmp_path, killing_reward, num_workers=2, weight_transport="shared_memory")
+    config = _config(tmp_path, tiny_run, killing_reward, num_workers=2, weight_transport="shared_memory")
     config.rollout.continuous = continuous
     config.train.steps = 2
     before = _shm_names()
@@ -186,12 +180,12 @@ def test_shared_memory_transport_run_leaves_no_segment_or_actor_behind(tmp_path,
 
 
 @pytest.mark.slow
-def test_continuous_run_resumes_from_a_checkpoint_without_losing_or_repeating_groups(tmp_path, ray_session):
+def test_continuous_run_resumes_from_a_checkpoint_without_losing_or_repeating_groups(tmp_path, ray_session, tiny_run):
     """A 2-step continuous run (checkpoint after step 1, groups of steps 2-3 in the buffer or in flight),
     resumed from step 1 with train.steps=4: steps 2-4 run, each on exactly its own 4 groups (the stored
     finished ones and the regenerated unfinished ones alike), within the staleness bound."""
     _arm(tmp_path, kill_at=10**9)
-    config = _config(tmp_path, killing_reward, num_workers=2)
+    config = _config(tmp_path, tiny_run, killing_reward, num_workers=2)
     config.train.steps = 2
     titanrl.train(config)
     assert latest_checkpoint(config.output.dir).step == 1  # the last step is exported, not checkpointed

@@ -5,7 +5,7 @@ and the async generator around the engine, not an environment.
 """
 
 import asyncio
-import time
+import itertools
 
 import pytest
 import torch
@@ -17,24 +17,27 @@ from titanrl.rollout.vllm.async_engine import AsyncGenerator
 from titanrl.trainer.grpo import token_logprobs
 
 
+_FINISH_ORDER = itertools.count()
+"""Numbers the environments' final steps in the order they happen."""
+
+
 class CountingEnv(Environment):
     """Answers every model turn with a fixed observation; ends after `turns` turns with reward 1."""
 
-    def __init__(self, turns: int = 3, delay_s: float = 0.0, observation: str = "\n<obs>ok</obs>\n") -> None:
-        self.turns, self.delay_s, self.observation = turns, delay_s, observation
+    def __init__(self, turns: int = 3, observation: str = "\n<obs>ok</obs>\n") -> None:
+        self.turns, self.observation = turns, observation
         self.seen: list[str] = []
         self.closed = False
-        self.finished_at: float | None = None
+        self.finished_at: int | None = None
+        """Position among all environments' last steps (an ordering, not a time)."""
 
     async def reset(self, row):
         return row["prompt"]
 
     async def step(self, action):
         self.seen.append(action)
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)  # a slow tool call
         if len(self.seen) >= self.turns:
-            self.finished_at = time.perf_counter()
+            self.finished_at = next(_FINISH_ORDER)
             return StepResult(observation="", reward=1.0, done=True, info={"tool_calls": 1})
         return StepResult(observation=self.observation, reward=0.0, done=False, info={"tool_calls": 1, "sandbox_s": 0.01})
 
@@ -94,15 +97,33 @@ def test_budgets_end_long_episodes(vllm_engine):
     assert len(ep.completion_ids) <= 20 and not ep.finished
 
 
+class WaitsForOthers(CountingEnv):
+    """Its first tool call returns only once every environment in `others` has finished (polled;
+    after 60 s it gives up, a hang guard, and `waited` stays False)."""
+
+    def __init__(self, others: list[CountingEnv]) -> None:
+        super().__init__(turns=2)
+        self.others, self.waited = others, False
+
+    async def step(self, action):
+        if not self.seen:
+            for _ in range(6000):
+                if all(o.finished_at is not None for o in self.others):
+                    self.waited = True
+                    break
+                await asyncio.sleep(0.01)
+        return await super().step(action)
+
+
 def test_slow_tool_does_not_stall_other_episodes(vllm_engine):
-    """While one episode waits 1.5 s on a tool, the others run all their turns and finish first."""
-    slow = CountingEnv(turns=2, delay_s=1.5)
+    """While one episode's tool call is pending, the others run all their turns and finish: the
+    tool call returns only after they did, so had they waited for it, nothing would finish."""
     fast = [CountingEnv(turns=4) for _ in range(6)]
-    t0 = time.perf_counter()
+    slow = WaitsForOthers(fast)
     episodes = _run(vllm_engine, [slow, *fast], _budget())
     assert all(ep.finished for ep in episodes)
+    assert slow.waited
     assert max(env.finished_at for env in fast) < slow.finished_at
-    assert max(env.finished_at for env in fast) - t0 < 1.5  # they never waited for the slow tool
 
 
 def test_env_exception_ends_only_that_episode(vllm_engine):

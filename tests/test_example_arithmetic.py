@@ -54,5 +54,15 @@ def test_warm_start_loads_with_our_model(task):
     model, config = load_model(EXAMPLE / "warm_start")
     for key, value in task.MODEL_CONFIG.items():
         assert getattr(config, key) == value, key
-    meta = json.loads((EXAMPLE / "warm_start" / "warm_start.json").read_text())
-    assert meta["eval_greedy_accuracy"] <= 0.4  # GRPO has room to show learning
+
+
+@pytest.mark.own_vllm_engine
+def test_warm_start_is_sometimes_right_with_room_to_learn():
+    """Measured as `titanrl eval` measures it (a vLLM rollout worker, the example's reward, greedy,
+    its 200 held-out rows): the warm start answers some sums right, so GRPO groups have mixed
+    rewards, and at most 40 %, so the demo has room to show learning."""
+    from titanrl.commands.evaluate import evaluate_checkpoint
+
+    report = evaluate_checkpoint(load_config_file(str(EXAMPLE / "config.py")), EXAMPLE / "warm_start")
+    assert report.prompts == 200 and report.reward_errors == 0
+    assert 0.05 <= report.accuracy <= 0.4, report.accuracy

@@ -20,8 +20,8 @@ KILL_AT = 8 + 16 + 3
 inside step 2's request."""
 
 
-def _lockstep_config(tmp_path: Path, **rollout) -> titanrl.RunConfig:
-    config = _config(tmp_path, killing_reward, num_workers=2, **rollout)
+def _lockstep_config(tmp_path: Path, tiny_run, **rollout) -> titanrl.RunConfig:
+    config = _config(tmp_path, tiny_run, killing_reward, num_workers=2, **rollout)
     config.rollout.continuous = False
     config.train.steps, config.train.max_staleness = 3, 0
     config.output.save_every_steps = 0
@@ -36,7 +36,8 @@ def _columns(metrics: list[dict]) -> list[tuple]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["object_store", "shared_memory", "broadcast"])
-def test_killed_lockstep_worker_is_replaced_and_the_run_equals_an_undisturbed_one(tmp_path, ray_session, transport):
+def test_killed_lockstep_worker_is_replaced_and_the_run_equals_an_undisturbed_one(tmp_path, ray_session, tiny_run,
+                                                                                  transport):
     """A lock-step run (2 workers, max_staleness=0, batch_invariant=True) whose worker is SIGKILLed in
     step 2's request completes all 3 steps with workers/restarts == 1, and its loss, reward/mean,
     grad_norm and eval accuracy equal an undisturbed run's to the bit: the replacement joined the
@@ -44,10 +45,10 @@ def test_killed_lockstep_worker_is_replaced_and_the_run_equals_an_undisturbed_on
     generated the dead worker's part with the same seeds."""
     _arm(tmp_path / "ref", kill_at=10**9)
     (tmp_path / "ref").mkdir()
-    reference = titanrl.train(_lockstep_config(tmp_path / "ref", weight_transport=transport))
+    reference = titanrl.train(_lockstep_config(tmp_path / "ref", tiny_run, weight_transport=transport))
     _arm(tmp_path / "killed", kill_at=KILL_AT)
     (tmp_path / "killed").mkdir()
-    killed = titanrl.train(_lockstep_config(tmp_path / "killed", weight_transport=transport))
+    killed = titanrl.train(_lockstep_config(tmp_path / "killed", tiny_run, weight_transport=transport))
 
     assert [m["step"] for m in killed.metrics if m["step"] > 0] == [1, 2, 3]
     assert killed.metrics[-1]["workers/restarts"] == 1.0

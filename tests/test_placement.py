@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from titanrl.config import ConfigError, ParallelConfig, RolloutConfig, RunConfig, TrainConfig
-from titanrl.driver.placement import TOKEN_CPU, Placement, check_fits, plan_layout
+from titanrl.driver.placement import TOKEN_CPU, Placement, check_fits, plan_layout, weight_sync_options
 
 
 def _config(world: int = 1, workers: int = 1, device: str = "cpu", threads: int = 1) -> RunConfig:
@@ -49,6 +49,23 @@ def test_layout_bundles_and_what_cannot_fit():
                                           r"lower train.threads"):
         check_fits(gpus, [{"CPU": 2.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}, {"CPU": 2.0}, {"CPU": 2.0}])
     check_fits(gpus, [{"CPU": 8.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}])  # fits: no error
+
+
+@pytest.mark.parametrize("transport", ["shared_memory", "broadcast"])
+def test_one_machine_transports_refused_across_machines_and_nccl_only_on_gpus(transport):
+    """shared_memory and broadcast bind one machine: bundles on two addresses are refused with a
+    message naming object_store (nodes that share an address are one machine and pass); the
+    broadcast backend is NCCL only when both the trainer and the engines run on GPUs."""
+    cpu = plan_layout(_config(world=1, workers=2), 0.0)
+    with pytest.raises(ConfigError, match=rf"weight_transport='{transport}' needs the trainer and every rollout "
+                                          r"worker on one machine.*'object_store'"):
+        weight_sync_options(transport, cpu, ["10.0.0.1", "10.0.0.1", "10.0.0.2"])
+    assert weight_sync_options(transport, cpu, ["127.0.0.1"] * 3) == {"backend": "gloo"}
+    assert weight_sync_options("object_store", cpu, ["10.0.0.1", "10.0.0.2", "10.0.0.3"]) == {"backend": "gloo"}
+    gpus = plan_layout(_config(world=1, workers=2, device="cuda"), 3.0, rollout_device="cuda")
+    assert weight_sync_options(transport, gpus, ["127.0.0.1"] * 3) == {"backend": "nccl"}
+    mixed = plan_layout(_config(world=1, workers=2, device="cuda"), 1.0, rollout_device="cpu")
+    assert weight_sync_options(transport, mixed, ["127.0.0.1"] * 3) == {"backend": "gloo"}
 
 
 # --- one machine ----------------------------------------------------------------------------

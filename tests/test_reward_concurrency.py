@@ -1,8 +1,10 @@
 """Rewards never serialize a batch: `RewardScorer` scores a request's samples concurrently with
-exactly `score_sample`'s per-sample results, and a hung reward cannot starve later batches.
+exactly the per-sample results it gives each sample scored alone, and a hung reward cannot
+starve later batches.
 
 The scorer is driven directly with small reward functions (no vLLM): they are its input.
-Timing assertions are behaviour checks with wide margins (the machine is shared and busy).
+Concurrency is shown by counts of calls in progress and by what finished before what, never
+by a wall-clock bound (the machine is shared and busy); timeouts only guard against hangs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import torch
 
 from titanrl.config import ConfigError, DataConfig, ModelConfig, RolloutConfig, RunConfig, apply_overrides, validate
 from titanrl.rewards.batch_scoring import HELPER_NAME, RewardScorer, ToScore
-from titanrl.rewards.scoring import score_sample
 
 
 class Peak:
@@ -68,6 +69,7 @@ def test_sync_rewards_of_a_batch_run_concurrently_in_a_bounded_pool():
         # Concurrency shown by behaviour, not a wall-clock bound: the 16-thread limit is reached
         # (64 calls of 50 ms overlap) and never exceeded.
         assert peak.most == 16
+        # Orderings, not a tolerance: one 50 ms sleep lies inside the measured time, which lies inside the call.
         assert 0.05 <= scorer.seconds <= elapsed
         helpers = set(_helper_threads())
         assert scorer.score(_items(16)) == [(i + 0.5, None) for i in range(16)]
@@ -78,8 +80,8 @@ def test_sync_rewards_of_a_batch_run_concurrently_in_a_bounded_pool():
 
 def test_async_rewards_of_a_batch_are_awaited_together():
     """64 samples of an async reward awaiting 50 ms are all in flight at once (not bounded by
-    reward_concurrency, which is for sync calls) and finish in well under 1 s, in input order;
-    a sample mixing a sync and an async reward sums both."""
+    reward_concurrency, which is for sync calls), in input order; a sample mixing a sync and an
+    async reward sums both."""
     peak = Peak()
 
     async def grader(prompt, completion, **fields):
@@ -89,11 +91,9 @@ def test_async_rewards_of_a_batch_are_awaited_together():
 
     scorer = RewardScorer([grader], timeout_s=10.0, error_value=-1.0, concurrency=2)
     try:
-        t0 = time.perf_counter()
         results = scorer.score(_items(64))
-        elapsed = time.perf_counter() - t0
         assert results == [(float(i), None) for i in range(64)]
-        assert peak.most == 64 and elapsed < 1.0, (peak.most, elapsed)
+        assert peak.most == 64
     finally:
         scorer.close()
     mixed = RewardScorer([grader, lambda p, c, bonus, **f: bonus], timeout_s=10.0, error_value=-1.0)
@@ -139,10 +139,10 @@ MODES = ["ok", "raise", "own_timeout", "hang", "awaitable", "slow_awaitable", "n
 
 @pytest.mark.parametrize("concurrency", [1, 4])
 @pytest.mark.parametrize("timeout_s", [0.3, None])
-def test_failures_are_contained_per_sample_exactly_as_score_sample(concurrency, timeout_s):
+def test_failures_are_contained_per_sample_exactly_as_when_scored_alone(concurrency, timeout_s):
     """Raising, timing out (sync, async, and an awaitable returned by a sync reward), non-finite,
-    non-numeric and overflowing rewards give each sample exactly score_sample's (reward, error) on
-    the same inputs, text included, in input order; rewards after a failing one are not called,
+    non-numeric and overflowing rewards give each sample of a concurrent batch exactly the
+    (reward, error) it gets scored alone, one call at a time, text included, in input order; rewards after a failing one are not called,
     and the healthy samples of the same batch are unaffected. With timeout_s=None nothing can hang,
     so the hanging modes are left out there."""
     later_calls: list[str] = []
@@ -156,10 +156,11 @@ def test_failures_are_contained_per_sample_exactly_as_score_sample(concurrency, 
     # 'big' twice on one sample overflows the sum; each mode in two samples so groups are mixed.
     items = [ToScore(f"{mode} #{k}", "3", {"mode": mode}) for k in range(2) for mode in modes]
     try:
-        expected = []
-        for item in items:
-            expected.append(score_sample(rewards, item.prompt, item.completion, item.fields, timeout_s=timeout_s,
-                                         error_value=-1.0))
+        alone = RewardScorer(rewards, timeout_s=timeout_s, error_value=-1.0, concurrency=1)
+        try:
+            expected = [alone.score([item])[0] for item in items]
+        finally:
+            alone.close()
         serial_later = sorted(later_calls)
         later_calls.clear()
         scorer = RewardScorer(rewards, timeout_s=timeout_s, error_value=-1.0, concurrency=concurrency)
@@ -218,9 +219,9 @@ def test_hung_sync_rewards_do_not_block_later_batches():
         abandoned = set(_helper_threads()) - before
         assert len(abandoned) == 2 and all(t.is_alive() for t in abandoned)
         for _ in range(3):
-            t0 = time.perf_counter()
             assert scorer.score(_items(6)) == [(1.0, None)] * 6
-            assert time.perf_counter() - t0 < 1.0
+        # They finished while the hung calls still hang: nothing waited for those helpers.
+        assert not hung.is_set() and all(t.is_alive() for t in abandoned)
         hung.set()
         for t in abandoned:
             t.join(5)
@@ -280,10 +281,10 @@ def test_reward_concurrency_config_is_validated(tmp_path):
 
 
 def test_env_runner_scores_episodes_concurrently_and_reports_reward_seconds(vllm_engine):
-    """On a real engine, 16 one-turn episodes with a 100 ms sync extra reward (1.6 s one after
-    another) are each scored as they end, concurrently: every sample gets env reward + extra,
-    and the batch's reward_seconds covers the scoring (>= 100 ms) but far less than 1.6 s and
-    never more than the request's wall time."""
+    """On a real engine, 16 one-turn episodes with a 100 ms sync extra reward are each scored as
+    they end, concurrently (several calls of it in progress at once): every sample gets env
+    reward + extra, and the batch's reward_seconds covers the scoring (one 100 ms call at least)
+    and never more than the request's wall time."""
     from titanrl.config import EnvConfig
     from titanrl.envs.base import Environment, StepResult
     from titanrl.rollout.env_runner import EnvRunner
@@ -296,8 +297,11 @@ def test_env_runner_scores_episodes_concurrently_and_reports_reward_seconds(vllm
         async def step(self, action):
             return StepResult(observation="", reward=0.5, done=True)
 
+    peak = Peak()
+
     def grader(prompt, completion, **fields):
-        time.sleep(0.1)
+        with peak:
+            time.sleep(0.1)
         return 1.0
 
     rc = RolloutConfig(group_size=4, max_new_tokens=4, max_model_len=256, temperature=1.0, reward_concurrency=16)
@@ -307,6 +311,7 @@ def test_env_runner_scores_episodes_concurrently_and_reports_reward_seconds(vllm
         rows = [{"prompt": f"q{i}:"} for i in range(4)]
         batch = runner.generate(rows, request_seed(0, 0, 4, 1), first_group_id=0)
         assert [(s.reward, s.reward_error) for g in batch.groups for s in g.samples] == [(1.5, None)] * 16
-        assert 0.1 <= batch.reward_seconds < 1.0 and batch.reward_seconds <= batch.gen_seconds
+        assert peak.most > 1
+        assert 0.1 <= batch.reward_seconds <= batch.gen_seconds  # orderings: a call inside, inside the request
     finally:
         runner.close()

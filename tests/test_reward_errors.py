@@ -1,7 +1,8 @@
 """Bad rewards and broken environments cost one sample, never the run; sampling seeds are unique.
 
-The scorer is unit-tested with small reward functions (they are the user code under test's
-input). The worker and episode tests use one real in-process RolloutWorker (its vLLM engine
+The scorer the workers use (`RewardScorer`) is unit-tested with small reward functions (they
+are the user code under test's input), one sample per call here (test_reward_concurrency.py
+scores batches). The worker and episode tests use one real in-process RolloutWorker (its vLLM engine
 also drives the episodes) with rewards and scripted environments whose behaviour each row picks.
 """
 
@@ -23,14 +24,21 @@ from hypothesis import strategies as st
 
 from titanrl.config import EnvConfig, ModelConfig, RolloutConfig
 from titanrl.envs.base import Environment, StepResult
-from titanrl.rewards.scoring import eval_summary, score_sample
+from titanrl.rewards.batch_scoring import HELPER_NAME, RewardScorer, ToScore
+from titanrl.rewards.scoring import eval_summary
 from titanrl.rollout.seeds import episode_seed, request_seed, sample_seed
 from titanrl.trainer.batch import pack
 from titanrl.types import Group
 
 
 def _score(*rewards, timeout_s=None, error_value=-1.0, prompt="1+2=", fields=None):
-    return score_sample(list(rewards), prompt, "3", fields or {}, timeout_s=timeout_s, error_value=error_value)
+    """One completion ("3") scored by a fresh `RewardScorer`: inline without a timeout, on a helper thread with one."""
+    scorer = RewardScorer(list(rewards), timeout_s=timeout_s, error_value=error_value, concurrency=1)
+    try:
+        (result,) = scorer.score([ToScore(prompt, "3", fields or {})])
+    finally:
+        scorer.close()
+    return result
 
 
 def _const(value: Any):
@@ -91,58 +99,79 @@ def test_raising_reward_gives_error_value_not_a_partial_sum(exc, text, timeout_s
     assert error == f"reward {name} {text} (prompt '1+2=')"
 
 
+@pytest.mark.timeout(60)  # a hang guard only
 def test_sync_reward_timeout_abandons_its_thread():
-    """A sync reward running past timeout_s is abandoned after ~timeout_s: the sample gets
-    error_value and a 'timed out' error; the reward's thread keeps running until it returns."""
+    """A sync reward running past timeout_s is abandoned: the sample gets error_value and a
+    'timed out' error while the reward's thread is still running (a Python thread cannot be
+    killed); the scorer's next call runs on a fresh helper, and the abandoned one exits once its
+    call returns."""
     release, done = threading.Event(), threading.Event()
 
     def slow_reward(prompt, completion, **fields):
-        release.wait(10)
-        done.set()
-        return 1.0
+        if prompt == "slow":
+            release.wait(60)
+            done.set()
+            return 1.0
+        return 2.0
 
-    t0 = time.perf_counter()
-    reward, error = _score(slow_reward, timeout_s=0.2)
-    elapsed = time.perf_counter() - t0
-    assert reward == -1.0 and 0.2 <= elapsed < 1.5
-    name = "test_sync_reward_timeout_abandons_its_thread.<locals>.slow_reward"
-    assert error == f"reward {name} timed out after 0.2 s (prompt '1+2=')"
-    assert not done.is_set()  # still running, abandoned (a Python thread cannot be killed)
-    assert _score(_const(2.0), timeout_s=1.0) == (2.0, None)  # the next call gets a fresh helper thread
-    helpers = [t for t in threading.enumerate() if t.name == "titanrl-reward"]
-    release.set()
-    assert done.wait(5)
-    for t in helpers:  # the abandoned helper exits once its call returns; the live one stays
-        t.join(0.5)
-    assert sum(t.is_alive() for t in helpers) == 1
+    before = set(_helpers())
+    scorer = RewardScorer([slow_reward], timeout_s=0.2, error_value=-1.0, concurrency=1)
+    try:
+        (reward, error), = scorer.score([ToScore("slow", "3", {})])
+        name = "test_sync_reward_timeout_abandons_its_thread.<locals>.slow_reward"
+        assert (reward, error) == (-1.0, f"reward {name} timed out after 0.2 s (prompt 'slow')")
+        assert not done.is_set()  # returned while the reward still runs: it was not waited for
+        assert scorer.score([ToScore("1+2=", "3", {})]) == [(2.0, None)]  # one slot, so a fresh helper
+        helpers = set(_helpers()) - before
+        assert len(helpers) == 2
+        release.set()
+        assert done.wait(30)
+        while sum(t.is_alive() for t in helpers) > 1:  # the abandoned one is on its way out
+            time.sleep(0.01)
+        assert sum(t.is_alive() for t in helpers) == 1  # the live one stays, idle, for the next call
+    finally:
+        release.set()
+        scorer.close()
 
 
+def _helpers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == HELPER_NAME]
+
+
+@pytest.mark.timeout(60)  # a hang guard only
 def test_async_reward_timeout_cancels_it():
     """An async reward past timeout_s is cancelled through asyncio.wait_for and gets error_value,
-    also one that awaits a blocking call in a thread (asyncio.to_thread) without hanging the scorer."""
+    also one that awaits a blocking call in a thread (asyncio.to_thread): the scorer returns,
+    and closes, while that thread is still blocked (it is not joined)."""
     cancelled = []
 
     async def slow_async(prompt, completion, **fields):
         try:
-            await asyncio.sleep(10)
+            await asyncio.sleep(60)
         except asyncio.CancelledError:
             cancelled.append(True)
             raise
         return 1.0
 
-    release = threading.Event()
+    release, unblocked = threading.Event(), threading.Event()
+
+    def blocking() -> None:
+        release.wait(60)
+        unblocked.set()
 
     async def to_thread_reward(prompt, completion, **fields):
-        await asyncio.to_thread(release.wait, 10)
+        await asyncio.to_thread(blocking)
         return 1.0
 
-    for fn in (slow_async, to_thread_reward):
-        t0 = time.perf_counter()
-        reward, error = _score(fn, timeout_s=0.2)
-        assert reward == -1.0 and time.perf_counter() - t0 < 1.5
-        assert error.endswith(f"{fn.__name__} timed out after 0.2 s (prompt '1+2=')")
-    assert cancelled == [True]
-    release.set()
+    try:
+        for fn in (slow_async, to_thread_reward):
+            reward, error = _score(fn, timeout_s=0.2)
+            assert reward == -1.0
+            assert error.endswith(f"{fn.__name__} timed out after 0.2 s (prompt '1+2=')")
+        assert cancelled == [True]
+        assert not unblocked.is_set()
+    finally:
+        release.set()
 
 
 @pytest.mark.parametrize("value,text", [

@@ -20,9 +20,7 @@ import pytest
 import titanrl
 from titanrl.cli import load_config_file
 from titanrl.config import apply_overrides
-from titanrl.data import write_rows
 from titanrl.models.hf_checkpoint import load_model
-from titanrl.models.tiny import write_tiny_checkpoint
 from titanrl.rundir.checkpoints import list_checkpoints
 
 CONFIG_FILE = '''
@@ -59,16 +57,10 @@ config = titanrl.RunConfig(
 '''
 
 
-def _write_config(tmp_path: Path, steps: int = 8, sleep: float = 0.0, rewards: str = "digit_share") -> Path:
-    ckpt = tmp_path / "ckpt"
-    if not ckpt.exists():
-        write_tiny_checkpoint(ckpt, seed=5, std=0.1)
-        rows = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(40)]
-        write_rows(tmp_path / "train.jsonl", rows)
-        write_rows(tmp_path / "eval.jsonl", rows[:8])
+def _write_config(tmp_path: Path, tiny_run, steps: int = 8, sleep: float = 0.0, rewards: str = "digit_share") -> Path:
     path = tmp_path / "config.py"
-    path.write_text(CONFIG_FILE.format(ckpt=str(ckpt), train=str(tmp_path / "train.jsonl"),
-                                       eval=str(tmp_path / "eval.jsonl"), steps=steps, sleep=sleep, rewards=rewards))
+    path.write_text(CONFIG_FILE.format(ckpt=str(tiny_run.checkpoint), train=str(tiny_run.train_file),
+                                       eval=str(tiny_run.eval_file(8)), steps=steps, sleep=sleep, rewards=rewards))
     return path
 
 
@@ -77,12 +69,12 @@ def _columns(metrics: list[dict], after: int) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, ray_session):
+def test_sigkill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, ray_session, tiny_run):
     """A `titanrl train` process SIGKILLed after a checkpoint, then resumed, writes the same loss,
     reward/mean and grad_norm for every later step as an uninterrupted run, bit for bit; metrics.jsonl
     reads as one run and the killed attempt's rows are kept aside. max_staleness=1, so the
     checkpoint must carry rollouts of a policy that no longer exists."""
-    config_path = _write_config(tmp_path, sleep=0.03)
+    config_path = _write_config(tmp_path, tiny_run, sleep=0.03)
     reference = titanrl.train(apply_overrides(load_config_file(str(config_path)), [f"output.dir={tmp_path / 'ref'}"]))
 
     killed_dir = tmp_path / "killed"
@@ -125,10 +117,10 @@ def test_sigkill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, r
 
 
 @pytest.mark.slow
-def test_rewards_that_raise_or_return_nan_are_contained(tmp_path, ray_session):
+def test_rewards_that_raise_or_return_nan_are_contained(tmp_path, ray_session, tiny_run):
     """A reward raising on ~10 % and returning NaN on ~5 % of samples: the run completes, counts the
     errors, keeps their text in rollouts.jsonl, never sees a NaN loss, and saves a loadable policy."""
-    config_path = _write_config(tmp_path, steps=4, rewards="digit_share, flaky")
+    config_path = _write_config(tmp_path, tiny_run, steps=4, rewards="digit_share, flaky")
     config = apply_overrides(load_config_file(str(config_path)), [f"output.dir={tmp_path / 'run'}"])
     result = titanrl.train(config)
     steps = [m for m in result.metrics if "loss" in m]
@@ -144,10 +136,10 @@ def test_rewards_that_raise_or_return_nan_are_contained(tmp_path, ray_session):
 
 
 @pytest.mark.slow
-def test_too_many_reward_errors_stop_the_run_with_a_checkpoint(tmp_path, ray_session):
+def test_too_many_reward_errors_stop_the_run_with_a_checkpoint(tmp_path, ray_session, tiny_run):
     """A reward that always raises stops the run with a message quoting the error; a checkpoint
     is written and the actors are gone."""
-    config_path = _write_config(tmp_path, steps=4)
+    config_path = _write_config(tmp_path, tiny_run, steps=4)
     text = config_path.read_text().replace('time.sleep(', 'raise KeyError("no answer field"); time.sleep(')
     config_path.write_text(text)
     config = apply_overrides(load_config_file(str(config_path)), [f"output.dir={tmp_path / 'run'}"])
@@ -183,30 +175,57 @@ def _actor_processes(timeout_s: float = 20.0) -> list[str]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_the_last_step_and_exits_nonzero(tmp_path):
+def test_ctrl_c_saves_the_last_step_and_exits_nonzero(tmp_path, tiny_run):
     """SIGINT to `titanrl train` saves the last completed step, exits non-zero with a one-line
-    reason, and leaves no process of the run behind."""
-    config_path = _write_config(tmp_path, steps=40, sleep=0.03)
+    reason, and leaves no process of the run behind (also where this test process itself
+    ignores SIGINT, e.g. a background job: the child gets SIGINT at its default)."""
+    returncode, err = _stop_a_run_with(tmp_path, tiny_run, signal.SIGINT)
+    assert returncode != 0, err[-3000:]
+    saved = list_checkpoints(tmp_path / "run")
+    assert saved and saved[-1].step >= 3, err[-3000:]
+    assert "interrupted" in saved[-1].manifest()["reason"]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_last_step_shuts_down_and_exits_143(tmp_path, tiny_run):
+    """SIGTERM (what SLURM, Kubernetes and `kill` send on preemption) does what Ctrl-C does: the
+    last completed step is saved, no process of the run is left, and the exit status is 143
+    (128 + SIGTERM, not an abort) with a one-line reason naming SIGTERM."""
+    returncode, err = _stop_a_run_with(tmp_path, tiny_run, signal.SIGTERM)
+    assert returncode == 128 + signal.SIGTERM, err[-3000:]
+    saved = list_checkpoints(tmp_path / "run")
+    assert saved and saved[-1].step >= 3, err[-3000:]
+    assert saved[-1].manifest()["reason"] == "terminated (SIGTERM)"
+    reasons = [line for line in err.splitlines() if "run stopped" in line]
+    assert len(reasons) == 1 and "terminated (SIGTERM)" in reasons[0], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+def _stop_a_run_with(tmp_path: Path, tiny_run, signum: int) -> tuple[int, str]:
+    """Starts `titanrl train` (40 slow steps, no periodic checkpoints), sends `signum` once step 3
+    is logged, waits for it to exit; returns its exit status and stderr. Checks that no process
+    of the run outlived it."""
+    config_path = _write_config(tmp_path, tiny_run, steps=40, sleep=0.03)
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "titanrl.cli", "train", str(config_path), "--out", str(run_dir),
          "--output.save_every_steps=0"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        # A background job inherits SIGINT ignored, and an ignored signal stays ignored across
+        # exec: the child would never see the Ctrl-C this test sends.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 240  # a hang guard: start-up and three steps take far less
         while not (run_dir / "metrics.jsonl").is_file() or "\"step\": 3" not in (run_dir / "metrics.jsonl").read_text():
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, signum)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
-    saved = list_checkpoints(run_dir)
-    assert saved and saved[-1].step >= 3, err.decode()[-3000:]
-    assert "interrupted" in saved[-1].manifest()["reason"]
     assert _session_processes(proc.pid) == [], "processes of the run outlived it"
+    return proc.returncode, err.decode()

@@ -173,7 +173,7 @@ def test_read_rollouts_errors(tmp_path):
     with pytest.raises(CommandError, match="is empty"):
         read_rollouts(tmp_path)
     (tmp_path / "rollouts.jsonl").write_text(json.dumps(_plain_row()) + "\n{oops\n")
-    with pytest.raises(CommandError, match="line 2 is not JSON"):
+    with pytest.raises(CommandError, match=r"rollouts.jsonl:2 is not valid JSON"):
         read_rollouts(tmp_path)
     (tmp_path / "rollouts.jsonl").write_text('{"prompt": "a"}\n')
     with pytest.raises(CommandError, match="line 1 is not a rollout row"):

@@ -131,12 +131,11 @@ def test_python_path_opts_in_to_host_packages():
 
 
 # --- resource attacks ---------------------------------------------------------------------
+@pytest.mark.timeout(60)  # a hang guard only: the sandbox's own limit is what is tested
 def test_infinite_loop_times_out():
     """A busy loop is killed at the wall-clock limit and reported as timed out."""
-    start = time.monotonic()
     r = run_python("while True:\n    pass", timeout_s=1.0)
     assert r.timed_out and r.killed_reason == "timeout" and r.returncode == -9
-    assert time.monotonic() - start < 4.0
 
 
 def test_process_limit_is_enforced():
@@ -149,12 +148,12 @@ def test_process_limit_is_enforced():
     assert r.returncode == 0 and 0 < int(r.stdout) < CONFIG.max_processes
 
 
+@pytest.mark.timeout(60)  # a hang guard only
 def test_fork_bomb_is_contained():
     """A classic fork bomb ends at the timeout, every process of it is killed, the host is fine."""
-    start = time.monotonic()
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     r = run_python(bomb, timeout_s=2.0)
-    assert r.timed_out and time.monotonic() - start < 6.0
+    assert r.timed_out and r.killed_reason == "timeout"
     _host_is_fine()
 
 
@@ -297,17 +296,21 @@ def test_environment_is_not_leaked(monkeypatch):
 
 # --- the pool -----------------------------------------------------------------------------
 def test_pool_runs_concurrently_up_to_size():
-    """Eight 0.4 s programs on four slots take about two rounds, not eight, and all succeed."""
+    """Eight 1 s programs on four slots all succeed, and at their busiest exactly four ran at once
+    (each program reports when it started and ended; the host's monotonic clock is shared)."""
+    program = "import time\nstart = time.monotonic()\ntime.sleep(1.0)\nprint({i}, start, time.monotonic())"
 
-    async def main() -> tuple[list, float]:
+    async def main() -> list:
         async with SandboxPool(size=4) as pool:
-            start = time.monotonic()
-            results = await asyncio.gather(*(pool.run(f"import time\ntime.sleep(0.4)\nprint({i})") for i in range(8)))
-            return results, time.monotonic() - start
+            return await asyncio.gather(*(pool.run(program.format(i=i)) for i in range(8)))
 
-    results, elapsed = asyncio.run(main())
-    assert [r.stdout for r in results] == [f"{i}\n" for i in range(8)]
-    assert 0.8 <= elapsed < 2.5
+    results = asyncio.run(asyncio.wait_for(main(), 120))  # a hang guard only
+    reports = [r.stdout.split() for r in results]
+    assert [int(i) for i, _, _ in reports] == list(range(8))
+    # Ends before starts at equal times: touching intervals did not overlap.
+    events = sorted([(float(t0), 1) for _, t0, _ in reports] + [(float(t1), -1) for _, _, t1 in reports])
+    running = [sum(change for _, change in events[: k + 1]) for k in range(len(events))]
+    assert max(running) == 4
 
 
 def test_pool_calls_start_from_a_clean_state():

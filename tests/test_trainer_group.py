@@ -5,45 +5,33 @@ import torch
 
 import titanrl
 from titanrl.config import ConfigError, ParallelConfig
-from titanrl.data import write_rows
 from titanrl.models.hf_checkpoint import hf_state_dict, read_state_dict
-from titanrl.models.tiny import write_tiny_checkpoint
 from titanrl.trainer.checkpoint import HF_CONFIG_DIR, MODEL_OPTIM_DIR, TRAINER_STATE_FILE, load_policy
 from titanrl.trainer.trainer_group import TrainerGroup
 
 
-def digit_share(prompt: str, completion: str, **fields) -> float:
-    """Fraction of completion characters that are digits: varies across samples of a random model."""
-    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
-
-
-def _config(tmp_path, name: str, parallel: ParallelConfig, steps: int, **top) -> titanrl.RunConfig:
-    ckpt = tmp_path / "ckpt"
-    if not ckpt.exists():
-        write_tiny_checkpoint(ckpt, seed=5, std=0.1)
-        rows = [{"prompt": f"{i}+{i % 7}="} for i in range(40)]
-        write_rows(tmp_path / "train.jsonl", rows)
+def _config(tmp_path, tiny_run, name: str, parallel: ParallelConfig, steps: int, **top) -> titanrl.RunConfig:
     return titanrl.RunConfig(
-        model=titanrl.ModelConfig(checkpoint=str(ckpt)),
-        data=titanrl.DataConfig(train_file=str(tmp_path / "train.jsonl")),
+        model=titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)),
+        data=titanrl.DataConfig(train_file=str(tiny_run.train_file)),
         rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=6, max_model_len=64),
         train=titanrl.TrainConfig(steps=steps, lr=3e-3, micro_batch_size=5, parallel=parallel),
         eval=titanrl.EvalConfig(every_steps=0),
         output=titanrl.OutputConfig(dir=str(tmp_path / name), progress_bar=False, tensorboard=False,
                                     save_every_steps=1),
-        rewards=[digit_share],
+        rewards=[tiny_run.reward],
         **top,
     )
 
 
 @pytest.mark.slow
-def test_fsdp_trainer_group_matches_single_process_run(tmp_path, ray_session):
+def test_fsdp_trainer_group_matches_single_process_run(tmp_path, ray_session, tiny_run):
     """dp_shard=2 through titanrl.train: step 1's loss equals the single-process run's (same seed,
     same rollouts) within 1e-5 relative, the run finishes, saves its collective training
     checkpoints in GRPOTrainer's layout, and exports a changed HF policy; a tp=2 group then
     loads that dp_shard=2 checkpoint and pushes exactly its weights."""
-    single = titanrl.train(_config(tmp_path, "single", ParallelConfig(), steps=1))
-    group = titanrl.train(_config(tmp_path, "fsdp", ParallelConfig(dp_shard=2), steps=2))
+    single = titanrl.train(_config(tmp_path, tiny_run, "single", ParallelConfig(), steps=1))
+    group = titanrl.train(_config(tmp_path, tiny_run, "fsdp", ParallelConfig(dp_shard=2), steps=2))
 
     (ref,) = [m for m in single.metrics if m["step"] == 1]
     steps = [m for m in group.metrics if m["step"] > 0]
@@ -57,14 +45,14 @@ def test_fsdp_trainer_group_matches_single_process_run(tmp_path, ray_session):
     assert ckpts, "no training checkpoint written"
     trainer_dir = ckpts[-1].parent
     assert (trainer_dir / MODEL_OPTIM_DIR / ".metadata").is_file() and (trainer_dir / HF_CONFIG_DIR).is_dir()
-    before = read_state_dict(tmp_path / "ckpt")
+    before = read_state_dict(tiny_run.checkpoint)
     after = read_state_dict(group.final_checkpoint)
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
     # That checkpoint resumes into another layout: a tp=2 group holds exactly its weights.
     tp = ray_session.remote(TrainerGroup).options(num_cpus=0).remote(
-        titanrl.ModelConfig(checkpoint=str(tmp_path / "ckpt")), titanrl.TrainConfig(parallel=ParallelConfig(tp=2)),
+        titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)), titanrl.TrainConfig(parallel=ParallelConfig(tp=2)),
         1.0, 0,
     )
     try:
@@ -78,11 +66,11 @@ def test_fsdp_trainer_group_matches_single_process_run(tmp_path, ray_session):
     assert all(torch.equal(pushed[k], saved[k]) for k in saved)
 
 
-def test_bad_layouts_fail_before_any_actor_starts(tmp_path):
+def test_bad_layouts_fail_before_any_actor_starts(tmp_path, tiny_run):
     """A layout the model cannot take, and batch-invariant mode with tensor parallelism, raise a
     ConfigError naming the field before the run directory (or any actor) exists."""
     with pytest.raises(ConfigError, match=r"train\.parallel\.tp=3 must divide"):
-        titanrl.train(_config(tmp_path, "bad_tp", ParallelConfig(tp=3), steps=1))
+        titanrl.train(_config(tmp_path, tiny_run, "bad_tp", ParallelConfig(tp=3), steps=1))
     with pytest.raises(ConfigError, match=r"batch_invariant=True .* tp=2"):
-        titanrl.train(_config(tmp_path, "bi_tp", ParallelConfig(tp=2), steps=1, batch_invariant=True))
+        titanrl.train(_config(tmp_path, tiny_run, "bi_tp", ParallelConfig(tp=2), steps=1, batch_invariant=True))
     assert not (tmp_path / "bad_tp").exists() and not (tmp_path / "bi_tp").exists()

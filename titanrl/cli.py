@@ -9,8 +9,11 @@
 
 CONFIG.py is a Python file that defines `config`, a `titanrl.RunConfig` (or a function
 `make_config()` returning one); dotted overrides (`--train.lr=3e-4` or `--train.lr 3e-4`)
-are applied on top of it. Exit status: 0 done; 2 bad input (config, paths, checkpoints),
-nothing started; 1 a run that stopped on an error; 130 interrupted (Ctrl-C).
+are applied on top of it by tyro (`titanrl.config.overrides`). argparse keeps the commands and
+their own options; `split_overrides` routes every other `--name` to the overrides.
+
+Exit status: 0 done; 2 bad input (config, paths, checkpoints), nothing started; 1 a run that
+stopped on an error; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -102,9 +105,8 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The `titanrl` parser and its subcommand parsers by name."""
-    from titanrl.config.help import config_help
-
+    """The `titanrl` parser and its subcommand parsers by name (train's and eval's config help is
+    added by `main` when asked for: tyro renders it)."""
     parser = argparse.ArgumentParser(
         prog="titanrl", description="PyTorch-native GRPO post-training", formatter_class=_formatter, allow_abbrev=False
     )
@@ -112,7 +114,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     common = dict(formatter_class=_formatter, allow_abbrev=False)
 
     p = sub.add_parser(
-        "train", help="run GRPO from a config file", epilog=config_help(HELP_WIDTH),
+        "train", help="run GRPO from a config file",
         usage="%(prog)s CONFIG.py [--out RUN_DIR] [--resume] [--section.key=value ...]",
         description=_wrap("Runs GRPO as CONFIG.py configures it, with --section.key=value overrides on top."),
         **common,
@@ -126,7 +128,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
 
     p = sub.add_parser(
-        "eval", help="held-out greedy accuracy (and pass@k) of a checkpoint", epilog=config_help(HELP_WIDTH),
+        "eval", help="held-out greedy accuracy (and pass@k) of a checkpoint",
         usage="%(prog)s CHECKPOINT --config CONFIG.py [--k K] [--samples N] [--section.key=value ...]",
         description=_wrap(
             "Scores CHECKPOINT on the config's eval file (eval.max_prompts rows, eval.correct_threshold) "
@@ -183,6 +185,25 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
 def _own_options(parser: argparse.ArgumentParser) -> set[str]:
     return {s for action in parser._actions for s in action.option_strings}
+
+
+def _config_help(command: str, own: list[str]) -> str:
+    """The config fields' help for `command`'s --help, with CONFIG.py's values as the defaults
+    when the command line names a config file that loads (RunConfig()'s otherwise)."""
+    from titanrl.config.help import config_help
+
+    args = [a for a in own if a not in ("-h", "--help")]
+    if command == "eval":
+        path = args[args.index("--config") + 1] if "--config" in args[:-1] else None
+    else:
+        path = next((a for a in args[1:] if not a.startswith("-") and a.endswith(".py")), None)
+    config = None
+    if path is not None and Path(path).is_file():
+        try:
+            config = load_config_file(path)
+        except Exception as e:  # help still shows the fields, with RunConfig()'s defaults
+            print(f"titanrl: {path} did not load ({one_line_reason(e)}); defaults are RunConfig()'s", file=sys.stderr)
+    return config_help(config, HELP_WIDTH)
 
 
 def one_line_reason(error: BaseException) -> str:
@@ -301,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command in OVERRIDE_COMMANDS:
             own, overrides = split_overrides(argv, _own_options(commands[command]))
+            if "-h" in own or "--help" in own:
+                commands[command].epilog = _config_help(command, own)
             args = parser.parse_args(own)
         else:
             args, overrides = parser.parse_known_args(argv)

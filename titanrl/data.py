@@ -12,6 +12,7 @@ from typing import Any
 
 from titanrl.config import RunConfig
 from titanrl.errors import ConfigError
+from titanrl.jsonl import read_json_lines
 
 
 class DatasetError(ConfigError):
@@ -19,22 +20,16 @@ class DatasetError(ConfigError):
 
 
 def load_rows(path: str | Path, prompt_field: str = "prompt") -> list[dict[str, Any]]:
-    """Reads a JSON-lines file whose every row is an object with a string `prompt_field`."""
+    """Reads a JSON-lines file (by `titanrl.jsonl`'s rule) whose every row is an object with a string `prompt_field`."""
     rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{lineno} is not valid JSON ({e})") from e
-            if not isinstance(row, dict) or not isinstance(row.get(prompt_field), str):
-                raise DatasetError(f"{path}:{lineno} needs a string field {prompt_field!r} (data.prompt_field)")
-            if not row[prompt_field]:
-                # Without a BOS token an empty prompt leaves nothing to predict the first token from.
-                raise DatasetError(f"{path}:{lineno} has an empty {prompt_field!r}")
-            rows.append(row)
+    for line in read_json_lines(path, error=DatasetError).lines:
+        row, lineno = line.value, line.number
+        if not isinstance(row, dict) or not isinstance(row.get(prompt_field), str):
+            raise DatasetError(f"{path}:{lineno} needs a string field {prompt_field!r} (data.prompt_field)")
+        if not row[prompt_field]:
+            # Without a BOS token an empty prompt leaves nothing to predict the first token from.
+            raise DatasetError(f"{path}:{lineno} has an empty {prompt_field!r}")
+        rows.append(row)
     if not rows:
         raise DatasetError(f"{path} has no rows")
     return rows

@@ -20,6 +20,7 @@ from titanrl.commands.export import find_run_policy, write_hf
 from titanrl.config import RunConfig, validate
 from titanrl.data import load_eval_rows
 from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE
+from titanrl.rewards.scoring import is_correct
 from titanrl.rundir.checkpoints import MANIFEST
 
 
@@ -166,11 +167,8 @@ def evaluate_checkpoint(
                 # Seeded as a run with seed config.seed seeds its first request.
                 turns = config.env.max_turns if config.env.factory is not None else 1
                 batch = worker.generate(rows, request_seed(config.seed, 0, n, turns), 0)
-                # As in eval_summary, a sample whose reward errored never counts as correct.
-                passing = [
-                    sum(s.reward >= ec.correct_threshold and s.reward_error is None for s in g.samples)
-                    for g in batch.groups
-                ]
+                passing = [sum(is_correct(s.reward, s.reward_error, ec.correct_threshold) for s in g.samples)
+                           for g in batch.groups]
                 report.reward_errors += sum(s.reward_error is not None for g in batch.groups for s in g.samples)
                 report.k, report.samples = k, n
                 report.pass_at_k = sum(pass_at_k(n, c, k) for c in passing) / len(rows)

@@ -13,6 +13,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from titanrl.atomic_io import replacing_directory
 from titanrl.commands import CommandError
 from titanrl.driver.loop import TRAINER_STATE as TRAINER_DIR  # the trainer's state dir inside a run checkpoint
 from titanrl.rundir.checkpoints import RunCheckpointError, find_checkpoint, list_checkpoints
@@ -82,22 +83,12 @@ def write_hf(policy_path: str | os.PathLike, is_hf: bool, out_dir: str | os.Path
     It is written under a temporary sibling name and renamed into place when complete.
     """
     out = check_output_dir(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.export-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        if is_hf:
-            shutil.copytree(policy_path, tmp)
-        else:
-            from titanrl.trainer.checkpoint import export_hf
+    if not is_hf:
+        from titanrl.trainer.checkpoint import export_hf
 
-            export_hf(policy_path, tmp)
-        if out.exists():
-            out.rmdir()  # checked empty above
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return export_hf(policy_path, out)  # written through replacing_directory, as below
+    with replacing_directory(out) as tmp:  # an existing `out` is empty (checked above)
+        shutil.copytree(policy_path, tmp, dirs_exist_ok=True)
     return out
 
 

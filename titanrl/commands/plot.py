@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from titanrl.commands import CommandError
+from titanrl.jsonl import JsonLinesError
 
 
 def plot_command(run_dir: str | os.PathLike) -> Path:
@@ -23,5 +23,5 @@ def plot_command(run_dir: str | os.PathLike) -> Path:
         raise CommandError(f"{str(metrics)!r} is empty: the run has not logged a step yet")
     try:
         return plot_run(run)
-    except json.JSONDecodeError as e:
-        raise CommandError(f"{str(metrics)!r} has a line that is not JSON ({e}); fix or remove it") from e
+    except JsonLinesError as e:
+        raise CommandError(str(e)) from e

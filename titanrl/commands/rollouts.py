@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from titanrl.commands import CommandError
+from titanrl.jsonl import read_json_lines
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 DEFAULT_EPISODES = 4
@@ -55,16 +56,10 @@ def read_rollouts(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     if not path.is_file():
         raise CommandError(f"{str(run)!r} has no {ROLLOUTS_FILE}: is it a run directory (output.dir of a run)?")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise CommandError(f"{str(path)!r} line {number} is not JSON ({e}); fix or remove it") from e
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise CommandError(f"{str(path)!r} line {number} is not a rollout row (a JSON object with an integer step)")
-        rows.append(row)
+    for line in read_json_lines(path, error=CommandError).lines:
+        if not isinstance(line.value, dict) or not isinstance(line.value.get("step"), int):
+            raise CommandError(f"{str(path)!r} line {line.number} is not a rollout row (a JSON object with an integer step)")
+        rows.append(line.value)
     if not rows:
         raise CommandError(f"{str(path)!r} is empty: the run has not logged a step yet")
     return rows

@@ -2,8 +2,9 @@
 
     from titanrl.config import RunConfig, TrainConfig, apply_overrides, validate
 
-`schema` holds the dataclasses (a leaf), `overrides` the CLI `section.key=value` parsing,
-`validation` the checks run before any actor starts, `help` the `titanrl train --help` text.
+`schema` holds the dataclasses (a leaf), `overrides` the CLI `section.key=value` parsing (tyro),
+`values` the text form of a value, `validation` the checks run before any actor starts, `help`
+the `titanrl train --help` text (tyro's, from the fields' docstrings).
 `ConfigError` lives in `titanrl.errors`; it is re-exported here for users.
 """
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+import typing
 
-from titanrl.config.schema import ParallelConfig
+from titanrl.config.schema import ParallelConfig, PPSchedule
 from titanrl.errors import ConfigError
 from titanrl.models.qwen3 import Qwen3Config
 
 PP_SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
 """Pipeline schedule names and the number of stages each rank runs."""
+assert set(PP_SCHEDULES) == set(typing.get_args(PPSchedule)), "schema.PPSchedule and PP_SCHEDULES must list the same"
 
 
 def sequence_multiple(parallel: ParallelConfig) -> int:

@@ -1,15 +1,27 @@
 """Typed run configuration: the dataclasses, and nothing else (a leaf: it imports nothing of titanrl).
 
-Every field has a docstring saying why it exists (`titanrl train --help` shows them, see
-`help`). CLI-style `section.key=value` overrides are parsed in `overrides`; `validation`
-checks a whole config before any actor starts.
+Every field has a docstring saying why it exists (`titanrl train --help` shows them: tyro reads
+them, see `help`). A setting with a fixed set of values is a `Literal` type: the CLI offers
+those as choices and `validation` refuses anything else. CLI-style `section.key=value`
+overrides are parsed in `overrides`; `validation` checks a whole config before any actor starts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+Dtype = Literal["float32", "bfloat16"]
+"""Parameter dtypes the trainer and the generators run in."""
+Device = Literal["auto", "cpu", "cuda"]
+"""Trainer devices: 'auto' is CUDA when present, else CPU."""
+WeightTransport = Literal["object_store", "shared_memory", "broadcast"]
+"""How new weights reach the rollout workers."""
+PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
+"""Pipeline schedules (config/parallel.py knows how many stages each runs per rank)."""
+RewardFn = Callable[..., float]
+"""A reward `(prompt, completion, **row_fields) -> float`."""
 
 
 @dataclass
@@ -18,7 +30,7 @@ class ModelConfig:
 
     checkpoint: str = ""
     """HF checkpoint directory (config.json, safetensors, tokenizer) of the initial policy."""
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     """Parameter dtype for trainer and generator: float32 or bfloat16 (float32 is faster on AVX2 CPUs)."""
 
 
@@ -34,7 +46,7 @@ class DataConfig:
     """Row key holding the prompt text."""
     shuffle_seed: int = 0
     """Seed of the per-epoch shuffle of the training rows."""
-    on_overlong: str = "drop"
+    on_overlong: Literal["drop", "error"] = "drop"
     """Rows whose prompt tokens + rollout.max_new_tokens exceed rollout.max_model_len: 'drop' them
     (one warning with the count and first index) or 'error' before any actor starts."""
 
@@ -75,11 +87,11 @@ class RolloutConfig:
     versions, and take new weights between engine steps (partial rollouts; Sample.token_versions).
     Off: each step's prompts go to the workers as one fixed batch per worker, which makes a run
     reproducible to the bit even without batch_invariant."""
-    on_weight_update: str = "continue"
+    on_weight_update: Literal["continue", "regenerate"] = "continue"
     """Continuous mode, when new weights arrive while requests are running: 'continue' keeps their
     tokens and recomputes their KV cache with the new weights (each token keeps the version that
     sampled it); 'regenerate' aborts unfinished groups and generates them again from scratch."""
-    weight_transport: str = "object_store"
+    weight_transport: WeightTransport = "object_store"
     """How new weights reach the workers: 'object_store' (Ray's object store), 'shared_memory'
     (one shared-memory copy read by every worker of the machine) or 'broadcast' (a
     torch.distributed group from the trainer to the workers: gloo on CPU, NCCL on GPU)."""
@@ -99,7 +111,7 @@ class ParallelConfig:
     """With tp > 1, also shard norms and activations along the sequence between TP regions."""
     pp: int = 1
     """Pipeline stages: the decoder layers split into consecutive stages."""
-    pp_schedule: str = "1F1B"
+    pp_schedule: PPSchedule = "1F1B"
     """Pipeline schedule: 'GPipe', '1F1B' or 'Interleaved1F1B' (two stages per rank)."""
     cp: int = 1
     """Context-parallel degree: each sequence split across ranks, attention as a ring."""
@@ -125,7 +137,7 @@ class TrainConfig:
     """AdamW decoupled weight decay."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up steps."""
-    lr_decay: str = "constant"
+    lr_decay: Literal["constant", "cosine"] = "constant"
     """After warm-up: 'constant', or 'cosine' down to min_lr_ratio * lr at the last step."""
     min_lr_ratio: float = 0.1
     """Final lr as a fraction of lr under cosine decay."""
@@ -159,7 +171,7 @@ class TrainConfig:
     """Consecutive steps with a non-finite loss or gradient norm (each skipped) that stop the run."""
     threads: int = 1
     """Intra-op threads of the trainer process."""
-    device: str = "auto"
+    device: Device = "auto"
     """Trainer device: 'auto' (CUDA when present, else CPU), 'cpu' or 'cuda'."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel layout of the trainer's processes (FSDP2, HSDP, TP/SP, PP, CP, EP)."""
@@ -201,7 +213,7 @@ class OutputConfig:
 class EnvConfig:
     """Multi-turn environments: set `factory` to turn rollouts into episodes."""
 
-    factory: Any = None
+    factory: Callable[..., Any] | str | None = None
     """Environment factory `make_env(context) -> titanrl.envs.Environment` (or 'module:function');
     None means single-turn completions scored by `rewards`. With an env, `rewards` are optional
     and add to the episode's own reward."""
@@ -212,8 +224,6 @@ class EnvConfig:
     sandbox_pool_size: int = 4
     """Pre-warmed code sandboxes per rollout worker (0: environments get no sandbox pool)."""
 
-
-RewardFn = Callable[..., float]
 
 
 @dataclass
@@ -232,7 +242,7 @@ class RunConfig:
     """Held-out evaluation."""
     output: OutputConfig = field(default_factory=OutputConfig)
     """Run directory contents."""
-    rewards: list[Any] = field(default_factory=list)
+    rewards: list[RewardFn | str] = field(default_factory=list)
     """Reward callables `(prompt, completion, **row_fields) -> float` (or 'module:function' strings); summed."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn environment, episode budgets and sandbox pool size."""

@@ -6,36 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from titanrl.config.overrides import type_name
+from titanrl.config.values import check_type, type_name
 from titanrl.config.schema import RewardFn, RunConfig
 from titanrl.errors import ConfigError
-
-
-def _check_type(value: Any, hint: Any) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_check_type(value, a) for a in args)
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is tuple:
-        return isinstance(value, tuple) and len(value) == len(args) and all(map(_check_type, value, args))
-    if origin is list:
-        return isinstance(value, list)
-    if isinstance(hint, type):
-        return isinstance(value, hint)
-    return True
 
 
 def _check_types(obj: Any, prefix: str) -> None:
@@ -44,7 +22,7 @@ def _check_types(obj: Any, prefix: str) -> None:
         value, name = getattr(obj, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             _check_types(value, f"{name}.")
-        elif not _check_type(value, hints[f.name]):
+        elif not check_type(value, hints[f.name]):
             raise ConfigError(
                 f"{name} must be {type_name(hints[f.name])}, got {type(value).__name__} {value!r}"
             )
@@ -105,11 +83,6 @@ def validate(config: RunConfig) -> None:
             f"rollout.reward_concurrency must be >= 1 (sync reward calls run at once per worker), "
             f"got {config.rollout.reward_concurrency}"
         )
-    for key, allowed in (("on_weight_update", ("continue", "regenerate")),
-                         ("weight_transport", ("object_store", "shared_memory", "broadcast"))):
-        if getattr(config.rollout, key) not in allowed:
-            raise ConfigError(f"rollout.{key} must be one of {', '.join(map(repr, allowed))}, "
-                              f"got {getattr(config.rollout, key)!r}")
     if not 0 < config.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p}")
     for name in ("clip_eps", "clip_eps_high"):
@@ -126,8 +99,6 @@ def validate(config: RunConfig) -> None:
             f"rollout.max_new_tokens ({config.rollout.max_new_tokens}) must be < rollout.max_model_len "
             f"({config.rollout.max_model_len}) to leave room for the prompt"
         )
-    if config.train.lr_decay not in ("constant", "cosine"):
-        raise ConfigError(f"train.lr_decay must be 'constant' or 'cosine', got {config.train.lr_decay!r}")
     if not 0 <= config.train.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {config.train.min_lr_ratio}")
     if config.train.max_staleness < 0:
@@ -138,16 +109,12 @@ def validate(config: RunConfig) -> None:
             f"train.minibatches ({config.train.minibatches}) must be <= rollout.prompts_per_step "
             f"({config.rollout.prompts_per_step}): each minibatch holds whole prompt groups"
         )
-    if config.data.on_overlong not in ("drop", "error"):
-        raise ConfigError(f"data.on_overlong must be 'drop' or 'error', got {config.data.on_overlong!r}")
     if config.reward_timeout_s is not None and config.reward_timeout_s <= 0:
         raise ConfigError(f"reward_timeout_s must be > 0 (or None for no limit), got {config.reward_timeout_s}")
     if not math.isfinite(config.reward_error_value):
         raise ConfigError(f"reward_error_value must be a finite number, got {config.reward_error_value}")
     if not 0 <= config.max_reward_error_frac <= 1:
         raise ConfigError(f"max_reward_error_frac must be in [0, 1], got {config.max_reward_error_frac}")
-    if config.model.dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {config.model.dtype!r}")
     if not config.model.checkpoint:
         raise ConfigError("model.checkpoint is empty: set it to an HF checkpoint directory")
     from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, read_config
@@ -185,8 +152,6 @@ def _validate_trainer_layout(config: RunConfig, model_config: Any) -> None:
     """The trainer's device and parallel layout against the model (the layout sets the world size)."""
     from titanrl.config.parallel import validate_parallel
 
-    if config.train.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"train.device must be 'auto', 'cpu' or 'cuda', got {config.train.device!r}")
     p = config.train.parallel
     validate_parallel(p, model_config, world_size=None, batch_invariant=config.batch_invariant)
     if config.train.decoupled_loss and p.world_size > 1:

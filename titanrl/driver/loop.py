@@ -14,24 +14,22 @@ with the finished rollouts of older policies that no step has trained on yet.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from pathlib import Path
 from typing import Any
-
-import numpy as np
-import torch
 
 from titanrl.config import RunConfig
 from titanrl.driver.sources.base import RolloutSource, RolloutWorkersFailed
 from titanrl.errors import RunStopped
 from titanrl.rundir.checkpoints import RunCheckpoint, checkpoint_path, latest_checkpoint, writing_checkpoint
+from titanrl.rundir.driver_state import DRIVER_STATE, read_driver_state, write_driver_state
 from titanrl.rundir.metrics import MetricsLogger
+from titanrl.rundir.plain import from_plain, to_plain
 from titanrl.rundir.rollout_log import rollout_rows, summarize_groups
+from titanrl.trainer.checkpoint import rng_state, set_rng_state
 from titanrl.types import Group, StepRollouts
 from titanrl.weight_sync import WeightPush
 
-DRIVER_STATE = "driver.pt"
 TRAINER_STATE = "trainer"
 
 log = logging.getLogger("titanrl")
@@ -60,22 +58,24 @@ class GRPOLoop:
 
     # ------------------------------------------------------------------ resume
 
-    def restore(self, checkpoint: RunCheckpoint) -> None:
-        """Continues from a checkpoint: trainer state, queue, RNG, and the workers' weights."""
+    def restore(self, checkpoint: RunCheckpoint, state: dict[str, Any] | None = None) -> None:
+        """Continues from a checkpoint: trainer state, queue, RNG, and the workers' weights.
+
+        `state` is its `read_driver_state` (read here when None; the driver reads it before
+        starting any actor, so a checkpoint of an unreadable format costs no start-up).
+        """
         import ray
 
-        state = torch.load(checkpoint.path / DRIVER_STATE, weights_only=False)
+        state = read_driver_state(checkpoint.path) if state is None else state
         version = ray.get(self.trainer.load_state.remote(str(checkpoint.path / TRAINER_STATE)))
         if version != state["policy_version"]:
             raise RuntimeError(f"{checkpoint.path}: trainer state has version {version}, driver state {state['policy_version']}")
         self.step, self.version = state["step"], version
-        self.rollouts.restore(state["queue"], version)
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
+        self.rollouts.restore(from_plain(self.rollouts.checkpoint_type, state["rollouts"], "rollouts"), version)
+        set_rng_state(state["rng"])
         self.rollouts.publish(version).wait()
         self.saved_steps.add(self.step)
-        exact = "" if state["queue"].exact else " (inexact: some rollouts are generated again)"
+        exact = "" if state["exact"] else " (inexact: some rollouts are generated again)"
         log.info(f"resumed from {checkpoint.path} at step {self.step}, policy version {version}{exact}")
 
     # ------------------------------------------------------------------ checkpoints
@@ -88,14 +88,15 @@ class GRPOLoop:
         driver_state = {
             "step": self.step,
             "policy_version": self.version,
-            "queue": queue_state,
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            "exact": queue_state.exact,
+            "rollouts": to_plain(queue_state, "rollouts"),
+            "rng": rng_state(),
         }
         manifest = {"policy_version": self.version, "exact": queue_state.exact, "reason": reason,
                     "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         with writing_checkpoint(self.run_dir, self.step, manifest) as tmp:
             ray.get(self.trainer.save_state.remote(str(tmp / TRAINER_STATE)))
-            torch.save(driver_state, tmp / DRIVER_STATE)
+            write_driver_state(tmp / DRIVER_STATE, driver_state)
         self.saved_steps.add(self.step)
         return checkpoint_path(self.run_dir, self.step)
 

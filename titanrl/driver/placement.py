@@ -129,6 +129,28 @@ def check_fits(layout: Layout, nodes: list[dict[str, float]]) -> None:
                                   f"{largest:g}: {_HINTS[res]}")
 
 
+ONE_MACHINE_TRANSPORTS = ("shared_memory", "broadcast")
+"""Weight transports that bind this machine: a shared-memory segment, a TCPStore and gloo group on loopback."""
+
+
+def weight_sync_options(transport: str, layout: Layout, bundle_ips: list[str]) -> dict[str, Any]:
+    """WeightSyncPlan options for `transport` given where the bundles landed (each bundle's node IP).
+
+    NCCL carries the broadcast when the trainer and the engines are on GPUs, gloo otherwise.
+    A transport bound to one machine is refused, naming `object_store`, when the trainer and the
+    workers landed on machines with different addresses (nodes sharing an address are one machine).
+    """
+    machines = sorted(set(bundle_ips))
+    if transport in ONE_MACHINE_TRANSPORTS and len(machines) > 1:
+        raise ConfigError(
+            f"rollout.weight_transport={transport!r} needs the trainer and every rollout worker on one machine, "
+            f"but the placement put them on {len(machines)} ({', '.join(machines)}): set "
+            f"rollout.weight_transport='object_store' (works across machines), or make the run fit one node"
+        )
+    both_on_gpus = layout.trainer_device == "cuda" and layout.rollout_device == "cuda"
+    return {"backend": "nccl" if both_on_gpus else "gloo"}
+
+
 @dataclass
 class Placement:
     """A run's reserved placement group and the `.options(...)` that put each actor in its bundle."""
@@ -205,6 +227,17 @@ class Placement:
 
         by_index = placement_group_table(self.group)["bundles_to_node_id"]
         return [by_index[i] for i in range(len(self.layout.bundles))]
+
+    def bundle_ips(self) -> list[str]:
+        """The address of every bundle's node, by bundle index."""
+        import ray
+
+        ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        return [ips[n] for n in self.bundle_nodes()]
+
+    def weight_sync_options(self, transport: str) -> dict[str, Any]:
+        """`weight_sync_options` for this placement (raises ConfigError before any actor starts)."""
+        return weight_sync_options(transport, self.layout, self.bundle_ips())
 
     def summary(self) -> str:
         """One line for the run's log: what runs where."""

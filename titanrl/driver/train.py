@@ -24,8 +24,11 @@ from titanrl.driver.log import show_messages
 from titanrl.driver.loop import GRPOLoop
 from titanrl.driver.placement import Placement
 from titanrl.driver.ray_runtime import init_ray, ship_user_code_by_value
-from titanrl.errors import RunStopped
+from titanrl.driver.signals import SigtermAsInterrupt
+from titanrl.errors import RunStopped, RunTerminated
+from titanrl.rundir.driver_state import read_driver_state
 from titanrl.rundir.layout import create_run_dir, reopen_run_dir, set_aside_after
+from titanrl.rundir.checkpoints import RunCheckpoint
 from titanrl.rundir.metrics import MetricsLogger, plot_run, read_metrics
 
 __all__ = ["RunResult", "RunStopped", "init_ray", "train"]
@@ -50,15 +53,18 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
 
     With `resume=True`, continues the run in `config.output.dir` from its newest complete
     checkpoint; metrics rows of later steps are moved to `metrics.jsonl.before-resume`.
-    Raises `RunStopped` (after saving a checkpoint) when the run cannot go on.
+    Raises `RunStopped` (after saving a checkpoint) when the run cannot go on. Ctrl-C and
+    SIGTERM both save the last completed step and shut the actors down; then Ctrl-C raises
+    `KeyboardInterrupt` and SIGTERM `RunTerminated` (a `SystemExit` with status 143).
     """
     started = time.perf_counter()
     show_messages()
     validate(config)
     train_rows, eval_rows = load_run_rows(config)
-    checkpoint = None
+    checkpoint, driver_state = None, None
     if resume:
         run_dir, checkpoint = reopen_run_dir(config)
+        driver_state = read_driver_state(checkpoint.path)  # a format it cannot read is refused before start-up
         set_aside_after(run_dir, checkpoint.step)
     else:
         run_dir = create_run_dir(config)
@@ -67,8 +73,31 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
 
     log.info(f"run directory {run_dir}; " + (f"joining Ray at {config.ray_address}" if config.ray_address else "starting Ray"))
     init_ray(address=config.ray_address)
+    sigterm = SigtermAsInterrupt().install()  # after ray.init, which installs its own handler
+    try:
+        return _run(config, run_dir, checkpoint, driver_state, eval_rows, train_rows, started, sigterm)
+    except KeyboardInterrupt as e:
+        if not sigterm.received:
+            raise
+        log.info("run stopped during start-up: terminated (SIGTERM)")  # before the loop: nothing to save
+        raise RunTerminated("terminated (SIGTERM) during start-up") from e
+    finally:
+        sigterm.uninstall()
+
+
+def _run(config: RunConfig, run_dir: Path, checkpoint: RunCheckpoint | None, driver_state: dict[str, Any] | None,
+         eval_rows: list[dict[str, Any]], train_rows: list[dict[str, Any]], started: float,
+         sigterm: SigtermAsInterrupt) -> RunResult:
+    """Starts the actors, runs (or resumes) the loop, saves on any failure, and shuts everything down."""
+    import ray
+
     ship_user_code_by_value(config.rewards + ([config.env.factory] if config.env.factory is not None else []))
     placement = Placement.create(config)
+    try:
+        sync_options = placement.weight_sync_options(config.rollout.weight_transport)
+    except BaseException:
+        placement.remove()
+        raise
     try:
         trainer = start_trainer(config, placement)
         rollouts = start_rollouts(config, train_rows, placement)
@@ -84,19 +113,28 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
         t0 = time.perf_counter()
         log.info(f"starting the trainer and {len(rollouts.workers)} vLLM rollout worker(s) (~20 s on CPU)")
         ray.get([w.ready.remote() for w in rollouts.workers] + [trainer.get_version.remote()])
-        rollouts.open_weight_sync(trainer, config.rollout.weight_transport)
+        rollouts.open_weight_sync(trainer, config.rollout.weight_transport, **sync_options)
         log.info(f"actors ready in {time.perf_counter() - t0:.0f} s")
         if checkpoint is not None:
-            loop.restore(checkpoint)
+            loop.restore(checkpoint, driver_state)
         final = loop.run()
     except RunStopped as e:
         log.info(str(e))
         raise
     except BaseException as e:
-        reason = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+        terminated = sigterm.received and isinstance(e, KeyboardInterrupt)
+        if terminated:
+            reason = "terminated (SIGTERM)"
+        else:
+            reason = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
         where = loop.save_after_failure(reason)
+        stopped = f"run stopped after step {loop.step}: {reason}"
         if where is not None:
-            log.info(f"run stopped after step {loop.step}: {reason}; newest checkpoint {where} (continue with --resume)")
+            log.info(f"{stopped}; newest checkpoint {where} (continue with --resume)")
+        elif terminated:
+            log.info(stopped)  # the one line that says why the process ends
+        if terminated:
+            raise RunTerminated(f"{stopped}" + (f"; the newest checkpoint is {where}" if where else "")) from e
         if isinstance(e, KeyboardInterrupt):
             raise
         raise RunStopped(f"{reason}" + (f"; the newest checkpoint is {where}" if where else "")) from e

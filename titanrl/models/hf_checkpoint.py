@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from titanrl.atomic_io import replacing_directory
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -134,9 +134,7 @@ def save_checkpoint(
     Tokenizer files are copied from `tokenizer_dir` so the result is self-contained.
     """
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
-    try:
+    with replacing_directory(out) as tmp:
         cfg = model.config.to_hf_dict()
         cfg["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -146,15 +144,4 @@ def save_checkpoint(
                 src = Path(tokenizer_dir) / name
                 if src.is_file():
                     shutil.copy2(src, tmp / name)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

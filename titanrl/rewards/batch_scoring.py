@@ -1,8 +1,8 @@
 """Scoring many samples at once, so that a slow grader costs one call's time, not one per sample.
 
-`RewardScorer.score` gives each sample exactly what `score_sample` would (same sum, same
-error texts, same per-call timeouts), in input order, but the samples run concurrently:
-every sample is a task on one event loop, so `async` rewards of all samples are awaited
+`RewardScorer.score` gives each sample the sum of the rewards, or `error_value` and why
+(`titanrl.rewards.scoring`), in input order, and what a sample gets does not depend on the
+batch it is in. The samples run concurrently: every sample is a task on one event loop, so `async` rewards of all samples are awaited
 together, and sync rewards run on at most `concurrency` pooled helper threads. The rewards of
 one sample still run one after another (the first failure decides, later ones are not called).
 """
@@ -32,7 +32,7 @@ from titanrl.rewards.scoring import (
 
 
 HELPER_NAME = "titanrl-reward-pool"
-"""The name of a scorer's helper threads (score_sample's are 'titanrl-reward')."""
+"""The name of a scorer's helper threads."""
 
 
 class ToScore(NamedTuple):
@@ -55,7 +55,14 @@ class RewardScorer:
 
     def __init__(self, rewards: list[Callable[..., Any]], *, timeout_s: float | None, error_value: float,
                  concurrency: int = 16) -> None:
-        """`timeout_s` and `error_value` as in `score_sample`; `concurrency`: sync reward calls at once."""
+        """`timeout_s`: limit of one reward call (None: no limit); `error_value`: the reward of a sample
+        whose reward failed; `concurrency`: sync reward calls at once.
+
+        A sync reward that times out is abandoned: a Python thread cannot be killed, so it keeps
+        running (and taking the GIL while it computes) until it returns on its own. Async rewards
+        are cancelled through `asyncio.wait_for`; one that blocks the loop (a sync sleep inside
+        `async def`) cannot be interrupted.
+        """
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.rewards, self.timeout_s, self.error_value = rewards, timeout_s, error_value
@@ -66,19 +73,19 @@ class RewardScorer:
         self._helpers = _Helpers(concurrency)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        # score_sample's inline call, kept for rewards that need the calling thread (e.g. signal-based
+        # An inline call, kept for rewards that need the calling thread (e.g. signal-based
         # timeouts of their own): only when there is no timeout and one call at a time is asked for.
         self._inline = timeout_s is None and concurrency == 1
 
     def score(self, items: Sequence[ToScore]) -> list[tuple[float, str | None]]:
-        """`score_sample`'s `(reward, error)` for each item, in order, scored concurrently."""
+        """`(reward, error)` for each item (error None when every reward worked), in order, scored concurrently."""
         if self._closed:
             raise RuntimeError("the reward scorer is closed")
         if loop_running():
             raise RuntimeError("RewardScorer.score must not be called from inside a running event loop; "
                                "await score_async instead")
         if self._loop is None:
-            # Long-lived, unlike score_sample's loop per call: a batch's async rewards share it.
+            # Long-lived: the async rewards of a batch, and of later batches, share it.
             self._loop = asyncio.new_event_loop()
         return self._loop.run_until_complete(self.score_async(items))
 
@@ -116,7 +123,7 @@ class RewardScorer:
         return summed(total, item.prompt, self.error_value)
 
     async def _one(self, fn: Callable[..., Any], item: ToScore) -> float:
-        """One reward call, failures mapped exactly as `score_sample`'s `_score_one` maps them."""
+        """One reward call's value; a failure becomes a `RewardError` (`call_failed`, `checked`)."""
         timeout_s, start = self.timeout_s, time.perf_counter()
         try:
             if is_async(fn):
@@ -166,7 +173,7 @@ class _Helpers:
     at interpreter exit, so one hung grader would keep the worker process from exiting. Here an
     abandoned helper leaves the pool at once (it is told to exit after its call returns) and a
     fresh one takes its place, and helpers are daemon threads (`RewardThread`). The cost is
-    one leaked thread per call still hung, exactly as with `score_sample`.
+    one leaked thread per call still hung.
 
     Only touched from the event loop's thread, so no lock is needed.
     """

@@ -1,11 +1,12 @@
-"""Applying user reward functions to completions, shared by single-turn and episode rollouts.
+"""The pieces of reward scoring: what counts as a reward, how a failed call is reported, helper threads.
 
 A reward function is user code run thousands of times per step, so one bad call must cost
-one sample, not the run: `score_sample` turns a reward that raises, runs past `timeout_s`
-or returns something that is not a finite real number into `error_value` plus an error
-string the driver logs (`Sample.reward_error`). Workers score a request's samples concurrently
-with `titanrl.rewards.batch_scoring.RewardScorer`, which reuses this module's pieces so each
-sample's result is exactly what `score_sample` gives.
+one sample, not the run: a reward that raises, runs past `timeout_s` or returns something
+that is not a finite real number gives the sample `error_value` plus an error string the
+driver logs (`Sample.reward_error`). The first failing reward of a sample decides: the sample
+gets `error_value`, not the sum of the rewards that worked (a partial sum would rank it against
+its group on a different scale), and the rewards after it are not called. The one scorer,
+used by single-turn and episode rollouts alike, is `titanrl.rewards.batch_scoring.RewardScorer`.
 """
 
 from __future__ import annotations
@@ -29,43 +30,6 @@ class RewardError(RuntimeError):
 def row_fields(row: dict[str, Any], prompt_field: str) -> dict[str, Any]:
     """A dataset row minus its prompt: what rewards receive as keyword arguments."""
     return {k: v for k, v in row.items() if k != prompt_field}
-
-
-def score_sample(
-    rewards: list[Callable[..., Any]],
-    prompt: str,
-    completion: str,
-    fields: dict[str, Any],
-    *,
-    timeout_s: float | None,
-    error_value: float,
-) -> tuple[float, str | None]:
-    """Sum of all reward functions on one completion, as `(reward, None)`; `(error_value, why)`
-    when one of them fails.
-
-    A failure is a reward that raises, runs longer than `timeout_s` (per reward call; None: no
-    limit), or returns anything but a finite real number (see `as_reward`). The first failing
-    reward decides: the sample gets `error_value`, not the sum of the rewards that worked (a
-    partial sum would rank the sample against its group on a different scale), and the
-    rewards after it are not called.
-
-    Sync rewards run in a helper thread when `timeout_s` is set. A Python thread cannot be
-    killed: a reward that times out is abandoned and keeps running (and taking the GIL while
-    it computes) until it returns on its own, and a new helper thread serves the next call;
-    helpers are daemon threads, so an abandoned one never blocks the process from exiting.
-    Rewards that need the main thread (e.g. signal-based timeouts of their own) need
-    `timeout_s=None`, which calls them inline. Async rewards run on a fresh
-    event loop in the calling thread under `asyncio.wait_for`, which cancels them on timeout;
-    one that blocks the loop (a sync sleep inside `async def`) cannot be interrupted.
-    Must not be called from inside a running event loop (async rewards get their own).
-    """
-    total = 0.0
-    for fn in rewards:
-        try:
-            total += _score_one(fn, prompt, completion, fields, timeout_s)
-        except RewardError as e:
-            return error_value, str(e)
-    return summed(total, prompt, error_value)
 
 
 def summed(total: float, prompt: str, error_value: float) -> tuple[float, str | None]:
@@ -126,23 +90,6 @@ def reward_name(fn: Any) -> str:
     return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__qualname__
 
 
-def _score_one(fn: Callable[..., Any], prompt: str, completion: str, fields: dict[str, Any],
-               timeout_s: float | None) -> float:
-    if is_async(fn) and loop_running():  # a caller's bug, not the reward's: let it raise
-        raise RuntimeError("score_sample must not be called from inside a running event loop")
-    start = time.perf_counter()
-    try:
-        if is_async(fn):  # calling it only builds the coroutine; the loop below runs it
-            value = _run_async(fn(prompt, completion, **fields), timeout_s)
-        else:
-            value = _call(fn, (prompt, completion), fields, timeout_s)
-            if inspect.isawaitable(value):  # a sync callable handing back an awaitable
-                value = _run_async(value, time_left(start, timeout_s))
-    except Exception as e:
-        raise call_failed(fn, prompt, e, start, timeout_s)  # it sets the cause itself
-    return checked(fn, prompt, value)
-
-
 def time_left(start: float, timeout_s: float | None) -> float | None:
     """What remains of a reward call's `timeout_s` that began at `start` (perf_counter)."""
     return None if timeout_s is None else max(timeout_s - (time.perf_counter() - start), 0.0)
@@ -179,24 +126,6 @@ class Abandoned(TimeoutError):
 def is_async(fn: Any) -> bool:
     # Callable objects with an `async def __call__` count too.
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-
-
-def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float | None) -> Any:
-    if timeout_s is None:
-        return fn(*args, **kwargs)
-    helper = getattr(_helpers, "thread", None)
-    if helper is None:
-        helper = _helpers.thread = RewardThread()
-    job = Job(fn, args, kwargs)
-    helper.jobs.put(job)
-    if not job.done.wait(timeout_s):
-        # Abandon the busy thread (it exits once the call returns); the next call gets a new one.
-        helper.jobs.put(None)
-        _helpers.thread = None
-        raise Abandoned
-    if job.error is not None:
-        raise job.error
-    return job.value
 
 
 class Job:
@@ -236,25 +165,6 @@ class RewardThread:
             job.run()
 
 
-_helpers = threading.local()
-"""`thread`: the calling thread's current RewardThread (None after one was abandoned)."""
-
-
-def _run_async(awaitable: Any, timeout_s: float | None) -> Any:
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(asyncio.wait_for(awaited(awaitable), timeout_s))
-    finally:
-        # Not asyncio.run: its shutdown joins the default executor, so a timed-out reward that
-        # awaits asyncio.to_thread would block right here; loop.close() leaves that thread behind.
-        leftover = asyncio.all_tasks(loop)
-        for task in leftover:
-            task.cancel()
-        if leftover:
-            loop.run_until_complete(asyncio.wait(leftover, timeout=1.0))
-        loop.close()
-
-
 def loop_running() -> bool:
     """True inside a running asyncio event loop (where a blocking run_until_complete would fail)."""
     try:
@@ -274,6 +184,11 @@ def _short(value: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def is_correct(reward: float, error: str | None, correct_threshold: float) -> bool:
+    """Whether a scored completion counts as correct: reward >= eval.correct_threshold and no reward error."""
+    return reward >= correct_threshold and error is None
+
+
 def eval_summary(
     rewards: list[float], correct_threshold: float, policy_version: int, errors: list[str | None] | None = None
 ) -> dict[str, Any]:
@@ -281,7 +196,7 @@ def eval_summary(
     errors = errors if errors is not None else [None] * len(rewards)
     return {
         "rewards": rewards,
-        "correct": sum(r >= correct_threshold and e is None for r, e in zip(rewards, errors, strict=True)),
+        "correct": sum(is_correct(r, e, correct_threshold) for r, e in zip(rewards, errors, strict=True)),
         "reward_errors": sum(e is not None for e in errors),
         "policy_version": policy_version,
     }

@@ -19,8 +19,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from titanrl.rewards.batch_scoring import ToScore
-from titanrl.rewards.scoring import eval_summary, row_fields
+from titanrl.rollout.single_turn import scored_summary
 from titanrl.rollout.vllm.async_engine import AsyncGenerator, WeightsChanged
 from titanrl.rollout.worker import RolloutWorker
 from titanrl.types import Group
@@ -76,18 +75,13 @@ class ContinuousRolloutWorker(RolloutWorker):
                 continue  # on_weight_update="regenerate": start the group over with the new weights
 
     async def _single_turn_group(self, row: dict[str, Any], seed: int, group_id: int) -> Group:
-        prompt = row[self.prompt_field]
         completions = await asyncio.gather(*(
-            self.generator.generate(
-                prompt, temperature=self.cfg.temperature, top_p=self.cfg.top_p, max_tokens=self.cfg.max_new_tokens,
-                seed=seed + i, stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
-            )
+            self.generator.generate(self.single_turn.prompt(row), seed=seed + i, **self.single_turn.sampling(self.cfg))
             for i in range(self.cfg.group_size)
         ))
-        fields = row_fields(row, self.prompt_field)
-        scored = await self.scorer.score_async([ToScore(prompt, c.text, fields) for c in completions])
-        return Group([self._sample(row, c, reward, error, group_id)
-                      for c, (reward, error) in zip(completions, scored, strict=True)])
+        scored = await self.scorer.score_async(self.single_turn.to_score([row], [completions]))
+        (group,) = self.single_turn.groups([row], [completions], scored, group_id)
+        return group
 
     # ------------------------------------------------------------------ weights and evaluation
 
@@ -136,16 +130,11 @@ class ContinuousRolloutWorker(RolloutWorker):
             if self.env_factory is not None:
                 return await self.env_runner.evaluate_async(rows, correct_threshold, self.generator)
             completions = await asyncio.gather(*(
-                self.generator.generate(row[self.prompt_field], temperature=0.0, max_tokens=max_new_tokens,
-                                        stop_token_ids=[self.eos_id] if self.eos_id is not None else None)
+                self.generator.generate(self.single_turn.prompt(row), **self.single_turn.greedy(max_new_tokens))
                 for row in rows
             ))
-            scored = await self.scorer.score_async(
-                [ToScore(row[self.prompt_field], c.text, row_fields(row, self.prompt_field))
-                 for row, c in zip(rows, completions, strict=True)]
-            )
-            return eval_summary([r for r, _ in scored], correct_threshold, self.engine.policy_version,
-                                [e for _, e in scored])
+            scored = await self.scorer.score_async(self.single_turn.to_score(rows, [[c] for c in completions]))
+            return scored_summary(scored, correct_threshold, self.engine.policy_version)
 
     def close(self) -> None:
         if self._thread.is_alive():

@@ -16,9 +16,10 @@ from typing import Any
 from titanrl.config import EnvConfig, RewardFn, RolloutConfig
 from titanrl.envs.base import EnvContext, EnvFactory
 from titanrl.rewards.batch_scoring import RewardScorer, ToScore
-from titanrl.rewards.scoring import eval_summary, row_fields
+from titanrl.rewards.scoring import row_fields
 from titanrl.rollout.episode import Episode, EpisodeBudget, env_error, failed_episode, run_episode
 from titanrl.rollout.seeds import episode_seed
+from titanrl.rollout.single_turn import scored_summary
 from titanrl.rollout.vllm.async_engine import AsyncGenerator
 from titanrl.rollout.vllm.engine import VllmEngine
 from titanrl.types import Group, RolloutBatch, Sample, group_tokens
@@ -179,8 +180,7 @@ class EnvRunner:
                              generator: AsyncGenerator | None = None) -> dict[str, Any]:
         """Greedy episodes of held-out rows (on `generator` if given): rewards, correct count, errors."""
         scored = [s for _, s in await self._episodes(rows, 1, 0.0, None, generator)]
-        return eval_summary([r for r, _ in scored], correct_threshold, self.engine.policy_version,
-                            [e for _, e in scored])
+        return scored_summary(scored, correct_threshold, self.engine.policy_version)
 
     def close(self) -> None:
         if self.pool is not None:

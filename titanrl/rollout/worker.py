@@ -10,17 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from titanrl.config import EnvConfig, ModelConfig, RolloutConfig, resolve_env_factory, resolve_reward
-from titanrl.rewards.batch_scoring import RewardScorer, ToScore
-from titanrl.rewards.scoring import eval_summary, row_fields
-from titanrl.types import Group, RolloutBatch, Sample, group_tokens
-
-if TYPE_CHECKING:
-    from titanrl.rollout.vllm.engine import Completion
+from titanrl.rewards.batch_scoring import RewardScorer
+from titanrl.rollout.single_turn import SingleTurn, scored_summary
+from titanrl.types import RolloutBatch, group_tokens
 
 
 class RolloutWorker:
@@ -42,7 +39,7 @@ class RolloutWorker:
     ) -> None:
         """`reward_timeout_s` and `reward_error_value` are RunConfig's: a reward call (or an
         episode's environment) that fails gives its sample `reward_error_value` instead of
-        crashing the run (see `titanrl.rewards.scoring.score_sample`); all samples of a request
+        crashing the run (see `titanrl.rewards.scoring`); all samples of a request
         are scored concurrently (`titanrl.rewards.batch_scoring`, `rollout.reward_concurrency`).
         `batch_invariant` runs the engine's model through `titanrl.kernels` (RunConfig.batch_invariant)."""
         rc = rollout_config
@@ -75,6 +72,7 @@ class RolloutWorker:
             )
         )
         self.eos_id = self.engine.model_config.eos_token_id
+        self.single_turn = SingleTurn(prompt_field, [self.eos_id] if self.eos_id is not None else None)
         from titanrl.rollout.weight_receiver import WeightReceiver
 
         # object_store needs no set-up; the other transports are joined with open_weight_sync.
@@ -103,62 +101,23 @@ class RolloutWorker:
         if self.env_factory is not None:
             return self.env_runner.generate(rows, seed, first_group_id)
         start = time.perf_counter()
-        prompts = [row[self.prompt_field] for row in rows]
-        outputs = self.engine.generate(
-            prompts,
-            n=self.cfg.group_size,
-            temperature=self.cfg.temperature,
-            top_p=self.cfg.top_p,
-            max_tokens=self.cfg.max_new_tokens,
-            seed=seed,
-            stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
-        )
+        outputs = self.engine.generate([self.single_turn.prompt(row) for row in rows], n=self.cfg.group_size,
+                                       seed=seed, **self.single_turn.sampling(self.cfg))
         # vLLM returns the whole batch at once, so scoring starts after generation (no overlap).
         scoring_s = self.scorer.seconds
-        scored = iter(self._score([(row, c.text) for row, completions in zip(rows, outputs, strict=True)
-                                   for c in completions]))
-        groups = [
-            Group([self._sample(row, c, *next(scored), first_group_id + j) for c in completions])
-            for j, (row, completions) in enumerate(zip(rows, outputs, strict=True))
-        ]
+        scored = self.scorer.score(self.single_turn.to_score(rows, outputs))
+        groups = self.single_turn.groups(rows, outputs, scored, first_group_id)
         return RolloutBatch(groups, sum(group_tokens(g) for g in groups), time.perf_counter() - start,
                             self.engine.policy_version, reward_seconds=self.scorer.seconds - scoring_s)
-
-    def _sample(self, row: dict[str, Any], c: Completion, reward: float, error: str | None, group_id: int) -> Sample:
-        """A scored single-turn completion as a training sample."""
-        return Sample(
-            prompt=row[self.prompt_field],
-            completion=c.text,
-            prompt_ids=c.prompt_token_ids,
-            completion_ids=c.token_ids,
-            gen_logprobs=c.logprobs,
-            reward=reward,
-            group_id=group_id,
-            policy_version=c.policy_version,
-            fields=row_fields(row, self.prompt_field),
-            finished=c.finish_reason == "stop",
-            reward_error=error,
-            token_versions=c.token_versions,
-        )
 
     def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int, correct_threshold: float) -> dict[str, Any]:
         """Greedy completions of held-out rows: rewards, how many are correct, how many errored."""
         if self.env_factory is not None:
             return self.env_runner.evaluate(rows, correct_threshold)
-        prompts = [row[self.prompt_field] for row in rows]
-        outputs = self.engine.generate(
-            prompts, n=1, temperature=0.0, max_tokens=max_new_tokens,
-            stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
-        )
-        scored = self._score([(row, c.text) for row, (c,) in zip(rows, outputs, strict=True)])
-        return eval_summary([r for r, _ in scored], correct_threshold, self.engine.policy_version,
-                            [e for _, e in scored])
-
-    def _score(self, completions: list[tuple[dict[str, Any], str]]) -> list[tuple[float, str | None]]:
-        """For each (row, completion), concurrently: (reward, None), or (reward_error_value, why)
-        when a reward function failed."""
-        return self.scorer.score([ToScore(row[self.prompt_field], text, row_fields(row, self.prompt_field))
-                                  for row, text in completions])
+        outputs = self.engine.generate([self.single_turn.prompt(row) for row in rows], n=1,
+                                       **self.single_turn.greedy(max_new_tokens))
+        scored = self.scorer.score(self.single_turn.to_score(rows, outputs))
+        return scored_summary(scored, correct_threshold, self.engine.policy_version)
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         """Loads the trainer's weights in place; returns the push time in seconds."""

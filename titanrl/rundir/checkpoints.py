@@ -4,6 +4,7 @@
         checkpoint.json      written last: step, policy version, whether it resumes exactly
         trainer/             model + optimizer (torch.distributed.checkpoint), scheduler, RNG
         driver.pt            data-stream position, request counters, rollouts not yet trained on
+                             (plain data, read with weights_only=True: `titanrl.rundir.driver_state`)
 
 A checkpoint is written under a temporary name and renamed into place only when every part
 is on disk, so a crash while writing leaves the previous checkpoint intact and the
@@ -21,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from titanrl.atomic_io import replacing_directory
 
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST = "checkpoint.json"
@@ -91,26 +94,9 @@ def writing_checkpoint(run_dir: str | os.PathLike, step: int, manifest: dict[str
     An exception leaves nothing under the final name (the temporary directory is removed).
     Re-writing an existing step replaces it only after the new one is complete.
     """
-    final = checkpoint_path(run_dir, step)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with replacing_directory(checkpoint_path(run_dir, step)) as tmp:
         yield tmp
         _write_json_durably(tmp / MANIFEST, {"step": step, **manifest})
-        _fsync_dir(tmp)
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(final.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
@@ -130,11 +116,3 @@ def _write_json_durably(path: Path, data: dict[str, Any]) -> None:
         f.write(json.dumps(data, indent=2) + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

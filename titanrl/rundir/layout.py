@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from titanrl.atomic_io import write_text_atomically
 from titanrl.config import RunConfig
 from titanrl.errors import ConfigError
+from titanrl.jsonl import read_json_lines
 from titanrl.rundir.checkpoints import RunCheckpoint, latest_checkpoint, remove_stale_temporaries
 
 CONFIG_FILE = "config.json"
@@ -45,7 +47,7 @@ def create_run_dir(config: RunConfig) -> Path:
             "so nothing written before is overwritten, or pass --resume to continue it"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomically(run_dir / CONFIG_FILE, json.dumps(config_record(config), indent=2) + "\n")
+    write_text_atomically(run_dir / CONFIG_FILE, json.dumps(config_record(config), indent=2) + "\n")
     return run_dir
 
 
@@ -73,7 +75,7 @@ def reopen_run_dir(config: RunConfig) -> tuple[Path, RunCheckpoint]:
             "(output.save_every_steps writes them; a run that stops early writes one too)"
         )
     # The resumed run is the run now (its step count and output settings may have changed).
-    _write_atomically(saved_file, json.dumps(config_record(config), indent=2) + "\n")
+    write_text_atomically(saved_file, json.dumps(config_record(config), indent=2) + "\n")
     return run_dir, checkpoint
 
 
@@ -101,22 +103,17 @@ def set_aside_after(run_dir: Path, step: int) -> dict[str, int]:
         path = run_dir / name
         if not path.is_file():
             continue
-        keep, later = [], []
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            try:
-                row_step = json.loads(line).get("step", 0)
-            except json.JSONDecodeError:  # a line cut short by the crash
-                later.append(line)
-                continue
-            (later if row_step > step else keep).append(line)
+        found = read_json_lines(path)
+        keep = [line.text for line in found.lines if line.value.get("step", 0) <= step]
+        later = [line.text for line in found.lines if line.value.get("step", 0) > step]
+        if found.cut_short is not None:  # the crash's partial row belongs to the interrupted attempt
+            later.append(found.cut_short)
         if later:
             with open(run_dir / f"{name}.before-resume", "a") as f:
                 f.write("\n".join(later) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-        _write_atomically(path, "".join(line + "\n" for line in keep))
+        write_text_atomically(path, "".join(line + "\n" for line in keep))
         moved[name] = len(later)
     return moved
 
@@ -130,11 +127,3 @@ def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
             flat[f"{prefix}{key}"] = value
     return flat
 
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from titanrl.jsonl import read_json_lines
+
 
 class MetricsLogger:
     """Appends one JSON object per step and flushes it, so a crash loses at most one line."""
@@ -48,8 +50,8 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of `run_dir/metrics.jsonl` (read by `titanrl.jsonl`'s rule for a crash's cut-short line)."""
+    return read_json_lines(Path(run_dir) / "metrics.jsonl").values()
 
 
 def plot_run(run_dir: str | Path) -> Path:

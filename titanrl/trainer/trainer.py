@@ -97,6 +97,11 @@ class GRPOTrainer:
         return self.pm.device
 
     @property
+    def token_logprobs(self):  # noqa: ANN201 (a function of logits, targets, temperature)
+        """The logprob function of this trainer's mode (batch-invariant kernels or plain torch)."""
+        return self.grpo.token_logprobs
+
+    @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The AdamW of the policy (a pipeline rank has one per stage: `optimizers`)."""
         if len(self.optimizers) != 1:

@@ -29,7 +29,8 @@ class RolloutWorkersFailed(RunStopped):
 
 
 class SourceCheckpoint(Protocol):
-    """What a source's `checkpoint` returns: plain, picklable data (no Ray objects)."""
+    """What a source's `checkpoint` returns: a dataclass of plain data (no Ray objects), which
+    the loop stores with `titanrl.rundir.plain.to_plain` and rebuilds as `checkpoint_type`."""
 
     @property
     def exact(self) -> bool:
@@ -43,6 +44,8 @@ class RolloutSource(Protocol):
     workers: list[Any]
     """The rollout worker actors (Ray handles), worker i at index i; a replaced worker's new
     actor takes its place."""
+    checkpoint_type: type
+    """The dataclass `checkpoint` returns and `restore` takes (rebuilt from the plain data on disk)."""
 
     def fill(self, completed_steps: int, version: int) -> None:
         """Queues (or admits and dispatches) everything the staleness bound allows once

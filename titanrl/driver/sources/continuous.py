@@ -32,6 +32,8 @@ log = logging.getLogger("titanrl")
 class ContinuousRollouts(RolloutSource):
     """The rollout side of a `rollout.continuous` run, as the GRPO loop sees it (a `RolloutSource`)."""
 
+    checkpoint_type = BufferState
+
     def __init__(self, make_worker: Callable[[int], Any], num_workers: int, buffer: TrajectoryBuffer,
                  max_deaths_in_a_row: int = MAX_DEATHS_IN_A_ROW) -> None:
         """`make_worker(i)` starts the actor of worker slot i (a `ContinuousRolloutWorker`), again

@@ -240,6 +240,8 @@ class LockstepRollouts(RolloutSource):
     calls in order, so a request never mixes two policy versions).
     """
 
+    checkpoint_type = QueueCheckpoint
+
     def __init__(self, make_worker: Callable[[int], Any], num_workers: int, stream: PromptStream, run_seed: int,
                  group_size: int, turns_per_sample: int, max_staleness: int, steps: int,
                  max_deaths_in_a_row: int = MAX_DEATHS_IN_A_ROW) -> None:
