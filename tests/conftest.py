@@ -78,7 +78,10 @@ def tiny_run(tmp_path_factory) -> TinyRun:
     folder = tmp_path_factory.mktemp("tiny_run")
     rows = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(40)]
     write_rows(folder / "train.jsonl", rows)
-    return TinyRun(write_tiny_checkpoint(folder / "ckpt", seed=5, std=0.1), rows, folder / "train.jsonl")
+    # The embedding is padded past the tokenizer's 259 ids, as Qwen's 151,936 rows are: every run
+    # test also shows that ids without a token generate, score and train without errors.
+    ckpt = write_tiny_checkpoint(folder / "ckpt", seed=5, std=0.1, vocab_size=320)
+    return TinyRun(ckpt, rows, folder / "train.jsonl")
 
 
 # --- Ray ---------------------------------------------------------------------------------

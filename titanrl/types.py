@@ -99,6 +99,8 @@ class RolloutBatch:
     reward_seconds: float = 0.0
     """Wall time during which the request's samples were being scored (part of gen_seconds;
     for episodes, scoring overlaps the generation of the others)."""
+    peak_rss_gib: float = 0.0
+    """The worker process's peak resident memory so far (its vLLM engine included when in-process)."""
 
 
 def group_tokens(group: Group) -> int:

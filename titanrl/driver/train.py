@@ -22,6 +22,7 @@ from titanrl.data import load_run_rows
 from titanrl.driver.actors import shut_down, start_rollouts, start_trainer
 from titanrl.driver.log import show_messages
 from titanrl.driver.loop import GRPOLoop
+from titanrl.driver.out_of_memory import memory_hint
 from titanrl.driver.placement import Placement
 from titanrl.driver.ray_runtime import init_ray, ship_user_code_by_value
 from titanrl.driver.signals import SigtermAsInterrupt
@@ -128,6 +129,7 @@ def _run(config: RunConfig, run_dir: Path, checkpoint: RunCheckpoint | None, dri
         else:
             reason = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
         where = loop.save_after_failure(reason)
+        reason += memory_hint(e)
         stopped = f"run stopped after step {loop.step}: {reason}"
         if where is not None:
             log.info(f"{stopped}; newest checkpoint {where} (continue with --resume)")

@@ -1,15 +1,22 @@
 """Writes tiny, randomly initialised HF-format checkpoints for tests and examples.
 
     python -m titanrl.models.tiny OUT_DIR [--hidden-size 128 --num-hidden-layers 2 ...]
+    python -m titanrl.models.tiny OUT_DIR --config-json examples/configs/qwen3-0.6b.json
+
+With `--config-json` the architecture is a published model's (an HF config.json) and the
+tokenizer is still the byte-level one: its ids (259) are fewer than such a vocabulary, as
+Qwen's own tokenizer has fewer ids than its padded 151,936-row embedding.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from pathlib import Path
 
+import torch
 
 from titanrl.models.hf_checkpoint import save_checkpoint
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
@@ -39,7 +46,20 @@ def tiny_config(**overrides) -> Qwen3Config:
 
 def write_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, std: float = 0.02, **config_overrides) -> Path:
     """Writes config.json, model.safetensors and a byte-level tokenizer to `out_dir`."""
-    config = tiny_config(**config_overrides)
+    return write_checkpoint(out_dir, tiny_config(**config_overrides), seed=seed, std=std)
+
+
+def config_from_hf_json(path: str | os.PathLike) -> Qwen3Config:
+    """A published architecture from its config.json, with the byte tokenizer's special ids."""
+    config = Qwen3Config.from_hf_dict(json.loads(Path(path).read_text()))
+    if config.vocab_size < vocab_size_with_specials():
+        raise ValueError(f"{path}: vocab_size {config.vocab_size} is smaller than the byte tokenizer's "
+                         f"{vocab_size_with_specials()} ids")
+    return dataclasses.replace(config, eos_token_id=EOS_TOKEN_ID, bos_token_id=EOS_TOKEN_ID)
+
+
+def write_checkpoint(out_dir: str | os.PathLike, config: Qwen3Config, seed: int = 0, std: float = 0.02) -> Path:
+    """Writes a randomly initialised checkpoint of `config` with the byte-level tokenizer."""
     model = Qwen3ForCausalLM(config)
     model.init_weights(seed=seed, std=std)
     out = save_checkpoint(model, out_dir)
@@ -57,10 +77,17 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(value, (bool, int, float)) and not isinstance(value, bool):
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--untied", action="store_true", help="separate LM head matrix")
+    parser.add_argument("--config-json", default=None,
+                        help="take the architecture from this HF config.json (the other size flags are ignored)")
     args = vars(parser.parse_args(argv))
-    out_dir, seed, untied = args.pop("out_dir"), args.pop("seed"), args.pop("untied")
-    path = write_tiny_checkpoint(out_dir, seed=seed, tie_word_embeddings=not untied, **args)
-    n = sum(p.numel() for p in Qwen3ForCausalLM(tiny_config(**args)).parameters())
+    out_dir, seed, untied, config_json = args.pop("out_dir"), args.pop("seed"), args.pop("untied"), args.pop("config_json")
+    if config_json:
+        config = config_from_hf_json(config_json)
+    else:
+        config = tiny_config(tie_word_embeddings=not untied, **args)
+    path = write_checkpoint(out_dir, config, seed=seed)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
     print(f"wrote {path} ({n / 1e6:.2f}M parameters)")
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from titanrl.config import EnvConfig, RewardFn, RolloutConfig
 from titanrl.envs.base import EnvContext, EnvFactory
+from titanrl.memory import peak_rss_gib
 from titanrl.rewards.batch_scoring import RewardScorer, ToScore
 from titanrl.rewards.scoring import row_fields
 from titanrl.rollout.episode import Episode, EpisodeBudget, env_error, failed_episode, run_episode
@@ -142,7 +143,8 @@ class EnvRunner:
         episodes = self.loop.run_until_complete(self._episodes(rows, n, self.rc.temperature, seed))
         groups = [self._group(row, episodes[j * n : (j + 1) * n], first_group_id + j) for j, row in enumerate(rows)]
         return RolloutBatch(groups, sum(group_tokens(g) for g in groups), time.perf_counter() - start,
-                            self.engine.policy_version, reward_seconds=self.scorer.seconds - scoring_s)
+                            self.engine.policy_version, reward_seconds=self.scorer.seconds - scoring_s,
+                            peak_rss_gib=peak_rss_gib())
 
     async def generate_group(self, row: dict[str, Any], seed: int, group_id: int, generator: AsyncGenerator) -> Group:
         """One row's `group_size` scored episodes on a running generator (`rollout.continuous`)."""

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from titanrl.config import EnvConfig, ModelConfig, RolloutConfig, resolve_env_factory, resolve_reward
+from titanrl.memory import peak_rss_gib
 from titanrl.rewards.batch_scoring import RewardScorer
 from titanrl.rollout.single_turn import SingleTurn, scored_summary
 from titanrl.types import RolloutBatch, group_tokens
@@ -108,7 +109,8 @@ class RolloutWorker:
         scored = self.scorer.score(self.single_turn.to_score(rows, outputs))
         groups = self.single_turn.groups(rows, outputs, scored, first_group_id)
         return RolloutBatch(groups, sum(group_tokens(g) for g in groups), time.perf_counter() - start,
-                            self.engine.policy_version, reward_seconds=self.scorer.seconds - scoring_s)
+                            self.engine.policy_version, reward_seconds=self.scorer.seconds - scoring_s,
+                            peak_rss_gib=peak_rss_gib())
 
     def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int, correct_threshold: float) -> dict[str, Any]:
         """Greedy completions of held-out rows: rewards, how many are correct, how many errored."""

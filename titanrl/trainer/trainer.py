@@ -23,6 +23,7 @@ import torch
 
 from titanrl.config.schema import ModelConfig, TrainConfig
 from titanrl.errors import ConfigError
+from titanrl.memory import peak_rss_gib
 from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.batch import PackedBatch, minibatch_row_ranges, pack
@@ -172,6 +173,7 @@ class GRPOTrainer:
           train/optimizer_steps, train/skipped_optimizer_steps: taken / skipped in this call.
           train/skipped: 1.0 when the call was skipped; train/skipped_steps: skipped calls so far;
           train/consecutive_skipped: skipped calls since the last update; policy_version: after it.
+          memory/trainer_peak_gib: peak resident memory of this (rank 0's) process so far.
         In a parallel layout every rank must call it; rank 0 returns the metrics, the others None.
         """
         if not groups:
@@ -230,6 +232,8 @@ class GRPOTrainer:
             "train/consecutive_skipped": float(self.consecutive_skipped),
             "policy_version": float(self.version),
             "time/train_s": time.perf_counter() - start,
+            # Rank 0's process (in a parallel layout the others hold an equal share).
+            "memory/trainer_peak_gib": peak_rss_gib(),
         }
 
     # ------------------------------------------------------------------------- weights out

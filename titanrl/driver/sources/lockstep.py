@@ -269,7 +269,8 @@ class LockstepRollouts(RolloutSource):
             max(b.gen_seconds for b in batches),
             # Summed over the step's requests (workers score in parallel, so it can exceed gen_s).
             sum(b.reward_seconds for b in batches),
-            {"workers/restarts": float(self.pool.restarts)},
+            {"workers/restarts": float(self.pool.restarts),
+             "memory/worker_peak_gib": max(b.peak_rss_gib for b in batches)},
         )
 
     def trained(self, step: int) -> None:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from titanrl.driver.out_of_memory import memory_hint
 from titanrl.driver.sources.base import RolloutWorkersFailed
 from titanrl.weight_sync import WeightPush, WeightSync
 
@@ -172,9 +173,10 @@ class WorkerPool:
 
     def _stop_message(self, i: int, error: BaseException) -> str:
         if self.max_deaths_in_a_row <= 1:
-            return f"rollout worker {i} died ({describe(error)}) and replacement is off"
+            return f"rollout worker {i} died ({describe(error)}) and replacement is off" + memory_hint(error)
         return (f"rollout worker {i} died {self.deaths_in_a_row[i]} times in a row without finishing anything "
-                f"(last: {describe(error)}); check its log above (out of memory? a crashing reward or environment?)")
+                f"(last: {describe(error)}); check its log above (out of memory? a crashing reward or environment?)"
+                + memory_hint(error))
 
     def _start_replacement(self, i: int) -> None:
         import ray
