@@ -13,16 +13,18 @@ Batch-invariant mode computes a chunk's logits with `kernels.linear` and its log
 chunked logprobs are bitwise those of the unchunked batch-invariant path.
 
 Vocabulary parallel (`vocab_group`): `weight_VD` is this rank's contiguous shard of the head,
-rows [vocab_start, vocab_start + V_local). Each rank computes its shard's logits per chunk; the
-log-sum-exp (max, then sum of exp), the target logit (from the rank that owns the target id) and
-the entropy's sum of p * z are combined with all-reduces over the group; the backward all-reduces
-the hidden states' gradient. No rank holds full-vocabulary logits.
+rows [vocab_start, vocab_start + V_local), shards possibly uneven (259 = 130 + 129). Each rank
+computes its shard's logits per chunk; the log-sum-exp (max, then sum of exp), the target logit
+(from the rank that owns the target id) and the entropy's sum of p * z are combined with
+all-reduces over the group; the backward all-reduces the hidden states' gradient. No rank holds
+full-vocabulary logits.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titanrl import kernels
 
@@ -41,13 +43,27 @@ def _local_stats(z: torch.Tensor, targets: torch.Tensor, vocab_start: int, group
     shifted = (z - top[:, None]).exp()
     local = targets - vocab_start
     owned = (local >= 0) & (local < z.shape[-1])
-    target_z = z.gather(-1, local.clamp(0, z.shape[-1] - 1)[:, None]).squeeze(-1) * owned
+    target_z = torch.where(owned, z.gather(-1, local.clamp(0, z.shape[-1] - 1)[:, None]).squeeze(-1), 0.0)
     sums = torch.stack([shifted.sum(-1), (shifted * z).sum(-1), target_z])
     dist.all_reduce(sums, group=group)
     exp_sum, exp_z_sum, target_z = sums.unbind(0)
     lse = top + exp_sum.log()
     # H = lse - E_p[z]
     return target_z - lse, lse - exp_z_sum / exp_sum, lse
+
+
+def _vocab_shard(weight: DTensor) -> tuple[torch.Tensor, dist.ProcessGroup, int]:
+    """This rank's rows of a vocabulary-sharded head, the group over its shards, its first id."""
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or not weight.placements[0].is_shard(0):
+        raise ValueError(f"a DTensor LM head must be sharded on rows over a 1-D mesh, got {weight.placements} "
+                         f"on {mesh}")
+    local = weight.to_local()  # differentiable: the gradient comes back as the same Shard(0) DTensor
+    # Shard(0) splits as torch.chunk does: ceil(V / n) rows per rank, the last ranks fewer (uneven).
+    start = min(mesh.get_local_rank() * -(-weight.shape[0] // mesh.size()), weight.shape[0])
+    if not local.shape[0] or start + local.shape[0] > weight.shape[0]:
+        raise ValueError(f"vocabulary shard of {local.shape[0]} rows at {start} does not fit {weight.shape[0]}")
+    return local, mesh.get_group(), start
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
@@ -128,10 +144,14 @@ def chunked_token_logprobs(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, tar
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and entropy under softmax(hidden @ weight.T / temperature), chunk by chunk.
 
-    hidden_ND: final-norm hidden states of N tokens; weight_VD: the LM head (its vocabulary shard
-    under `vocab_group`, starting at id `vocab_start`); targets_N: token ids. Returns float32 [N]
-    logprobs and entropies (float64 for float64 inputs).
+    hidden_ND: final-norm hidden states of N tokens (a plain tensor, whole on every vocabulary
+    rank); weight_VD: the LM head, or this rank's vocabulary shard of it (rows from id
+    `vocab_start`, combined over `vocab_group`), or a DTensor sharded on rows over a 1-D mesh
+    (vocabulary parallel, group and start taken from it); targets_N: token ids. Returns float32
+    [N] logprobs and entropies (float64 for float64 inputs).
     """
+    if isinstance(weight_VD, DTensor):
+        weight_VD, vocab_group, vocab_start = _vocab_shard(weight_VD)
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     if temperature <= 0:

@@ -272,11 +272,17 @@ class ParallelGRPOStep:
                 totals.merge(c)
 
     def _reduce_partial_grads(self) -> None:
-        """Gradients left Partial (replicated weights over sharded activations) are summed now."""
+        """Gradients left Partial (replicated weights over sharded activations) are summed now, and
+        a gradient laid out unlike its parameter takes the parameter's layout: the vocabulary-parallel
+        embedding's backward (RowwiseParallel) returns a Replicate [V, D] gradient for a Shard(0)
+        weight, which the tied-copy sum, the norm and the optimizer want as the parameter's shard."""
         for p in self.pm.parameters():
             g = p.grad
             if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-                p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+                g = p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+            if (isinstance(g, DTensor) and isinstance(p, DTensor) and g.device_mesh == p.device_mesh
+                    and g.placements != p.placements):
+                p.grad = g.redistribute(placements=p.placements)
 
     def _global_stats(self, totals: _Totals, total_tokens: torch.Tensor) -> GradStats:
         """Sums each rank's disjoint share: TP ranks (identical) and non-last pipeline ranks count nothing."""
