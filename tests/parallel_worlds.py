@@ -192,3 +192,77 @@ def tied_group_ranks(case: Case, layout: dict) -> list[list[int] | None]:
     ranks: list[list[int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, None if group is None else dist.get_process_group_ranks(group))
     return ranks
+
+
+def vocab_parallel_logprobs(temperature: float = 0.7, chunk: int = 5) -> dict[str, float]:
+    """chunked_token_logprobs over vocabulary shards (float64; uneven: 259 rows over the world, as a
+    Shard(0) DTensor and as explicit shard + group + start) against the single-process Function on
+    the whole head: max abs difference of logprobs, entropy, grad of hidden and of this rank's
+    head rows (losses on both outputs), max over ranks; and the largest logits width any rank saw."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from titanrl.trainer import chunked_logprobs
+    from titanrl.trainer.chunked_logprobs import chunked_token_logprobs
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    N, D, V = 23, 16, 259
+    f64 = dict(generator=gen, dtype=torch.float64)  # float64: the combination's math, not float32 rounding
+    hidden, weight = torch.randn(N, D, **f64), torch.randn(V, D, **f64)
+    targets = torch.randint(0, V, (N,), generator=gen)
+    targets[:4] = torch.tensor([0, V - 1, 129, 130])  # both ends of both shards
+    g_lp, g_ent = torch.randn(N, **f64), torch.randn(N, **f64)
+
+    def run(fn, w):
+        h, w = hidden.clone().requires_grad_(), w
+        lp, ent = fn(h, w)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        return lp.detach(), ent.detach(), h.grad
+
+    w_ref = weight.clone().requires_grad_()
+    ref = run(lambda h, w: chunked_token_logprobs(h, w, targets, temperature, chunk), w_ref)
+    mesh = init_device_mesh("cpu", (n,))
+    widths: list[int] = []
+    real_logits = chunked_logprobs._logits
+
+    def spy(h, w, bi):  # records every logits chunk's width
+        widths.append(w.shape[0])
+        return real_logits(h, w, bi)
+
+    chunked_logprobs._logits = spy
+    try:
+        w_dt = torch.nn.Parameter(distribute_tensor(weight.clone(), mesh, [Shard(0)]))
+        got = run(lambda h, w: chunked_token_logprobs(h, w, targets, temperature, chunk), w_dt)
+        rows = w_dt.grad.to_local()
+        start = min(rank * -(-V // n), V)
+        w_local = weight[start:start + rows.shape[0]].clone().requires_grad_()
+        explicit = run(lambda h, w: chunked_token_logprobs(h, w, targets, temperature, chunk,
+                                                           vocab_group=mesh.get_group(), vocab_start=start), w_local)
+    finally:
+        chunked_logprobs._logits = real_logits
+    want_rows = w_ref.grad[start:start + rows.shape[0]]
+    diffs = {}
+    for tag, res, g_rows in (("dtensor", got, rows), ("explicit", explicit, w_local.grad)):
+        for what, a, b in zip(("logprobs", "entropy", "grad_hidden"), res, ref, strict=True):
+            diffs[f"{tag}_{what}"] = (a - b).abs().max().item()
+        diffs[f"{tag}_grad_weight_rows"] = (g_rows - want_rows).abs().max().item()
+    diffs["max_logits_width"] = float(max(widths))
+    top = torch.tensor(list(diffs.values()), dtype=torch.float64)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return dict(zip(diffs, top.tolist(), strict=True))
+
+
+def vocab_shards(cases: list[Case], layout: dict) -> list[dict[str, Any]]:
+    """Per case, under `layout`: every rank's local row counts of the embedding and the LM head,
+    whether the head is the embedding's parameter, and the vocabulary size."""
+    out = []
+    for case in cases:
+        pm, _, _ = _setup(case, layout)
+        (model,) = pm.parts
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        mine = [embed.to_local().shape[0], head.to_local().shape[0], float(head is embed)]
+        rows: list[list[float] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, mine)
+        out.append({"rows": rows, "vocab": pm.config.vocab_size, "tied": case.tied})
+    return out if dist.get_rank() == 0 else []

@@ -192,6 +192,7 @@ def test_group_size_below_two(good_config):
         ("train", "steps", 0),
         ("train", "lr", 0.0),
         ("train", "micro_batch_size", 0),
+        ("train", "logprob_chunk_tokens", 0),
     ],
 )
 def test_non_positive_fields(good_config, section, name, value):

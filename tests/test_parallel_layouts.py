@@ -12,7 +12,7 @@ from titanrl.trainer.parallel.layout_check import LAYOUTS, make_case, reference
 from titanrl.trainer.trainer import GRPOTrainer
 
 UNTIED = ["fsdp", "ddp", "tp", "tp_sp", "pp", "pp_gpipe", "pp_interleaved", "cp"]
-TIED = ["fsdp", "tp_sp", "cp", "pp", "pp_interleaved"]
+TIED = ["fsdp", "tp", "tp_sp", "cp", "pp", "pp_interleaved"]
 TOL = 1e-5
 
 
@@ -44,10 +44,12 @@ def world(tmp_path_factory):
         ("ring_attention", ()),
         ("batch_invariant", (invariant, INVARIANT)),
         ("forward_parity", (tied, {name: LAYOUTS[name] for name in FORWARD_PARITY})),
+        ("vocab_parallel_logprobs", ()),
+        ("vocab_shards", ([untied, tied], LAYOUTS["tp"])),
     ]
     results = run_local_world(run_jobs, 2, jobs, timeout_s=600)[0]
     return {"untied": results[0], "tied": results[1], "ring": results[2], "invariant": results[3],
-            "forward_parity": results[4],
+            "forward_parity": results[4], "vocab_parallel": results[5], "vocab_shards": results[6],
             "invariant_single": single.parity, "invariant_single_loss": single.loss_sum / single.tokens}
 
 
@@ -132,3 +134,25 @@ def test_forward_only_parity_equals_gradient_pass(world, layout):
     assert torch.equal(forward, grad_pass), r
     assert grad_pass[1] > 0.1 and grad_pass[3] > 0, r  # a real comparison: tokens checked, diffs seen
     assert r["no_grads_or_state"] is True, r
+
+
+def test_vocab_parallel_logprobs_equal_single_process(world):
+    """The chunked logprob Function over 2 vocabulary shards (259 rows: uneven, 130 + 129; a
+    Shard(0) DTensor head and an explicit shard + group + start), targets at both ends of both
+    shards, losses on logprobs and entropy: logprobs, entropies, the hidden states' gradient and
+    each rank's rows of the head gradient equal the single-process Function's to 1e-12 (float64),
+    and no rank computed logits wider than its 130-row shard."""
+    r = world["vocab_parallel"]
+    assert r.pop("max_logits_width") == 130.0, r
+    for key, diff in r.items():
+        assert diff <= 1e-12, (key, diff)
+
+
+def test_tp_shards_embedding_and_head_over_the_vocabulary(world):
+    """Under tp=2 each rank holds 130 or 129 of the 259 vocabulary rows of the embedding and of the
+    LM head (never the whole matrix); with tied embeddings the head is the embedding's one sharded
+    parameter. (Loss and gradients under tp / tp_sp, tied and untied: the layout tests above.)"""
+    for report in world["vocab_shards"]:
+        assert report["vocab"] == 259, report
+        assert [r[:2] for r in report["rows"]] == [[130, 130], [129, 129]], report
+        assert all(r[2] == float(report["tied"]) for r in report["rows"]), report

@@ -161,6 +161,10 @@ class TrainConfig:
     """Divide group-centered rewards by the group std (GRPO); False gives Dr.GRPO-style centering."""
     micro_batch_size: int = 64
     """Sequences per forward/backward; gradients accumulate to one step per batch."""
+    logprob_chunk_tokens: int = 1024
+    """Tokens whose LM-head logits exist at once: the head, log-softmax and its backward run over
+    chunks of this many tokens (logits recomputed in backward), so a micro-batch never holds its
+    full [tokens, vocab] logits. Smaller saves memory (a chunk costs ~3 x tokens x vocab x 4 bytes)."""
     max_staleness: int = 0
     """Oldest policy version the trainer accepts, in steps behind; 0 is synchronous on-policy."""
     ppo_epochs: int = 1

@@ -72,7 +72,7 @@ def validate(config: RunConfig) -> None:
         config,
         "rollout.num_workers", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
         "rollout.max_model_len", "rollout.max_num_seqs", "rollout.kv_cache_gib", "rollout.threads_per_worker",
-        "train.steps", "train.lr", "train.micro_batch_size", "train.threads",
+        "train.steps", "train.lr", "train.micro_batch_size", "train.logprob_chunk_tokens", "train.threads",
     )
     if config.rollout.group_size < 2:
         raise ConfigError("rollout.group_size must be >= 2: GRPO compares completions of the same prompt")

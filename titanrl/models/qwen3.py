@@ -190,6 +190,9 @@ class CausalSDPA(nn.Module):
         return out_BHTD.transpose(1, 2)
 
 
+LMHead = Callable[[torch.Tensor, torch.Tensor], Any]
+"""A replacement for the LM head's matmul: head(final-norm hidden [B, T, D], lm_head.weight [V, D])."""
+
 AttentionBackendFactory = Callable[[int], nn.Module]
 """Builds the attention backend for decoder layer `i`; called as backend(q, k, v)."""
 
@@ -320,5 +323,12 @@ class Qwen3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return _linear(self.lm_head, hidden) if self.batch_invariant else self.lm_head(hidden)
 
-    def forward(self, input_ids_BT: torch.Tensor, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
-        return self.compute_logits(self.hidden_states(input_ids_BT, positions_BT))
+    def forward(self, input_ids_BT: torch.Tensor, positions_BT: torch.Tensor | None = None,
+                head: LMHead | None = None) -> Any:
+        """Logits [B, T, V]; with `head`, `head(final-norm hidden [B, T, D], lm_head.weight)` instead.
+
+        `head` lets the trainer run its own LM head (chunked logprobs, no full logits) inside
+        `forward`, where FSDP holds the head's weight unsharded.
+        """
+        hidden = self.hidden_states(input_ids_BT, positions_BT)
+        return self.compute_logits(hidden) if head is None else head(hidden, self.lm_head.weight)

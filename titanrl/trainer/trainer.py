@@ -99,7 +99,8 @@ class GRPOTrainer:
 
     @property
     def token_logprobs(self):  # noqa: ANN201 (a function of logits, targets, temperature)
-        """The logprob function of this trainer's mode (batch-invariant kernels or plain torch)."""
+        """The logprob function of this trainer's mode (batch-invariant kernels or plain torch), on
+        full logits: the unchunked reference of what the step computes chunk by chunk."""
         return self.grpo.token_logprobs
 
     @property
@@ -167,6 +168,8 @@ class GRPOTrainer:
             (non-finite, which is why they were skipped).
           lr: learning rate of the call's last optimizer step (the one it would have used, if skipped).
           train/clip_fraction: clipped / tokens over every forward of the call (all passes).
+          train/entropy: token-mean entropy of the trainer's sampling distribution softmax(logits /
+            temperature) over the trained tokens of every forward of the call (all passes).
           train/mismatch_mean_abs, train/mismatch_max_abs: |trainer - generator| logprob on the
             first minibatch of the first pass, the only forward at the generator's weights.
           train/tokens: trained tokens in the groups; train/advantage_nonzero_frac.
@@ -187,7 +190,7 @@ class GRPOTrainer:
         several_updates = len(ranges) > 1 or self.cfg.ppo_epochs > 1
         proximal = self.proximal_logprobs(batch) if self.cfg.decoupled_loss and several_updates else None
         taken_loss, taken_norm, skipped_loss, skipped_norm = [], [], [], []
-        clipped = seen_tokens = 0.0
+        clipped = seen_tokens = entropy = 0.0
         first: GradStats | None = None
         lr = self.scheduler.get_last_lr()[0]
         for _ in range(self.cfg.ppo_epochs):
@@ -197,6 +200,7 @@ class GRPOTrainer:
                 if first is None:
                     first = stats
                 clipped += stats.clipped_tokens
+                entropy += stats.entropy_sum
                 seen_tokens += stats.tokens
                 loss, norm, taken = self.optimizer_step(stats)
                 (taken_loss if taken else skipped_loss).append(loss)
@@ -219,6 +223,7 @@ class GRPOTrainer:
             "grad_norm": sum(norms) / len(norms),
             "lr": lr,
             "train/clip_fraction": clipped / seen_tokens,
+            "train/entropy": entropy / seen_tokens,
             # Trainer-vs-generator logprob gap at the generator's weights version: the
             # train/inference mismatch plus any staleness.
             "train/mismatch_mean_abs": first.abs_logprob_diff_sum / first.tokens,

@@ -22,7 +22,7 @@ from titanrl.trainer.parallel.fsdp import apply_fsdp
 from titanrl.trainer.parallel.mesh import coord, fsdp_mesh
 from titanrl.trainer.parallel.pipeline import PipelineStageModel, num_stages, stages_of_rank
 from titanrl.trainer.parallel.ring_attention import ContextLayout, RingAttention
-from titanrl.trainer.parallel.tensor_parallel import apply_tensor_parallel
+from titanrl.trainer.parallel.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel
 from titanrl.trainer.parallel.tied import is_head_copy, split_tied, tied_group
 
 
@@ -110,6 +110,7 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
     for part in parts:
         if parallel.tp > 1:
             apply_tensor_parallel(_layers(part), mesh["tp"], parallel.sequence_parallel)
+            apply_vocab_parallel(part, mesh["tp"])
         if dp_mesh is not None:
             apply_fsdp(part, _layers(part), dp_mesh)
         part.train()
@@ -123,7 +124,7 @@ def build_optimizers(pm: ParallelModel, train_config: TrainConfig) -> list[torch
     optimizers = []
     for part in pm.parts:
         params = list(part.parameters())
-        # foreach kernels cannot mix DTensors and plain tensors (e.g. replicated embeddings under TP).
+        # foreach kernels cannot mix DTensors and plain tensors (e.g. replicated norms under TP).
         mixed = len({isinstance(p, DTensor) for p in params}) > 1
         optimizers.append(
             torch.optim.AdamW(

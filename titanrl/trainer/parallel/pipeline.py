@@ -12,7 +12,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from titanrl import kernels
 from titanrl.config.schema import ParallelConfig
 from titanrl.models.qwen3 import Qwen3ForCausalLM
 from titanrl.trainer.parallel.ring_attention import ContextLayout
@@ -36,12 +35,14 @@ class PipelineStageModel(nn.Module):
     """One pipeline stage of a Qwen3ForCausalLM: a contiguous run of its decoder layers.
 
     The first stage maps token ids [B, T] to hidden states (embedding + layers); middle stages
-    map hidden states to hidden states; the last one ends with the final norm and LM head and
-    returns logits [B, T, V]. Modules are shared with (taken from) the full model. With tied
-    embeddings the first and last stages each hold a copy of the tied matrix (see tied.py).
+    map hidden states to hidden states; the last one ends with the final norm and returns its
+    hidden states [B, T, D]: it holds the LM head, which the step's loss function applies chunk
+    by chunk (chunked_logprobs.py), so full logits never exist. Modules are shared with (taken
+    from) the full model. With tied embeddings the first and last stages each hold a copy of the
+    tied matrix (see tied.py).
 
-    Batch-invariant mode: the shared modules keep the full model's `set_batch_invariant` state,
-    and the stage takes the model's own flag for its LM head; `set_batch_invariant` switches both.
+    Batch-invariant mode: the shared modules keep the full model's `set_batch_invariant` state;
+    `set_batch_invariant` switches them (the loss function's head takes the step's flag).
     """
 
     def __init__(self, model: Qwen3ForCausalLM, stage: int, n_stages: int, context: ContextLayout | None) -> None:
@@ -58,8 +59,6 @@ class PipelineStageModel(nn.Module):
         ids = range(stage * per, (stage + 1) * per)
         self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in ids})
         self.model.rotary_emb = model.model.rotary_emb
-        # Whether the LM head runs through `kernels.linear`, as Qwen3ForCausalLM.compute_logits does.
-        self.batch_invariant = model.batch_invariant
         if self.is_last:
             self.model.norm = model.model.norm
             self.lm_head = model.lm_head
@@ -67,7 +66,7 @@ class PipelineStageModel(nn.Module):
             # copy and this stage this one: tied.py keeps the two equal.
 
     def set_batch_invariant(self, enabled: bool = True) -> PipelineStageModel:
-        """Qwen3ForCausalLM.set_batch_invariant for this stage's modules (and its LM head)."""
+        """Qwen3ForCausalLM.set_batch_invariant for this stage's modules."""
         for module in self.modules():
             if hasattr(module, "batch_invariant"):
                 module.batch_invariant = enabled
@@ -83,13 +82,7 @@ class PipelineStageModel(nn.Module):
         cos, sin = self.model.rotary_emb(pos.expand(B, T), h.dtype)
         for layer in self.model.layers.values():
             h = layer(h, cos, sin)
-        return self._logits(self.model.norm(h)) if self.is_last else h
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Qwen3ForCausalLM.compute_logits, for the stage that holds the head.
-        if self.batch_invariant:
-            return kernels.linear(hidden, self.lm_head.weight, self.lm_head.bias)
-        return self.lm_head(hidden)
+        return self.model.norm(h) if self.is_last else h
 
 
 def build_schedule(parts: list[PipelineStageModel], parallel: ParallelConfig, mesh: DeviceMesh,

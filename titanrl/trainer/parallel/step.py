@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from titanrl import kernels
 from titanrl.config.schema import TrainConfig
 from titanrl.trainer.batch import PackedBatch
+from titanrl.trainer.chunked_logprobs import chunked_token_logprobs
 from titanrl.trainer.grpo import clipped_surrogate_loss, decoupled_surrogate_loss, token_logprobs
 from titanrl.trainer.parallel.mesh import all_reduce, coord, dp_rank_and_size, owns
 from titanrl.trainer.parallel.parallelize import ParallelModel
@@ -59,18 +60,20 @@ class _Totals:
     """Per-rank sums of what GradStats reports, reduced over the world at the end."""
 
     def __init__(self) -> None:
-        self.loss = self.clipped = self.diff_sum = 0.0
+        self.loss = self.clipped = self.diff_sum = self.entropy = 0.0
         self.diff_max = float("-inf")
         self.parity = LogprobParity()
 
-    def add(self, loss_sum: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
+    def add(self, loss_sum: torch.Tensor, stats: dict[str, torch.Tensor], entropy_sum: torch.Tensor) -> None:
         self.loss += loss_sum.item()
+        self.entropy += entropy_sum.item()
         self.clipped += stats["clipped_tokens"].item()
         self.diff_sum += stats["abs_logprob_diff_sum"].item()
         self.diff_max = nan_max(self.diff_max, stats["max_abs_logprob_diff"].item())
 
     def merge(self, other: _Totals) -> None:
         self.loss += other.loss
+        self.entropy += other.entropy
         self.clipped += other.clipped
         self.diff_sum += other.diff_sum
         self.diff_max = nan_max(self.diff_max, other.diff_max)
@@ -84,6 +87,10 @@ class ParallelGRPOStep:
     batch-invariant generator bit for bit. Data parallel and pipeline layouts (dp_replicate /
     dp_shard / pp) only change which rows share a kernel call, so they keep those bits; tp and
     cp are refused (validate.check_batch_invariant says why).
+
+    The LM head runs in `chunked_token_logprobs` (train.logprob_chunk_tokens tokens at a time,
+    with its own backward): the model returns final-norm hidden states and no rank ever holds a
+    micro-batch's full [rows, T, V] logits.
     """
 
     def __init__(self, pm: ParallelModel, optimizers: list[torch.optim.Optimizer], train_config: TrainConfig,
@@ -94,7 +101,8 @@ class ParallelGRPOStep:
             check_batch_invariant(pm.parallel)
         for part in pm.parts:  # the whole model, or pipeline stages (their LM head included)
             part.set_batch_invariant(batch_invariant)
-        # The pipelined step's loss_fn uses this too, on the last stage's logits.
+        self.batch_invariant = batch_invariant
+        # The unchunked reference of what `_head` computes (for callers that hold logits).
         self.token_logprobs = kernels.token_logprobs if batch_invariant else token_logprobs
 
     # ------------------------------------------------------------------------- gradients
@@ -135,7 +143,7 @@ class ParallelGRPOStep:
         if self.pm.mesh is not None:
             raise NotImplementedError("the parallel trainer has no decoupled loss (train.decoupled_loss)")
         out = torch.zeros_like(batch.old_logprobs_BT)
-        for lo, sub, logprobs in self._logprobs_by_micro_batch(batch, backward=False):
+        for lo, sub, logprobs, _ in self._logprobs_by_micro_batch(batch, backward=False):
             out[lo:lo + sub.input_ids_BT.shape[0], :logprobs.shape[1]] = logprobs.to(out.device)
         return out
 
@@ -150,13 +158,27 @@ class ParallelGRPOStep:
         if self.pm.pipelined:
             self._pipelined(local, total_tokens, totals, backward)
         else:
-            for _, sub, logprobs in self._logprobs_by_micro_batch(local, backward):
-                loss_sum = self._loss(logprobs, sub, totals)
+            for _, sub, logprobs, entropy in self._logprobs_by_micro_batch(local, backward):
+                loss_sum = self._loss(logprobs, entropy, sub, totals)
                 if backward:
                     (loss_sum / total_tokens.to(loss_sum.device)).backward()
         return totals, total_tokens
 
-    def _loss(self, logprobs: torch.Tensor, sub: PackedBatch, totals: _Totals) -> torch.Tensor:
+    def _head(self, targets_BT: torch.Tensor):  # noqa: ANN202 (a models.qwen3.LMHead)
+        """The LM head for one micro-batch: (final-norm hidden [B, T, D], head weight [V, D]) ->
+        (logprobs [B, T], entropy [B, T]) of `targets_BT`, computed chunk by chunk."""
+
+        def head(hidden_BTD: torch.Tensor, weight_VD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            B, T, D = hidden_BTD.shape
+            logprobs, entropy = chunked_token_logprobs(
+                hidden_BTD.reshape(B * T, D), weight_VD, targets_BT.reshape(B * T), self.temperature,
+                self.cfg.logprob_chunk_tokens, self.batch_invariant)
+            return logprobs.view(B, T), entropy.view(B, T)
+
+        return head
+
+    def _loss(self, logprobs: torch.Tensor, entropy: torch.Tensor, sub: PackedBatch, totals: _Totals
+              ) -> torch.Tensor:
         """Summed surrogate loss of one micro-batch (its tensors on the device); records its stats."""
         mask, old, adv = sub.loss_mask_BT, sub.old_logprobs_BT, sub.advantages_B
         cfg = self.cfg
@@ -169,7 +191,7 @@ class ParallelGRPOStep:
                 stats["abs_logprob_diff_sum"], stats["max_abs_logprob_diff"] = gap.sum(), gap.max()
         else:
             loss_sum, stats = clipped_surrogate_loss(logprobs, old, adv, mask, cfg.clip_eps, cfg.clip_eps_high)
-        totals.add(loss_sum.detach(), stats)
+        totals.add(loss_sum.detach(), stats, (entropy.detach() * mask).sum())
         totals.parity.add(logprobs, old, mask * sub.current_B.float()[:, None])
         return loss_sum
 
@@ -182,7 +204,7 @@ class ParallelGRPOStep:
     def _logprobs_by_micro_batch(self, local: PackedBatch, backward: bool
                                  ) -> Iterator[tuple[int, PackedBatch, torch.Tensor]]:
         """For each micro-batch of `local`: its first row, its tensors on the device (trimmed to
-        its trained length), and the model's logprobs of its targets."""
+        its trained length), and the model's logprobs of its targets and entropies [B, T]."""
         (model,) = self.pm.parts
         mb = self.cfg.micro_batch_size
         starts = list(range(0, local.input_ids_BT.shape[0], mb))
@@ -196,8 +218,9 @@ class ParallelGRPOStep:
             if backward and isinstance(model, FSDPModule):
                 # Reduce-scatter gradients once, after the last micro-batch.
                 model.set_requires_gradient_sync(i == len(starts) - 1)
-            logits = model(sub.input_ids_BT, positions)
-            yield lo, sub, self.token_logprobs(logits, sub.targets_BT, self.temperature)
+            # The head runs inside the model's forward: FSDP holds its weight unsharded there.
+            logprobs, entropy = model(sub.input_ids_BT, positions, head=self._head(sub.targets_BT))
+            yield lo, sub, logprobs, entropy
 
     def _pipelined(self, local: PackedBatch, total_tokens: torch.Tensor, totals: _Totals, backward: bool) -> None:
         pm = self.pm
@@ -215,19 +238,22 @@ class ParallelGRPOStep:
         packed = torch.stack([local.targets_BT.double(), mask.double(), local.old_logprobs_BT.double(),
                               per_row(local.advantages_B), per_row(local.current_B)], -1)
         calls: list[_Totals] = []
+        last = next((p for p in pm.parts if p.is_last), None)
 
-        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            # The last stage returns final-norm hidden states; its LM head runs here, chunked.
             t, m, o, a, c = target.unbind(-1)
             if not self.pm.context:
                 # Trim this micro-batch's trailing padding as the unpipelined step does: the
                 # loss sums the same [rows, T] tensor, so with batch-invariant logprobs and the
                 # same rows per micro-batch it has the same bits (zero-mask columns add no gradient).
                 T = trimmed_len(m)
-                logits, t, m, o = logits[:, :T], t[:, :T], m[:, :T], o[:, :T]
+                hidden, t, m, o = hidden[:, :T], t[:, :T], m[:, :T], o[:, :T]
             calls.append(_Totals())
             # The loss reads no input ids: the targets stand in for them.
             sub = PackedBatch(t.long(), t.long(), m.float(), o.float(), a[:, 0].float(), c[:, 0] > 0)
-            loss_sum = self._loss(self.token_logprobs(logits, t.long(), self.temperature), sub, calls[-1])
+            logprobs, entropy = self._head(t.long())(hidden, last.lm_head.weight)
+            loss_sum = self._loss(logprobs, entropy, sub, calls[-1])
             return loss_sum / total_tokens.to(loss_sum.device)
 
         schedule = build_schedule(pm.parts, pm.parallel, pm.mesh, pm.device, n_micro, loss_fn)
@@ -246,11 +272,17 @@ class ParallelGRPOStep:
                 totals.merge(c)
 
     def _reduce_partial_grads(self) -> None:
-        """Gradients left Partial (replicated weights over sharded activations) are summed now."""
+        """Gradients left Partial (replicated weights over sharded activations) are summed now, and
+        a gradient laid out unlike its parameter takes the parameter's layout: the vocabulary-parallel
+        embedding's backward (RowwiseParallel) returns a Replicate [V, D] gradient for a Shard(0)
+        weight, which the tied-copy sum, the norm and the optimizer want as the parameter's shard."""
         for p in self.pm.parameters():
             g = p.grad
             if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-                p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+                g = p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+            if (isinstance(g, DTensor) and isinstance(p, DTensor) and g.device_mesh == p.device_mesh
+                    and g.placements != p.placements):
+                p.grad = g.redistribute(placements=p.placements)
 
     def _global_stats(self, totals: _Totals, total_tokens: torch.Tensor) -> GradStats:
         """Sums each rank's disjoint share: TP ranks (identical) and non-last pipeline ranks count nothing."""
@@ -259,17 +291,18 @@ class ParallelGRPOStep:
         par = totals.parity
         # A NaN max travels as a count (a max-reduction would drop it).
         mine = [totals.loss, totals.clipped, totals.diff_sum, float(math.isnan(totals.diff_max)),
-                par.diff_sum, par.different, par.checked, float(math.isnan(par.diff_max))]
+                par.diff_sum, par.different, par.checked, float(math.isnan(par.diff_max)), totals.entropy]
         sums = torch.tensor(mine if counts else [0.0] * len(mine), dtype=torch.float64, device=pm.device)
         all_reduce(sums, pm.mesh)
         tops = [totals.diff_max, par.diff_max if par.checked else float("-inf")]
         top = torch.tensor([t if counts and not math.isnan(t) else float("-inf") for t in tops],
                            dtype=torch.float64, device=pm.device)
         all_reduce(top, pm.mesh, op=dist.ReduceOp.MAX)
-        loss, clipped, diff_sum, nan, p_sum, p_diff, p_checked, p_nan = sums.tolist()
+        loss, clipped, diff_sum, nan, p_sum, p_diff, p_checked, p_nan, entropy = sums.tolist()
         diff_max, p_max = top.tolist()
         parity = LogprobParity(p_sum, float("nan") if p_nan else max(p_max, 0.0), p_diff, p_checked)
-        return GradStats(loss, total_tokens.item(), clipped, diff_sum, float("nan") if nan else diff_max, parity)
+        return GradStats(loss, total_tokens.item(), clipped, diff_sum, float("nan") if nan else diff_max, parity,
+                         entropy)
 
     # ------------------------------------------------------------------------- optimizer
 

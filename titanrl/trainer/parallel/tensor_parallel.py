@@ -3,8 +3,9 @@
 Per layer: q/k/v and gate/up are column-parallel (each rank holds whole heads / MLP columns),
 o and down are row-parallel (their outputs are summed across ranks). The per-head q/k norms see
 head-sharded inputs, so their weights are replicated DTensors whose gradients DTensor sums over
-the TP ranks. Embedding, final norm and LM head stay replicated plain modules: every TP rank
-computes them identically, and their gradients agree without communication.
+the TP ranks. The token embedding and the LM head are vocabulary-parallel
+(`apply_vocab_parallel`): each rank holds 1/tp of the vocabulary's rows, and a tied pair shares
+the one sharded matrix; the final norm stays a replicated plain module.
 
 With sequence parallel the residual stream between TP regions is split along the sequence:
 layer norms run on 1/tp of the tokens, row-parallel outputs are reduce-scattered instead of
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -82,3 +83,27 @@ def apply_tensor_parallel(layers: Sequence[nn.Module], tp_mesh: DeviceMesh, sequ
             tp_mesh,
             PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True),
         )
+
+
+def apply_vocab_parallel(part: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shards the token embedding and the LM head held by `part` over the vocabulary on `tp_mesh`.
+
+    The embedding is torch's vocabulary-parallel embedding (RowwiseParallel of an nn.Embedding:
+    each rank looks up the ids it owns, zeros elsewhere, and the output is all-reduced to a
+    replicated [B, T, D]). The head's weight becomes a DTensor sharded on rows (Shard(0)); the
+    step's chunked logprobs consume it shard by shard (chunked_logprobs.py), so no rank computes
+    full-vocabulary logits. A tied head is re-pointed at the sharded embedding matrix. A vocabulary
+    that tp does not divide is split unevenly, as Shard(0) does (the last rank holds fewer rows).
+    """
+    embed = getattr(part.model, "embed_tokens", None)
+    head = getattr(part, "lm_head", None)
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if embed is not None:
+        parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+    if head is None:
+        return
+    if tied:
+        head.weight = embed.weight
+    else:
+        w = head.weight
+        head.weight = nn.Parameter(distribute_tensor(w.detach(), tp_mesh, [Shard(0)]), requires_grad=w.requires_grad)

@@ -10,7 +10,8 @@ gradients, clipping and optimizer state the copies stay bitwise equal.
 
 Under FSDP the copies' gradients are DTensors sharded the same way (one `fully_shard` of the
 same shape over the same data-parallel mesh coordinates), so summing their local shards is
-summing the full gradients. Under TP the embedding and head are replicated plain tensors.
+summing the full gradients. Under TP both copies are vocabulary shards (Shard(0)) of the same
+rows at the same tp coordinate, so the same holds.
 The global gradient norm and checkpoints count the tied matrix once, under its HF name
 `model.embed_tokens.weight` (see step.grad_norm and checkpoint.py).
 """
