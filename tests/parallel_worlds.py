@@ -81,7 +81,9 @@ def ring_attention(seq_per_rank: int = 8) -> dict[str, float]:
 def _setup(case: Case, layout: dict):
     parallel = ParallelConfig(**layout)
     model, _ = load_model(case.checkpoint)
-    pm = parallelize(model, parallel, build_mesh(parallel, "cpu"))
+    pm = parallelize(model, parallel, build_mesh(parallel, "cpu"),
+                     activation_checkpointing=case.train.activation_checkpointing,
+                     activation_checkpointing_every=case.train.activation_checkpointing_every)
     optimizers = build_optimizers(pm, case.train)
     return pm, optimizers, ParallelGRPOStep(pm, optimizers, case.train, case.temperature)
 
@@ -192,3 +194,36 @@ def tied_group_ranks(case: Case, layout: dict) -> list[list[int] | None]:
     ranks: list[list[int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, None if group is None else dist.get_process_group_ranks(group))
     return ranks
+
+
+def _local_grads(pm) -> dict[str, torch.Tensor]:
+    """This rank's gradient shard of every parameter (HF names; a pipeline rank's stages)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+            for n, p in pm.named_parameters() if p.grad is not None}
+
+
+def activation_checkpointing_grads(case: Case, layouts: dict[str, dict], modes: dict[str, dict]) -> dict[str, Any]:
+    """Per layout: one gradient accumulation without activation checkpointing and one per mode in
+    `modes` (TrainConfig overrides); how many local gradient shards differ from the stored run's
+    (torch.equal), summed over ranks, and whether the stored run's gradients are non-zero."""
+    out = {}
+    for name, layout in layouts.items():
+        runs = {}
+        for mode, overrides in {"none": {}, **modes}.items():
+            mode_case = dataclasses.replace(case, train=dataclasses.replace(case.train, **overrides))
+            pm, _, step = _setup(mode_case, layout)
+            step.accumulate_gradients(case.batch)
+            runs[mode] = _local_grads(pm)
+        ref = runs.pop("none")
+        nonzero = torch.tensor([float(any(g.abs().max() > 0 for g in ref.values() if g.numel()))])
+        dist.all_reduce(nonzero)
+        out[name] = {"nonzero": nonzero.item() == dist.get_world_size()}
+        for mode, grads in runs.items():
+            unequal = float(grads.keys() != ref.keys()) + sum(
+                0.0 if torch.equal(grads[n], ref[n]) else 1.0 for n in ref if n in grads)
+            count = torch.tensor([unequal])
+            dist.all_reduce(count)
+            out[name][mode] = {"unequal": int(count.item())}
+    return out if dist.get_rank() == 0 else {}

@@ -20,6 +20,8 @@ WeightTransport = Literal["object_store", "shared_memory", "broadcast"]
 """How new weights reach the rollout workers."""
 PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
 """Pipeline schedules (config/parallel.py knows how many stages each runs per rank)."""
+ActivationCheckpointing = Literal["none", "full", "every_nth"]
+"""Which decoder blocks recompute their activations in backward instead of storing them."""
 RewardFn = Callable[..., float]
 """A reward `(prompt, completion, **row_fields) -> float`."""
 
@@ -161,6 +163,12 @@ class TrainConfig:
     """Divide group-centered rewards by the group std (GRPO); False gives Dr.GRPO-style centering."""
     micro_batch_size: int = 64
     """Sequences per forward/backward; gradients accumulate to one step per batch."""
+    activation_checkpointing: ActivationCheckpointing = "none"
+    """Decoder blocks that keep only their input for backward and recompute the rest there
+    (saves activation memory for about one more forward): 'none', 'full' (every block) or
+    'every_nth' (every activation_checkpointing_every-th block). Gradients are unchanged."""
+    activation_checkpointing_every: int = 2
+    """With activation_checkpointing='every_nth': checkpoint blocks N, 2N, ... (1-based), N >= 1."""
     max_staleness: int = 0
     """Oldest policy version the trainer accepts, in steps behind; 0 is synchronous on-policy."""
     ppo_epochs: int = 1

@@ -81,7 +81,9 @@ class GRPOTrainer:
             init_distributed(device_type)
             mesh = build_mesh(parallel, device_type)
         self.rank = global_rank()
-        self.pm = parallelize(model, parallel, mesh, device_type=device_type)
+        self.pm = parallelize(model, parallel, mesh, device_type=device_type,
+                              activation_checkpointing=train_config.activation_checkpointing,
+                              activation_checkpointing_every=train_config.activation_checkpointing_every)
         self.optimizers = build_optimizers(self.pm, train_config)
         self.schedulers = [build_scheduler(opt, train_config) for opt in self.optimizers]
         self.grpo = ParallelGRPOStep(self.pm, self.optimizers, train_config, temperature, batch_invariant)
