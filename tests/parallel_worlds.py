@@ -18,11 +18,11 @@ from titanrl.models.qwen3 import CausalSDPA
 from titanrl.trainer.parallel import (
     ParallelGRPOStep,
     build_mesh,
-    build_optimizers,
     iter_full_weights,
     load_model_optim,
     parallelize,
 )
+from titanrl.trainer.optimizer import build_optimizers
 from titanrl.trainer.parallel.checkpoint import save_training_checkpoint
 from titanrl.trainer.parallel.layout_check import Case, check_layout
 from titanrl.trainer.parallel.ring_attention import ContextLayout, RingAttention
@@ -227,3 +227,32 @@ def activation_checkpointing_grads(case: Case, layouts: dict[str, dict], modes: 
             dist.all_reduce(count)
             out[name][mode] = {"unequal": int(count.item())}
     return out if dist.get_rank() == 0 else {}
+
+
+def optimizer_groups_resume(case: Case, workdir: str, layout: dict) -> dict[str, Any]:
+    """GRPOTrainer under `layout` (case.train's weight decay): one optimizer step, save_state, one
+    more step. Returns (rank 0) every rank's {parameter: (group name, weight_decay)} per optimizer,
+    the checkpoint, the weights after the further step (the uninterrupted run) and, for a split
+    tied matrix, whether its two copies are still bitwise equal."""
+    from titanrl.config import ModelConfig
+    from titanrl.trainer.parallel.tied import tied_copies_equal
+    from titanrl.trainer.trainer import GRPOTrainer
+
+    train = dataclasses.replace(case.train, parallel=ParallelConfig(**layout))
+    trainer = GRPOTrainer(ModelConfig(checkpoint=case.checkpoint), train, case.temperature, seed=0)
+    trainer.optimizer_step(trainer.accumulate_gradients(case.batch))
+    ckpt = str(Path(workdir) / "ckpt")
+    trainer.save_state(ckpt)
+    trainer.optimizer_step(trainer.accumulate_gradients(case.batch))
+    weights = trainer.state_dict_for_push()
+    groups = []
+    for part, opt in zip(trainer.pm.parts, trainer.optimizers, strict=True):
+        names = {id(p): n for n, p in part.named_parameters()}
+        groups.append({names[id(p)]: (g["name"], g["weight_decay"]) for g in opt.param_groups for p in g["params"]})
+    by_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(by_rank, groups)
+    pm = trainer.pm
+    equal = tied_copies_equal(pm.parts, pm.tied_group, pm.device) if pm.split_tied else None
+    if dist.get_rank() != 0:
+        return {}
+    return {"groups": by_rank, "checkpoint": ckpt, "weights_after": weights, "tied_copies_equal": equal}

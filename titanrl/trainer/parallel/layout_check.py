@@ -28,7 +28,8 @@ from titanrl.models.tiny import write_tiny_checkpoint
 from titanrl.trainer.grpo import token_logprobs
 from titanrl.trainer.parallel.gather import iter_full_gradients, iter_full_weights
 from titanrl.trainer.parallel.mesh import build_mesh
-from titanrl.trainer.parallel.parallelize import build_optimizers, parallelize
+from titanrl.trainer.optimizer import build_optimizers
+from titanrl.trainer.parallel.parallelize import parallelize
 from titanrl.trainer.parallel.step import ParallelGRPOStep
 from titanrl.trainer.parallel.tied import tied_copies_equal
 from titanrl.config.parallel import validate_parallel

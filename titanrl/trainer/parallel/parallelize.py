@@ -15,9 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
-from titanrl.config.schema import ActivationCheckpointing, ParallelConfig, TrainConfig
+from titanrl.config.schema import ActivationCheckpointing, ParallelConfig
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from titanrl.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from titanrl.trainer.parallel.fsdp import apply_fsdp
@@ -124,19 +123,3 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
     group = tied_group(mesh) if split_tied(parallel.pp, model.config.tie_word_embeddings) else None
     return ParallelModel(parts, parallel, mesh, model.config, context, device, group)
 
-
-def build_optimizers(pm: ParallelModel, train_config: TrainConfig) -> list[torch.optim.AdamW]:
-    """One AdamW per model part (as GRPOTrainer configures it), so each part's distributed state
-    dict pairs its own parameters with its own optimizer state."""
-    optimizers = []
-    for part in pm.parts:
-        params = list(part.parameters())
-        # foreach kernels cannot mix DTensors and plain tensors (e.g. replicated embeddings under TP).
-        mixed = len({isinstance(p, DTensor) for p in params}) > 1
-        optimizers.append(
-            torch.optim.AdamW(
-                params, lr=train_config.lr, betas=train_config.betas, weight_decay=train_config.weight_decay,
-                foreach=False if mixed else None,
-            )
-        )
-    return optimizers
