@@ -1,9 +1,9 @@
 """The policy's AdamW: one per model part, two named parameter groups.
 
-Weight decay pulls weights towards zero. That regularises matrices, but a norm's gain, a bias
-or a token embedding has no scale to regularise, and decaying it only drags it away from what
-it must be (norm gains towards 0 instead of 1, rare tokens' embeddings towards 0). So, by HF
-parameter name:
+Weight decay pulls weights towards zero. That regularises the projection matrices; a norm's
+gain, a bias or a token embedding it only drags away from where it belongs (norm gains towards
+0 instead of 1, the rows of rarely seen tokens towards 0 between their updates), the usual
+exclusion in LM training. By HF parameter name:
 
     no_decay   every `*norm.weight`, every `*.bias`, `model.embed_tokens.weight` and, with tied
                embeddings, `lm_head.weight` (the same matrix; the last pipeline stage's copy of it)

@@ -35,4 +35,6 @@ def apply_activation_checkpointing(layers: Sequence[nn.Module], mode: Activation
     (global indices, so a pipeline stage checkpoints the same blocks as one process would)."""
     chosen = set(checkpointed_layers(len(layers), mode, every))
     for i, layer in enumerate(layers):
+        if not hasattr(layer, "checkpoint_activations"):  # a block class that would ignore the flag
+            raise TypeError(f"{type(layer).__name__} has no checkpoint_activations flag (see models.qwen3.DecoderLayer)")
         layer.checkpoint_activations = i in chosen

@@ -10,8 +10,9 @@ save and load their part. GRPOTrainer writes the same flattened form
 group (`param_groups.<name>.name`: 'decay' or 'no_decay', see titanrl.trainer.optimizer), so
 its group settings (weight decay) load with it in any layout. Older checkpoints, in the nested
 form (param groups keyed by index) or flattened with one unnamed group, still load: their
-tensors are taken and the current param-group settings kept. A tied embedding / LM head split across pipeline stages is saved
-and loaded under the names every other layout uses (see save_model_optim).
+tensors are taken and the current param-group settings kept. A tied embedding / LM head split
+across pipeline stages is saved and loaded under the names every other layout uses (see
+save_model_optim).
 """
 
 from __future__ import annotations

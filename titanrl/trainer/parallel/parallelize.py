@@ -2,8 +2,9 @@
 
 Order: context parallel (swap attention backends), activation checkpointing flags, pipeline
 split, then per stage tensor parallel and finally FSDP2 / HSDP over the data-parallel
-(x context-parallel) ranks. A tied
-embedding split across pipeline stages gets its gradient-summing group last (tied.py).
+(x context-parallel) ranks. A tied embedding split across pipeline stages gets its
+gradient-summing group last (tied.py). The optimizers are built from the result
+(titanrl.trainer.optimizer).
 """
 
 from __future__ import annotations
