@@ -18,11 +18,11 @@ from titanrl.models.qwen3 import CausalSDPA
 from titanrl.trainer.parallel import (
     ParallelGRPOStep,
     build_mesh,
-    build_optimizers,
     iter_full_weights,
     load_model_optim,
     parallelize,
 )
+from titanrl.trainer.optimizer import build_optimizers
 from titanrl.trainer.parallel.checkpoint import save_training_checkpoint
 from titanrl.trainer.parallel.layout_check import Case, check_layout
 from titanrl.trainer.parallel.ring_attention import ContextLayout, RingAttention
@@ -81,7 +81,9 @@ def ring_attention(seq_per_rank: int = 8) -> dict[str, float]:
 def _setup(case: Case, layout: dict):
     parallel = ParallelConfig(**layout)
     model, _ = load_model(case.checkpoint)
-    pm = parallelize(model, parallel, build_mesh(parallel, "cpu"))
+    pm = parallelize(model, parallel, build_mesh(parallel, "cpu"),
+                     activation_checkpointing=case.train.activation_checkpointing,
+                     activation_checkpointing_every=case.train.activation_checkpointing_every)
     optimizers = build_optimizers(pm, case.train)
     return pm, optimizers, ParallelGRPOStep(pm, optimizers, case.train, case.temperature)
 
@@ -266,3 +268,65 @@ def vocab_shards(cases: list[Case], layout: dict) -> list[dict[str, Any]]:
         dist.all_gather_object(rows, mine)
         out.append({"rows": rows, "vocab": pm.config.vocab_size, "tied": case.tied})
     return out if dist.get_rank() == 0 else []
+
+
+def _local_grads(pm) -> dict[str, torch.Tensor]:
+    """This rank's gradient shard of every parameter (HF names; a pipeline rank's stages)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+            for n, p in pm.named_parameters() if p.grad is not None}
+
+
+def activation_checkpointing_grads(case: Case, layouts: dict[str, dict], modes: dict[str, dict]) -> dict[str, Any]:
+    """Per layout: one gradient accumulation without activation checkpointing and one per mode in
+    `modes` (TrainConfig overrides); how many local gradient shards differ from the stored run's
+    (torch.equal), summed over ranks, and whether the stored run's gradients are non-zero."""
+    out = {}
+    for name, layout in layouts.items():
+        runs = {}
+        for mode, overrides in {"none": {}, **modes}.items():
+            mode_case = dataclasses.replace(case, train=dataclasses.replace(case.train, **overrides))
+            pm, _, step = _setup(mode_case, layout)
+            step.accumulate_gradients(case.batch)
+            runs[mode] = _local_grads(pm)
+        ref = runs.pop("none")
+        nonzero = torch.tensor([float(any(g.abs().max() > 0 for g in ref.values() if g.numel()))])
+        dist.all_reduce(nonzero)
+        out[name] = {"nonzero": nonzero.item() == dist.get_world_size()}
+        for mode, grads in runs.items():
+            unequal = float(grads.keys() != ref.keys()) + sum(
+                0.0 if torch.equal(grads[n], ref[n]) else 1.0 for n in ref if n in grads)
+            count = torch.tensor([unequal])
+            dist.all_reduce(count)
+            out[name][mode] = {"unequal": int(count.item())}
+    return out if dist.get_rank() == 0 else {}
+
+
+def optimizer_groups_resume(case: Case, workdir: str, layout: dict) -> dict[str, Any]:
+    """GRPOTrainer under `layout` (case.train's weight decay): one optimizer step, save_state, one
+    more step. Returns (rank 0) every rank's {parameter: (group name, weight_decay)} per optimizer,
+    the checkpoint, the weights after the further step (the uninterrupted run) and, for a split
+    tied matrix, whether its two copies are still bitwise equal."""
+    from titanrl.config import ModelConfig
+    from titanrl.trainer.parallel.tied import tied_copies_equal
+    from titanrl.trainer.trainer import GRPOTrainer
+
+    train = dataclasses.replace(case.train, parallel=ParallelConfig(**layout))
+    trainer = GRPOTrainer(ModelConfig(checkpoint=case.checkpoint), train, case.temperature, seed=0)
+    trainer.optimizer_step(trainer.accumulate_gradients(case.batch))
+    ckpt = str(Path(workdir) / "ckpt")
+    trainer.save_state(ckpt)
+    trainer.optimizer_step(trainer.accumulate_gradients(case.batch))
+    weights = trainer.state_dict_for_push()
+    groups = []
+    for part, opt in zip(trainer.pm.parts, trainer.optimizers, strict=True):
+        names = {id(p): n for n, p in part.named_parameters()}
+        groups.append({names[id(p)]: (g["name"], g["weight_decay"]) for g in opt.param_groups for p in g["params"]})
+    by_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(by_rank, groups)
+    pm = trainer.pm
+    equal = tied_copies_equal(pm.parts, pm.tied_group, pm.device) if pm.split_tied else None
+    if dist.get_rank() != 0:
+        return {}
+    return {"groups": by_rank, "checkpoint": ckpt, "weights_after": weights, "tied_copies_equal": equal}

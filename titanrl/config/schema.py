@@ -20,6 +20,8 @@ WeightTransport = Literal["object_store", "shared_memory", "broadcast"]
 """How new weights reach the rollout workers."""
 PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
 """Pipeline schedules (config/parallel.py knows how many stages each runs per rank)."""
+ActivationCheckpointing = Literal["none", "full", "every_nth"]
+"""Which decoder blocks recompute their activations in backward instead of storing them."""
 RewardFn = Callable[..., float]
 """A reward `(prompt, completion, **row_fields) -> float`."""
 
@@ -134,7 +136,9 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.99)
     """AdamW betas."""
     weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
+    """AdamW decoupled weight decay of the weight matrices (an untied lm_head included); norms
+    (every *norm.weight), biases and the embedding (with a tied lm_head) are never decayed: the
+    optimizer's 'no_decay' param group."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up steps."""
     lr_decay: Literal["constant", "cosine"] = "constant"
@@ -165,6 +169,12 @@ class TrainConfig:
     """Tokens whose LM-head logits exist at once: the head, log-softmax and its backward run over
     chunks of this many tokens (logits recomputed in backward), so a micro-batch never holds its
     full [tokens, vocab] logits. Smaller saves memory (a chunk costs ~3 x tokens x vocab x 4 bytes)."""
+    activation_checkpointing: ActivationCheckpointing = "none"
+    """Decoder blocks that keep only their input for backward and recompute the rest there
+    (saves activation memory for about one more forward): 'none', 'full' (every block) or
+    'every_nth' (every activation_checkpointing_every-th block). Gradients are unchanged."""
+    activation_checkpointing_every: int = 2
+    """With activation_checkpointing='every_nth': checkpoint blocks N, 2N, ... (1-based), N >= 1."""
     max_staleness: int = 0
     """Oldest policy version the trainer accepts, in steps behind; 0 is synchronous on-policy."""
     ppo_epochs: int = 1

@@ -104,6 +104,11 @@ def validate(config: RunConfig) -> None:
     if config.train.max_staleness < 0:
         raise ConfigError(f"train.max_staleness must be >= 0, got {config.train.max_staleness}")
     _positive(config, "train.ppo_epochs", "train.minibatches", "train.max_skipped_steps")
+    if config.train.activation_checkpointing_every < 1:
+        raise ConfigError(
+            f"train.activation_checkpointing_every must be >= 1 (checkpoint every N-th decoder block), "
+            f"got {config.train.activation_checkpointing_every}"
+        )
     if config.train.minibatches > config.rollout.prompts_per_step:
         raise ConfigError(
             f"train.minibatches ({config.train.minibatches}) must be <= rollout.prompts_per_step "

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from titanrl import kernels
@@ -244,7 +245,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    With `checkpoint_activations` set (the trainer's activation checkpointing) and grad enabled,
+    the block keeps only its inputs for backward and recomputes the rest there. The flag lives
+    on the layer rather than in a wrapper module, so parameter names stay Hugging Face's; it is
+    off by default and inert without grad (vLLM and every no-grad forward).
+    """
 
     def __init__(self, config: Qwen3Config, attention_backend: nn.Module) -> None:
         super().__init__()
@@ -252,8 +259,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.checkpoint_activations = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._block, x, cos, sin, use_reentrant=False)
+        return self._block(x, cos, sin)
+
+    def _block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 

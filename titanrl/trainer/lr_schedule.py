@@ -45,3 +45,21 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, total, cfg.warmup_steps, cfg.lr_decay, cfg.min_lr_ratio)
     )
+
+
+def load_scheduler_state(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict) -> None:
+    """`scheduler.load_state_dict` for a state saved with any number of param groups.
+
+    Every group follows the one schedule of train.lr, so per-group lists of another length
+    (an older checkpoint with a single param group, before decay / no_decay) are spread over
+    this optimizer's groups.
+    """
+    groups = len(scheduler.optimizer.param_groups)
+    state = dict(state)
+    for key in ("base_lrs", "_last_lr"):
+        values = state.get(key)
+        if values is not None and len(values) != groups:
+            if len(set(values)) != 1:
+                raise ValueError(f"lr scheduler state has {len(values)} different {key} for {groups} param groups")
+            state[key] = [values[0]] * groups
+    scheduler.load_state_dict(state)

@@ -27,11 +27,12 @@ from titanrl.memory import peak_rss_gib
 from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.batch import PackedBatch, minibatch_row_ranges, pack
-from titanrl.trainer.lr_schedule import build_scheduler
+from titanrl.trainer.lr_schedule import build_scheduler, load_scheduler_state
 from titanrl.trainer.parallel.checkpoint import load_model_optim, save_training_checkpoint
 from titanrl.trainer.parallel.gather import GatheredWeights, iter_full_weights
 from titanrl.trainer.parallel.mesh import barrier, build_mesh, global_rank, init_distributed, resolve_device_type
-from titanrl.trainer.parallel.parallelize import build_optimizers, parallelize
+from titanrl.trainer.optimizer import build_optimizers
+from titanrl.trainer.parallel.parallelize import parallelize
 from titanrl.trainer.parallel.step import ParallelGRPOStep
 from titanrl.trainer.stats import GradStats, LogprobParity
 from titanrl.types import Group, PolicyVersion
@@ -82,7 +83,9 @@ class GRPOTrainer:
             init_distributed(device_type)
             mesh = build_mesh(parallel, device_type)
         self.rank = global_rank()
-        self.pm = parallelize(model, parallel, mesh, device_type=device_type)
+        self.pm = parallelize(model, parallel, mesh, device_type=device_type,
+                              activation_checkpointing=train_config.activation_checkpointing,
+                              activation_checkpointing_every=train_config.activation_checkpointing_every)
         self.optimizers = build_optimizers(self.pm, train_config)
         self.schedulers = [build_scheduler(opt, train_config) for opt in self.optimizers]
         self.grpo = ParallelGRPOStep(self.pm, self.optimizers, train_config, temperature, batch_invariant)
@@ -105,7 +108,8 @@ class GRPOTrainer:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """The AdamW of the policy (a pipeline rank has one per stage: `optimizers`)."""
+        """The AdamW of the policy, param groups decay / no_decay (titanrl.trainer.optimizer; a
+        pipeline rank has one per stage: `optimizers`)."""
         if len(self.optimizers) != 1:
             raise AttributeError("a pipelined trainer has one optimizer per stage (trainer.optimizers)")
         return self.optimizers[0]
@@ -318,8 +322,8 @@ class GRPOTrainer:
         load_model_optim(self.pm, self.optimizers, ckpt / ckpt_io.MODEL_OPTIM_DIR,
                          optimizer_stepped=state["optimizer_stepped"])
         for scheduler in self.schedulers:
-            scheduler.load_state_dict(state["scheduler"])
-            # Param groups of the older nested optimizer format are not loaded (load_model_optim):
+            load_scheduler_state(scheduler, state["scheduler"])
+            # Param groups of older optimizer formats are not loaded (load_model_optim):
             # the schedule's current lr is the one the next step must use.
             for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
                 group["lr"] = lr

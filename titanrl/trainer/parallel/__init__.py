@@ -9,7 +9,7 @@ gradient accumulation whose loss and gradients equal the single-process trainer'
 from titanrl.trainer.parallel.checkpoint import load_model_optim, save_model_optim
 from titanrl.trainer.parallel.gather import iter_full_gradients, iter_full_weights
 from titanrl.trainer.parallel.mesh import MESH_DIMS, build_mesh, init_distributed
-from titanrl.trainer.parallel.parallelize import ParallelModel, build_optimizers, parallelize
+from titanrl.trainer.parallel.parallelize import ParallelModel, parallelize
 from titanrl.trainer.parallel.step import ParallelGRPOStep
 from titanrl.config.parallel import validate_parallel
 
@@ -18,7 +18,6 @@ __all__ = [
     "ParallelGRPOStep",
     "ParallelModel",
     "build_mesh",
-    "build_optimizers",
     "init_distributed",
     "iter_full_gradients",
     "iter_full_weights",

@@ -6,15 +6,19 @@ Same directory layout as `GRPOTrainer.save_state` (see titanrl.trainer.checkpoin
 is saved flattened (`state.<name>.<key>`, `param_groups.<name>.<key>`): every entry is keyed
 by one parameter, so pipeline stages, which each hold some parameters and their own optimizer,
 save and load their part. GRPOTrainer writes the same flattened form
-(`titanrl.trainer.checkpoint.STATE_DICT_OPTIONS`). Checkpoints in the older nested form
-(param groups keyed by index) still load: their tensors are taken and the current
-param-group settings kept. A tied embedding / LM head split across pipeline stages is saved
-and loaded under the names every other layout uses (see save_model_optim).
+(`titanrl.trainer.checkpoint.STATE_DICT_OPTIONS`). Each parameter's entry names its param
+group (`param_groups.<name>.name`: 'decay' or 'no_decay', see titanrl.trainer.optimizer), so
+its group settings (weight decay) load with it in any layout. Older checkpoints, in the nested
+form (param groups keyed by index) or flattened with one unnamed group, still load: their
+tensors are taken and the current param-group settings kept. A tied embedding / LM head split
+across pipeline stages is saved and loaded under the names every other layout uses (see
+save_model_optim).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from titanrl.trainer import checkpoint as ckpt_io
+from titanrl.trainer.optimizer import GROUP_NAME, LAYOUT_KEYS
 from titanrl.trainer.parallel import tied
 from titanrl.trainer.parallel.mesh import barrier, global_rank
 from titanrl.trainer.parallel.parallelize import ParallelModel
@@ -84,8 +89,12 @@ def load_model_optim(pm: ParallelModel, optimizers: list[torch.optim.Optimizer],
     """
     parts = _part_states(pm, optimizers)
     saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    # The older nested optimizer format keys param groups by index ("optim.param_groups.0.lr").
+    # Param-group settings load only from a checkpoint that names every parameter's group. The
+    # older nested format keys param groups by index ("optim.param_groups.0.lr"); the older
+    # flattened one has a single group without a name (everything decayed).
     nested = any(k.startswith("optim.param_groups.0.") for k in saved_keys)
+    named = any(k.startswith("optim.param_groups.") and k.endswith(f".{GROUP_NAME}") for k in saved_keys)
+    keep_groups = nested or not named
     # The last stage's copy of a split tied matrix loads from the embedding's entries (weight and
     # optimizer state), which every tied checkpoint holds, whatever layout wrote it.
     renames = [_head_copy_keys(pm, part) for part in pm.parts]
@@ -93,14 +102,29 @@ def load_model_optim(pm: ParallelModel, optimizers: list[torch.optim.Optimizer],
     for head, (m, o) in zip(renames, parts, strict=True):
         request["model"].update({_saved_key(k, head): v for k, v in m.items()})
         request["optim"].update({_saved_key(k, head): v for k, v in o.items()
-                                 if not (nested and k.startswith("param_groups."))})
+                                 if not (keep_groups and k.startswith("param_groups."))})
     ckpt_io.dcp_load(request, Path(path))
     for part, opt, head, (model_sd, optim_sd) in zip(pm.parts, optimizers, renames, parts, strict=True):
         model_sd = {k: request["model"][_saved_key(k, head)] for k in model_sd}
-        optim_sd = {k: request["optim"].get(_saved_key(k, head), v) for k, v in optim_sd.items()}
+        loaded = {k: request["optim"].get(_saved_key(k, head), v) for k, v in optim_sd.items()}
+        optim_sd = {**loaded, **_current_group_settings(optim_sd, loaded, path)}
         set_state_dict(part, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_OPTIONS)
         if not optimizer_stepped:
             opt.state.clear()
+
+
+def _current_group_settings(current: dict[str, Any], loaded: dict[str, Any], path: Any) -> dict[str, Any]:
+    """The param-group entries of `current` (a flattened optimizer state) that must not come from
+    the checkpoint: the layout's own choices (LAYOUT_KEYS, e.g. foreach), or all of them when the
+    checkpoint put some parameter in another group than this optimizer does."""
+    groups = {k: v for k, v in current.items() if k.startswith("param_groups.")}
+    moved = [k for k, v in groups.items() if k.endswith(f".{GROUP_NAME}") and loaded[k] != v]
+    if moved:
+        warnings.warn(f"{path}: the checkpoint groups parameters differently for the optimizer (e.g. "
+                      f"{moved[0]}={loaded[moved[0]]!r}, here {groups[moved[0]]!r}): keeping this run's "
+                      f"param-group settings (weight decay)", stacklevel=3)
+        return groups
+    return {k: v for k, v in groups.items() if k.rpartition(".")[2] in LAYOUT_KEYS}
 
 
 def save_training_checkpoint(pm: ParallelModel, optimizers: list[torch.optim.Optimizer], out_dir: str | os.PathLike,

@@ -28,7 +28,8 @@ from titanrl.models.tiny import write_tiny_checkpoint
 from titanrl.trainer.grpo import token_logprobs
 from titanrl.trainer.parallel.gather import iter_full_gradients, iter_full_weights
 from titanrl.trainer.parallel.mesh import build_mesh
-from titanrl.trainer.parallel.parallelize import build_optimizers, parallelize
+from titanrl.trainer.optimizer import build_optimizers
+from titanrl.trainer.parallel.parallelize import parallelize
 from titanrl.trainer.parallel.step import ParallelGRPOStep
 from titanrl.trainer.parallel.tied import tied_copies_equal
 from titanrl.config.parallel import validate_parallel
@@ -169,7 +170,8 @@ def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu"
     model, config = load_model(case.checkpoint)
     validate_parallel(parallel, config, dist.get_world_size())
     mesh = build_mesh(parallel, device_type)
-    pm = parallelize(model, parallel, mesh)
+    pm = parallelize(model, parallel, mesh, activation_checkpointing=case.train.activation_checkpointing,
+                     activation_checkpointing_every=case.train.activation_checkpointing_every)
     optimizers = build_optimizers(pm, case.train)
     step = ParallelGRPOStep(pm, optimizers, case.train, case.temperature)
     dist.barrier()

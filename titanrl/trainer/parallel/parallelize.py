@@ -1,8 +1,10 @@
 """`parallelize`: applies a ParallelConfig's layout to a Qwen3ForCausalLM on a device mesh.
 
-Order: context parallel (swap attention backends), pipeline split, then per stage tensor
-parallel and finally FSDP2 / HSDP over the data-parallel (x context-parallel) ranks. A tied
-embedding split across pipeline stages gets its gradient-summing group last (tied.py).
+Order: context parallel (swap attention backends), activation checkpointing flags, pipeline
+split, then per stage tensor parallel and finally FSDP2 / HSDP over the data-parallel
+(x context-parallel) ranks. A tied embedding split across pipeline stages gets its
+gradient-summing group last (tied.py). The optimizers are built from the result
+(titanrl.trainer.optimizer).
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
-from titanrl.config.schema import ParallelConfig, TrainConfig
+from titanrl.config.schema import ActivationCheckpointing, ParallelConfig
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from titanrl.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from titanrl.trainer.parallel.fsdp import apply_fsdp
 from titanrl.trainer.parallel.mesh import coord, fsdp_mesh
 from titanrl.trainer.parallel.pipeline import PipelineStageModel, num_stages, stages_of_rank
@@ -80,11 +82,15 @@ def _layers(part: nn.Module) -> list[nn.Module]:
 
 
 def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceMesh | None,
-                load_balance: bool = True, device_type: str = "cpu") -> ParallelModel:
+                load_balance: bool = True, device_type: str = "cpu",
+                activation_checkpointing: ActivationCheckpointing = "none",
+                activation_checkpointing_every: int = 2) -> ParallelModel:
     """Shards `model` (a full copy, identical on every rank) for this rank; returns its parts.
 
     `model` must not be used directly afterwards: its modules now live in the returned parts.
     load_balance: context-parallel chunking that balances causal attention work (2 * cp chunks).
+    activation_checkpointing(_every): which decoder blocks recompute activations in backward
+    (TrainConfig's fields of those names).
     mesh None is a single process (`parallel` of world size 1): the model moves to `device_type`
     and stays whole. Call `validate_parallel` first for readable errors.
     """
@@ -99,6 +105,8 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
         group = mesh["cp"].get_group()
         for layer in model.model.layers:
             layer.self_attn.backend = RingAttention(group, context)
+    # On the whole stack, before the pipeline split: blocks keep their global index.
+    apply_activation_checkpointing(model.model.layers, activation_checkpointing, activation_checkpointing_every)
     if parallel.pp > 1:
         n = num_stages(parallel)
         parts: list[nn.Module] = [
@@ -117,19 +125,3 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
     group = tied_group(mesh) if split_tied(parallel.pp, model.config.tie_word_embeddings) else None
     return ParallelModel(parts, parallel, mesh, model.config, context, device, group)
 
-
-def build_optimizers(pm: ParallelModel, train_config: TrainConfig) -> list[torch.optim.AdamW]:
-    """One AdamW per model part (as GRPOTrainer configures it), so each part's distributed state
-    dict pairs its own parameters with its own optimizer state."""
-    optimizers = []
-    for part in pm.parts:
-        params = list(part.parameters())
-        # foreach kernels cannot mix DTensors and plain tensors (e.g. replicated norms under TP).
-        mixed = len({isinstance(p, DTensor) for p in params}) > 1
-        optimizers.append(
-            torch.optim.AdamW(
-                params, lr=train_config.lr, betas=train_config.betas, weight_decay=train_config.weight_decay,
-                foreach=False if mixed else None,
-            )
-        )
-    return optimizers

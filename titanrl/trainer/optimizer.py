@@ -1,0 +1,73 @@
+"""The policy's AdamW: one per model part, two named parameter groups.
+
+Weight decay pulls weights towards zero. That regularises the projection matrices; a norm's
+gain, a bias or a token embedding it only drags away from where it belongs (norm gains towards
+0 instead of 1, the rows of rarely seen tokens towards 0 between their updates), the usual
+exclusion in LM training. By HF parameter name:
+
+    no_decay   every `*norm.weight`, every `*.bias`, `model.embed_tokens.weight` and, with tied
+               embeddings, `lm_head.weight` (the same matrix; the last pipeline stage's copy of it)
+    decay      everything else, an untied `lm_head.weight` included (an output projection,
+               decayed like the other matrices)
+
+Each group carries its name (`name`: 'decay' or 'no_decay'); the flattened distributed
+checkpoint stores every group setting per parameter (`param_groups.<param>.name`, `...weight_decay`),
+so a checkpoint loaded under another layout gives each parameter its own group's settings
+(parallel/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titanrl.config.schema import TrainConfig
+from titanrl.trainer.parallel.parallelize import ParallelModel
+from titanrl.trainer.parallel.tied import EMBED, HEAD
+
+DECAY = "decay"
+NO_DECAY = "no_decay"
+GROUP_NAME = "name"
+"""Param-group key holding the group's name."""
+LAYOUT_KEYS = ("foreach",)
+"""Param-group keys that build_optimizers chooses for the layout, not for a parameter: a
+checkpoint from another layout never overrides them."""
+
+
+def decays(name: str, tied: bool) -> bool:
+    """Whether AdamW's weight decay applies to the HF-named parameter `name`.
+
+    tied: the model ties its embedding and LM head, so `lm_head.weight` is the embedding.
+    """
+    if name.endswith("norm.weight") or name.endswith(".bias") or name == EMBED:
+        return False
+    return not (tied and name == HEAD)
+
+
+def param_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], train_config: TrainConfig,
+                 tied: bool) -> list[dict]:
+    """AdamW param groups 'decay' (train.weight_decay) and 'no_decay' (0.0); empty ones left out."""
+    groups = {DECAY: [], NO_DECAY: []}
+    for name, p in named_parameters:
+        groups[DECAY if decays(name, tied) else NO_DECAY].append(p)
+    weight_decay = {DECAY: train_config.weight_decay, NO_DECAY: 0.0}
+    return [{"params": params, GROUP_NAME: group, "weight_decay": weight_decay[group]}
+            for group, params in groups.items() if params]
+
+
+def build_optimizers(pm: ParallelModel, train_config: TrainConfig) -> list[torch.optim.AdamW]:
+    """One AdamW per model part, so each part's distributed state dict pairs its own parameters
+    with its own optimizer state (a pipeline rank has one per stage)."""
+    optimizers = []
+    for part in pm.parts:
+        groups = param_groups(part.named_parameters(), train_config, pm.config.tie_word_embeddings)
+        params = [p for g in groups for p in g["params"]]
+        # foreach kernels cannot mix DTensors and plain tensors (e.g. replicated embeddings under TP).
+        mixed = len({isinstance(p, DTensor) for p in params}) > 1
+        optimizers.append(
+            torch.optim.AdamW(groups, lr=train_config.lr, betas=train_config.betas, foreach=False if mixed else None)
+        )
+    return optimizers
