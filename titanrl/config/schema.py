@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Dtype = Literal["float32", "bfloat16"]
-"""Parameter dtypes the trainer and the generators run in."""
+"""Floating dtypes of parameters (model.dtype) and of compute (train.compute_dtype)."""
 Device = Literal["auto", "cpu", "cuda"]
 """Trainer devices: 'auto' is CUDA when present, else CPU."""
 WeightTransport = Literal["object_store", "shared_memory", "broadcast"]
@@ -31,7 +31,11 @@ class ModelConfig:
     checkpoint: str = ""
     """HF checkpoint directory (config.json, safetensors, tokenizer) of the initial policy."""
     dtype: Dtype = "float32"
-    """Parameter dtype for trainer and generator: float32 or bfloat16 (float32 is faster on AVX2 CPUs)."""
+    """Storage dtype: the trainer's parameters (master weights), gradients, optimizer state,
+    training checkpoints and HF exports. The trainer computes in it too unless
+    train.compute_dtype is set; the generators compute in `generator_dtype` (compute_dtype, else
+    this). float32 with compute_dtype=bfloat16 is mixed precision (GPU); float32 alone is the
+    fast choice on CPUs without bf16 units (AVX2)."""
 
 
 @dataclass
@@ -161,6 +165,13 @@ class TrainConfig:
     """Divide group-centered rewards by the group std (GRPO); False gives Dr.GRPO-style centering."""
     micro_batch_size: int = 64
     """Sequences per forward/backward; gradients accumulate to one step per batch."""
+    compute_dtype: Dtype | None = None
+    """Dtype the trainer's forward/backward and the generators (vLLM) compute in; None: model.dtype.
+    bfloat16 with model.dtype=float32 is mixed precision: each forward runs on a bf16 cast of the
+    float32 weights, gradients reach them (and are reduced across ranks) in float32, and the
+    optimizer state stays float32 (FSDP2's MixedPrecisionPolicy, the same policy without FSDP).
+    The generators get the same bf16 weights. Use it on GPUs (bf16 tensor cores); on CPUs
+    without bf16 units leave it None (float32 is faster there). Wider than model.dtype is refused."""
     max_staleness: int = 0
     """Oldest policy version the trainer accepts, in steps behind; 0 is synchronous on-policy."""
     ppo_epochs: int = 1
@@ -261,3 +272,13 @@ class RunConfig:
     local single-machine Ray on loopback."""
     max_reward_error_frac: float = 0.5
     """A step where more than this fraction of samples had reward errors stops the run (after a checkpoint)."""
+
+    @property
+    def generator_dtype(self) -> Dtype:
+        """The dtype rollout workers run vLLM in and receive weights in: the trainer's compute dtype."""
+        return compute_dtype(self.model, self.train)
+
+
+def compute_dtype(model: ModelConfig, train: TrainConfig) -> Dtype:
+    """The trainer's (and the generators') compute dtype: train.compute_dtype, else model.dtype."""
+    return train.compute_dtype or model.dtype

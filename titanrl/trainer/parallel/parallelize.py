@@ -20,6 +20,7 @@ from titanrl.config.schema import ParallelConfig, TrainConfig
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from titanrl.trainer.parallel.fsdp import apply_fsdp
 from titanrl.trainer.parallel.mesh import coord, fsdp_mesh
+from titanrl.trainer.parallel.mixed_precision import apply_compute_dtype
 from titanrl.trainer.parallel.pipeline import PipelineStageModel, num_stages, stages_of_rank
 from titanrl.trainer.parallel.ring_attention import ContextLayout, RingAttention
 from titanrl.trainer.parallel.tensor_parallel import apply_tensor_parallel
@@ -80,19 +81,25 @@ def _layers(part: nn.Module) -> list[nn.Module]:
 
 
 def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceMesh | None,
-                load_balance: bool = True, device_type: str = "cpu") -> ParallelModel:
+                load_balance: bool = True, device_type: str = "cpu",
+                compute_dtype: torch.dtype | None = None) -> ParallelModel:
     """Shards `model` (a full copy, identical on every rank) for this rank; returns its parts.
 
     `model` must not be used directly afterwards: its modules now live in the returned parts.
     load_balance: context-parallel chunking that balances causal attention work (2 * cp chunks).
     mesh None is a single process (`parallel` of world size 1): the model moves to `device_type`
     and stays whole. Call `validate_parallel` first for readable errors.
+    compute_dtype: forward/backward dtype when it differs from the parameters' (mixed precision:
+    FSDP2's MixedPrecisionPolicy, or mixed_precision.py's casts in a layout without FSDP); None or
+    the parameters' dtype computes in that dtype.
     """
     if mesh is None and parallel.world_size != 1:
         raise ValueError(f"a layout of {parallel.world_size} ranks needs a device mesh (see mesh.build_mesh)")
     device_type = mesh.device_type if mesh is not None else device_type
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
     model = model.to(device)
+    if compute_dtype == next(model.parameters()).dtype:
+        compute_dtype = None
     context = None
     if parallel.cp > 1:
         context = ContextLayout(parallel.cp, coord(mesh, "cp"), load_balance)
@@ -111,7 +118,9 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
         if parallel.tp > 1:
             apply_tensor_parallel(_layers(part), mesh["tp"], parallel.sequence_parallel)
         if dp_mesh is not None:
-            apply_fsdp(part, _layers(part), dp_mesh)
+            apply_fsdp(part, _layers(part), dp_mesh, compute_dtype)
+        elif compute_dtype is not None:
+            apply_compute_dtype(part, compute_dtype)
         part.train()
     group = tied_group(mesh) if split_tied(parallel.pp, model.config.tie_word_embeddings) else None
     return ParallelModel(parts, parallel, mesh, model.config, context, device, group)
