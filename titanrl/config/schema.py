@@ -32,10 +32,9 @@ class ModelConfig:
     """HF checkpoint directory (config.json, safetensors, tokenizer) of the initial policy."""
     dtype: Dtype = "float32"
     """Storage dtype: the trainer's parameters (master weights), gradients, optimizer state,
-    training checkpoints and HF exports. The trainer computes in it too unless
-    train.compute_dtype is set; the generators compute in `generator_dtype` (compute_dtype, else
-    this). float32 with compute_dtype=bfloat16 is mixed precision (GPU); float32 alone is the
-    fast choice on CPUs without bf16 units (AVX2)."""
+    training checkpoints and HF exports. The trainer and the generators (vLLM) compute in it too
+    unless train.compute_dtype is set. float32 with train.compute_dtype=bfloat16 is mixed
+    precision (GPU); float32 alone is the fast choice on CPUs without bf16 units (AVX2)."""
 
 
 @dataclass
@@ -165,13 +164,6 @@ class TrainConfig:
     """Divide group-centered rewards by the group std (GRPO); False gives Dr.GRPO-style centering."""
     micro_batch_size: int = 64
     """Sequences per forward/backward; gradients accumulate to one step per batch."""
-    compute_dtype: Dtype | None = None
-    """Dtype the trainer's forward/backward and the generators (vLLM) compute in; None: model.dtype.
-    bfloat16 with model.dtype=float32 is mixed precision: each forward runs on a bf16 cast of the
-    float32 weights, gradients reach them (and are reduced across ranks) in float32, and the
-    optimizer state stays float32 (FSDP2's MixedPrecisionPolicy, the same policy without FSDP).
-    The generators get the same bf16 weights. Use it on GPUs (bf16 tensor cores); on CPUs
-    without bf16 units leave it None (float32 is faster there). Wider than model.dtype is refused."""
     max_staleness: int = 0
     """Oldest policy version the trainer accepts, in steps behind; 0 is synchronous on-policy."""
     ppo_epochs: int = 1
@@ -184,6 +176,14 @@ class TrainConfig:
     """Intra-op threads of the trainer process."""
     device: Device = "auto"
     """Trainer device: 'auto' (CUDA when present, else CPU), 'cpu' or 'cuda'."""
+    compute_dtype: Dtype | None = None
+    """float32, bfloat16 or None (model.dtype): the dtype the trainer's forward/backward and the
+    generators (vLLM) compute in. bfloat16 with model.dtype=float32 is mixed precision: each
+    forward runs on a bf16 cast of the float32 weights, gradients reach them (and are reduced
+    across ranks) in float32, and the optimizer state stays float32 (FSDP2's
+    MixedPrecisionPolicy; the same policy without FSDP). The generators get the same bf16
+    weights. Use it on GPUs (bf16 tensor cores); on CPUs without bf16 units leave it None
+    (float32 is faster there). Wider than model.dtype is refused; batch_invariant needs float32."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel layout of the trainer's processes (FSDP2, HSDP, TP/SP, PP, CP, EP)."""
 
