@@ -25,13 +25,12 @@ def apply_fsdp(part: nn.Module, layers: Sequence[nn.Module], dp_mesh: DeviceMesh
                compute_dtype: torch.dtype | None = None) -> None:
     """Shards each decoder layer, then the rest of `part` (embedding, norm, head), over `dp_mesh`.
 
-    compute_dtype: mixed precision (see mixed_precision_policy); the sharded parameters, their
-    gradients and the optimizer state keep the parameters' dtype.
-
     One FSDP unit per layer lets a layer's all-gather overlap the previous layer's compute.
     Gradients are summed, not averaged, over the data-parallel ranks: the GRPO step already
     divides every rank's loss by the whole batch's token count, so the sum is the token-mean's
     gradient (and context-parallel ranks, which share this mesh, must be summed too).
+    compute_dtype: mixed precision (see mixed_precision_policy); the sharded parameters, their
+    gradients and the optimizer state keep the parameters' dtype.
     """
     mp_policy = mixed_precision_policy(compute_dtype)
     for layer in layers:
