@@ -120,7 +120,7 @@ def _make_worker(config: RunConfig, rollout: Any) -> Any:
     return RolloutWorker(
         0, config.model, rollout, config.rewards, config.data.prompt_field, config.seed, config.env,
         reward_timeout_s=config.reward_timeout_s, reward_error_value=config.reward_error_value,
-        batch_invariant=config.batch_invariant,
+        batch_invariant=config.batch_invariant, dtype=config.generator_dtype,
     )
 
 

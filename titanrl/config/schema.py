@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Dtype = Literal["float32", "bfloat16"]
-"""Parameter dtypes the trainer and the generators run in."""
+"""Floating dtypes of parameters (model.dtype) and of compute (train.compute_dtype)."""
 Device = Literal["auto", "cpu", "cuda"]
 """Trainer devices: 'auto' is CUDA when present, else CPU."""
 WeightTransport = Literal["object_store", "shared_memory", "broadcast"]
@@ -33,7 +33,10 @@ class ModelConfig:
     checkpoint: str = ""
     """HF checkpoint directory (config.json, safetensors, tokenizer) of the initial policy."""
     dtype: Dtype = "float32"
-    """Parameter dtype for trainer and generator: float32 or bfloat16 (float32 is faster on AVX2 CPUs)."""
+    """Storage dtype: the trainer's parameters (master weights), gradients, optimizer state,
+    training checkpoints and HF exports. The trainer and the generators (vLLM) compute in it too
+    unless train.compute_dtype is set. float32 with train.compute_dtype=bfloat16 is mixed
+    precision (GPU); float32 alone is the fast choice on CPUs without bf16 units (AVX2)."""
 
 
 @dataclass
@@ -187,6 +190,14 @@ class TrainConfig:
     """Intra-op threads of the trainer process."""
     device: Device = "auto"
     """Trainer device: 'auto' (CUDA when present, else CPU), 'cpu' or 'cuda'."""
+    compute_dtype: Dtype | None = None
+    """float32, bfloat16 or None (model.dtype): the dtype the trainer's forward/backward and the
+    generators (vLLM) compute in. bfloat16 with model.dtype=float32 is mixed precision: each
+    forward runs on a bf16 cast of the float32 weights, gradients reach them (and are reduced
+    across ranks) in float32, and the optimizer state stays float32 (FSDP2's
+    MixedPrecisionPolicy; the same policy without FSDP). The generators get the same bf16
+    weights. Use it on GPUs (bf16 tensor cores); on CPUs without bf16 units leave it None
+    (float32 is faster there). Wider than model.dtype is refused; batch_invariant needs float32."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel layout of the trainer's processes (FSDP2, HSDP, TP/SP, PP, CP, EP)."""
 
@@ -275,3 +286,13 @@ class RunConfig:
     local single-machine Ray on loopback."""
     max_reward_error_frac: float = 0.5
     """A step where more than this fraction of samples had reward errors stops the run (after a checkpoint)."""
+
+    @property
+    def generator_dtype(self) -> Dtype:
+        """The dtype rollout workers run vLLM in and receive weights in: the trainer's compute dtype."""
+        return compute_dtype(self.model, self.train)
+
+
+def compute_dtype(model: ModelConfig, train: TrainConfig) -> Dtype:
+    """The trainer's (and the generators') compute dtype: train.compute_dtype, else model.dtype."""
+    return train.compute_dtype or model.dtype

@@ -120,6 +120,7 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"reward_error_value must be a finite number, got {config.reward_error_value}")
     if not 0 <= config.max_reward_error_frac <= 1:
         raise ConfigError(f"max_reward_error_frac must be in [0, 1], got {config.max_reward_error_frac}")
+    _validate_dtypes(config)
     if not config.model.checkpoint:
         raise ConfigError("model.checkpoint is empty: set it to an HF checkpoint directory")
     from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, read_config
@@ -151,6 +152,27 @@ def validate(config: RunConfig) -> None:
     for i, spec in enumerate(config.rewards):
         resolve_reward(spec, i)
     _validate_trainer_layout(config, model_config)
+
+
+def _validate_dtypes(config: RunConfig) -> None:
+    """Storage (model.dtype) vs compute (train.compute_dtype) dtypes, and what batch invariance needs."""
+    storage, compute = config.model.dtype, config.generator_dtype
+    if storage == "bfloat16" and compute == "float32":
+        # Upcasting bf16 weights buys no precision (gradients and the update are rounded to bf16
+        # again) and costs float32 compute: refused rather than given a meaning.
+        raise ConfigError(
+            "train.compute_dtype='float32' is wider than model.dtype='bfloat16' (the weights' storage): set "
+            "model.dtype='float32' for float32 training, or train.compute_dtype=None (or 'bfloat16') to compute "
+            "in bfloat16; mixed precision is model.dtype='float32' with train.compute_dtype='bfloat16'"
+        )
+    if config.batch_invariant and compute != "float32":
+        # The generator's batch-invariant attention reads vLLM's KV cache in float32 only.
+        field = "train.compute_dtype" if config.train.compute_dtype is not None else "model.dtype"
+        raise ConfigError(
+            f"batch_invariant=True needs float32 compute, but {field}={compute!r}: the batch-invariant "
+            "attention inside vLLM reads a float32 KV cache. Set train.compute_dtype=None and model.dtype="
+            "'float32', or batch_invariant=False"
+        )
 
 
 def _validate_trainer_layout(config: RunConfig, model_config: Any) -> None:

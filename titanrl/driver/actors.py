@@ -47,7 +47,7 @@ def start_rollouts(config: RunConfig, train_rows: list[dict[str, Any]],
     turns = config.env.max_turns if config.env.factory is not None else 1
     args = (config.model, rc, config.rewards, config.data.prompt_field, config.seed, config.env)
     kwargs = dict(reward_timeout_s=config.reward_timeout_s, reward_error_value=config.reward_error_value,
-                  batch_invariant=config.batch_invariant)
+                  batch_invariant=config.batch_invariant, dtype=config.generator_dtype)
     if not rc.continuous:
         lockstep_cls = ray.remote(RolloutWorker)
 

@@ -37,12 +37,15 @@ class RolloutWorker:
         reward_timeout_s: float | None = 60.0,
         reward_error_value: float = 0.0,
         batch_invariant: bool = False,
+        dtype: str | None = None,
     ) -> None:
         """`reward_timeout_s` and `reward_error_value` are RunConfig's: a reward call (or an
         episode's environment) that fails gives its sample `reward_error_value` instead of
         crashing the run (see `titanrl.rewards.scoring`); all samples of a request
         are scored concurrently (`titanrl.rewards.batch_scoring`, `rollout.reward_concurrency`).
-        `batch_invariant` runs the engine's model through `titanrl.kernels` (RunConfig.batch_invariant)."""
+        `batch_invariant` runs the engine's model through `titanrl.kernels` (RunConfig.batch_invariant).
+        `dtype` is the engine's (RunConfig.generator_dtype: the trainer's compute dtype, which
+        pushed weights arrive in); None: model_config.dtype."""
         rc = rollout_config
         self.reward_timeout_s, self.reward_error_value = reward_timeout_s, reward_error_value
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -63,7 +66,7 @@ class RolloutWorker:
         self.engine = VllmEngine(
             VllmEngineConfig(
                 checkpoint=model_config.checkpoint,
-                dtype=model_config.dtype,
+                dtype=dtype or model_config.dtype,
                 max_model_len=rc.max_model_len,
                 max_num_seqs=rc.max_num_seqs,
                 kv_cache_gib=rc.kv_cache_gib,

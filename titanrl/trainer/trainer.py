@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from titanrl.config.schema import ModelConfig, TrainConfig
+from titanrl.config.schema import ModelConfig, TrainConfig, compute_dtype
 from titanrl.errors import ConfigError
 from titanrl.memory import peak_rss_gib
 from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
@@ -74,6 +74,10 @@ class GRPOTrainer:
         self.cfg = train_config
         self.temperature = temperature
         self.dtype = getattr(torch, model_config.dtype)
+        """Storage dtype (model.dtype): parameters, optimizer state, checkpoints and HF exports."""
+        self.compute_dtype = getattr(torch, compute_dtype(model_config, train_config))
+        """Dtype of the forward/backward (train.compute_dtype, else model.dtype) and of the weights
+        pushed to the generators, which compute in it too."""
         # Loaded before the world exists: DCP then reads a training checkpoint on its own.
         model, self.model_config, self.tokenizer_dir = ckpt_io.load_initial_policy(model_config.checkpoint, self.dtype)
         self.pad_id = self.model_config.eos_token_id or 0
@@ -83,7 +87,7 @@ class GRPOTrainer:
             init_distributed(device_type)
             mesh = build_mesh(parallel, device_type)
         self.rank = global_rank()
-        self.pm = parallelize(model, parallel, mesh, device_type=device_type,
+        self.pm = parallelize(model, parallel, mesh, device_type=device_type, compute_dtype=self.compute_dtype,
                               activation_checkpointing=train_config.activation_checkpointing,
                               activation_checkpointing_every=train_config.activation_checkpointing_every)
         self.optimizers = build_optimizers(self.pm, train_config)
@@ -248,10 +252,14 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------- weights out
 
     def state_dict_for_push(self) -> dict[str, torch.Tensor] | None:
-        """HF-named full CPU tensors for rollout workers (tied head omitted, as in HF files),
-        gathered bucket by bucket in a parallel layout: rank 0 gets them, the others None."""
+        """HF-named full CPU tensors for rollout workers in the generator's dtype (the compute
+        dtype; tied head omitted, as in HF files), gathered bucket by bucket in a parallel layout:
+        rank 0 gets them, the others None."""
+        return self._full_state_dict(self.compute_dtype)
+
+    def _full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
         out: dict[str, torch.Tensor] = {}
-        for bucket in iter_full_weights(self.pm, PUSH_BUCKET_BYTES):
+        for bucket in iter_full_weights(self.pm, PUSH_BUCKET_BYTES, dtype):
             for name, tensor in bucket:
                 # A copy: an unsharded tensor shares storage with the live parameter.
                 out[name] = tensor.detach().to("cpu", copy=True).contiguous()
@@ -262,8 +270,8 @@ class GRPOTrainer:
 
     def save(self, out_dir: str) -> str | None:
         """Exports the current policy as an HF checkpoint directory (tokenizer included), written
-        by rank 0 (which returns its path; the others None)."""
-        weights = self.state_dict_for_push()
+        by rank 0 (which returns its path; the others None), in the storage dtype (model.dtype)."""
+        weights = self._full_state_dict(self.dtype)
         path = None
         if self.rank == 0:
             model = ckpt_io.empty_model(self.model_config, self.dtype)
@@ -372,5 +380,6 @@ class GRPOTrainer:
 
     def _weight_source(self) -> GatheredWeights:
         """The weights as the senders read them: views of the live parameters in one process,
-        full tensors gathered to rank 0 bucket by bucket in a parallel layout (no full copy first)."""
-        return GatheredWeights(self.pm, self.dtype, PUSH_BUCKET_BYTES)
+        full tensors gathered to rank 0 bucket by bucket in a parallel layout (no full copy first);
+        in the generator's dtype (casts of the master weights under mixed precision)."""
+        return GatheredWeights(self.pm, self.compute_dtype, PUSH_BUCKET_BYTES)

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from titanrl.weight_sync.layout import WeightLayout, WeightSyncError, layout_of
+from titanrl.weight_sync.layout import WeightLayout, WeightSyncError, dtype_name, layout_of
 
 
 class WeightSource(Protocol):
@@ -45,14 +45,16 @@ class TensorsWeights:
 
 def in_layout_order(layout: WeightLayout, source: WeightSource) -> Iterator[tuple[int, torch.Tensor]]:
     """(index into layout.tensors, tensor) for each tensor of `source`, checking that it keeps its
-    layout: a source that yields something else is a bug on the sending side, named here."""
+    layout (names, shapes, dtypes): a source that yields something else is a bug on the sending
+    side, named here."""
     count = 0
     for i, (name, tensor) in enumerate(source.tensors()):
         spec = layout.tensors[i] if i < len(layout.tensors) else None
-        if spec is None or spec.name != name or tuple(tensor.shape) != spec.shape:
-            expected = f"{spec.name} {spec.shape}" if spec else "no more tensors"
-            raise WeightSyncError(f"weight source yielded {name} {tuple(tensor.shape)} at position {i}, "
-                                  f"its layout says {expected}")
+        if (spec is None or spec.name != name or tuple(tensor.shape) != spec.shape
+                or dtype_name(tensor.dtype) != spec.dtype):
+            expected = f"{spec.name} {spec.shape} {spec.dtype}" if spec else "no more tensors"
+            raise WeightSyncError(f"weight source yielded {name} {tuple(tensor.shape)} {dtype_name(tensor.dtype)} "
+                                  f"at position {i}, its layout says {expected}")
         count += 1
         yield i, tensor
     if count != len(layout.tensors):

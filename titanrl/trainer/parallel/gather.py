@@ -51,11 +51,11 @@ def _stage_leader(pm: ParallelModel, pp_rank: int) -> int:
     return int(ranks.flatten()[0])
 
 
-def _iter_full(pm: ParallelModel, pick: Callable[[nn.Parameter], torch.Tensor | None], bucket_bytes: int
-               ) -> Iterator[Bucket]:
+def _iter_full(pm: ParallelModel, pick: Callable[[nn.Parameter], torch.Tensor | None], bucket_bytes: int,
+               dtype: torch.dtype | None = None) -> Iterator[Bucket]:
     me = global_rank()
     local = dict(pm.named_parameters())
-    dtype = next(iter(local.values())).dtype
+    dtype = dtype or next(iter(local.values())).dtype
     my_pp = coord(pm.mesh, "pp")
     bucket: Bucket = []
     size = 0
@@ -66,7 +66,8 @@ def _iter_full(pm: ParallelModel, pick: Callable[[nn.Parameter], torch.Tensor | 
             t = pick(local[name])
             if t is None:
                 raise ValueError(f"{name} has no gradient to gather (was accumulate_gradients called?)")
-            full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+            t = t.detach().to(dtype)  # cast the shard before the gather: fewer bytes to move
+            full = t.full_tensor() if isinstance(t, DTensor) else t
         if owner != 0:
             src = _stage_leader(pm, owner)
             if me == src:
@@ -85,14 +86,15 @@ def _iter_full(pm: ParallelModel, pick: Callable[[nn.Parameter], torch.Tensor | 
         yield bucket
 
 
-def iter_full_weights(pm: ParallelModel, bucket_bytes: int = 64 << 20) -> Iterator[Bucket]:
+def iter_full_weights(pm: ParallelModel, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None
+                      ) -> Iterator[Bucket]:
     """Buckets of (HF name, full tensor) of at least `bucket_bytes` (the last may be smaller) on rank 0.
 
     Every rank must iterate it to the end (the others yield nothing but join the collectives).
-    A tensor that was not sharded may share storage with the live parameter: copy what you keep
-    past the next optimizer step.
+    dtype: the tensors' dtype (None: the parameters'). A tensor that was not sharded or cast may
+    share storage with the live parameter: copy what you keep past the next optimizer step.
     """
-    yield from _iter_full(pm, lambda p: p, bucket_bytes)
+    yield from _iter_full(pm, lambda p: p, bucket_bytes, dtype)
 
 
 def iter_full_gradients(pm: ParallelModel, bucket_bytes: int = 64 << 20) -> Iterator[Bucket]:
@@ -102,7 +104,8 @@ def iter_full_gradients(pm: ParallelModel, bucket_bytes: int = 64 << 20) -> Iter
 
 class GatheredWeights:
     """The trainer's weights as a `titanrl.weight_sync` source: full tensors gathered bucket by
-    bucket to rank 0 as a sender reads them (every rank iterates; the others get nothing).
+    bucket to rank 0 as a sender reads them (every rank iterates; the others get nothing), in
+    `dtype` (the generator's: float32 master weights go out as their bf16 cast under mixed precision).
 
     On a GPU they are device tensors; each sender copies a tensor off the device once (or, for
     an NCCL broadcast, sends it from there).
@@ -115,5 +118,5 @@ class GatheredWeights:
         return build_layout((name, shape, self.dtype) for name, shape in hf_parameter_shapes(self.pm))
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for bucket in iter_full_weights(self.pm, self.gather_bucket_bytes):
+        for bucket in iter_full_weights(self.pm, self.gather_bucket_bytes, self.dtype):
             yield from bucket

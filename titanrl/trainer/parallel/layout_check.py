@@ -170,8 +170,10 @@ def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu"
     model, config = load_model(case.checkpoint)
     validate_parallel(parallel, config, dist.get_world_size())
     mesh = build_mesh(parallel, device_type)
+    compute = case.train.compute_dtype  # mixed precision as GRPOTrainer sets it up (None: parameters' dtype)
     pm = parallelize(model, parallel, mesh, activation_checkpointing=case.train.activation_checkpointing,
-                     activation_checkpointing_every=case.train.activation_checkpointing_every)
+                     activation_checkpointing_every=case.train.activation_checkpointing_every,
+                     compute_dtype=getattr(torch, compute) if compute else None)
     optimizers = build_optimizers(pm, case.train)
     step = ParallelGRPOStep(pm, optimizers, case.train, case.temperature)
     dist.barrier()

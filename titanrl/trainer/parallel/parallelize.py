@@ -22,6 +22,7 @@ from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from titanrl.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from titanrl.trainer.parallel.fsdp import apply_fsdp
 from titanrl.trainer.parallel.mesh import coord, fsdp_mesh
+from titanrl.trainer.parallel.mixed_precision import apply_compute_dtype
 from titanrl.trainer.parallel.pipeline import PipelineStageModel, num_stages, stages_of_rank
 from titanrl.trainer.parallel.ring_attention import ContextLayout, RingAttention
 from titanrl.trainer.parallel.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel
@@ -84,7 +85,8 @@ def _layers(part: nn.Module) -> list[nn.Module]:
 def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceMesh | None,
                 load_balance: bool = True, device_type: str = "cpu",
                 activation_checkpointing: ActivationCheckpointing = "none",
-                activation_checkpointing_every: int = 2) -> ParallelModel:
+                activation_checkpointing_every: int = 2,
+                compute_dtype: torch.dtype | None = None) -> ParallelModel:
     """Shards `model` (a full copy, identical on every rank) for this rank; returns its parts.
 
     `model` must not be used directly afterwards: its modules now live in the returned parts.
@@ -93,12 +95,17 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
     (TrainConfig's fields of those names).
     mesh None is a single process (`parallel` of world size 1): the model moves to `device_type`
     and stays whole. Call `validate_parallel` first for readable errors.
+    compute_dtype: forward/backward dtype when it differs from the parameters' (mixed precision:
+    FSDP2's MixedPrecisionPolicy, or mixed_precision.py's casts in a layout without FSDP); None or
+    the parameters' dtype computes in that dtype.
     """
     if mesh is None and parallel.world_size != 1:
         raise ValueError(f"a layout of {parallel.world_size} ranks needs a device mesh (see mesh.build_mesh)")
     device_type = mesh.device_type if mesh is not None else device_type
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
     model = model.to(device)
+    if compute_dtype == next(model.parameters()).dtype:
+        compute_dtype = None
     context = None
     if parallel.cp > 1:
         context = ContextLayout(parallel.cp, coord(mesh, "cp"), load_balance)
@@ -120,7 +127,9 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
             apply_tensor_parallel(_layers(part), mesh["tp"], parallel.sequence_parallel)
             apply_vocab_parallel(part, mesh["tp"])
         if dp_mesh is not None:
-            apply_fsdp(part, _layers(part), dp_mesh)
+            apply_fsdp(part, _layers(part), dp_mesh, compute_dtype)
+        elif compute_dtype is not None:
+            apply_compute_dtype(part, compute_dtype)
         part.train()
     group = tied_group(mesh) if split_tied(parallel.pp, model.config.tie_word_embeddings) else None
     return ParallelModel(parts, parallel, mesh, model.config, context, device, group)
