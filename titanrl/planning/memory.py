@@ -207,7 +207,8 @@ class MemoryEstimate:
     logits_chunked: int
     """The same over one chunk of `logprob_chunk_tokens` tokens."""
     optimizer_step: int
-    """AdamW's temporaries during the step (after activations are freed)."""
+    """AdamW's temporaries during the step (after activations are freed): foreach on CUDA, one float32
+    copy of every element; per parameter on CPU, two float32 copies of the largest one."""
     baseline: int
     """Process (CPU) or CUDA context (GPU) memory outside the model."""
     activation_checkpointing: ActivationCheckpointing
@@ -437,7 +438,9 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
         step = 4 * n  # foreach AdamW: one float32 temporary per element (exp_avg_sq's sqrt)
         baseline = CUDA_CONTEXT_BYTES
     else:
-        step = 4 * _largest_parameter_shard(shape, layout, p)
+        # Per-parameter AdamW (CPU's default): denom = exp_avg_sq.sqrt() / bias_correction makes
+        # two float32 temporaries of the parameter at once; the largest parameter sets the peak.
+        step = 2 * 4 * _largest_parameter_shard(shape, layout, p)
         baseline = CPU_PROCESS_BASELINE_BYTES
     return MemoryEstimate(
         layout=layout, stage=stage, schedule=sched, parameter_elements=n,
