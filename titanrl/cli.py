@@ -6,6 +6,7 @@
     titanrl plot RUN_DIR
     titanrl rollouts RUN_DIR [--step N] [--episodes K] [--group G] [--failed] [--full-prompt] [--json]
     titanrl make-tiny OUT_DIR [--hidden-size ...]
+    titanrl plan --model CONFIG_JSON --gpus N --gpu-memory GiB --seq-len L --batch B [--json ...]
 
 CONFIG.py is a Python file that defines `config`, a `titanrl.RunConfig` (or a function
 `make_config()` returning one); dotted overrides (`--train.lr=3e-4` or `--train.lr 3e-4`)
@@ -178,6 +179,38 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--full-prompt", action="store_true", help="print the whole prompt, system part included")
     p.add_argument("--json", action="store_true", help="print the selected rows as JSON lines instead")
 
+    p = sub.add_parser(
+        "plan", help="per-GPU memory of each parallel layout for a model, and the one to use",
+        usage="%(prog)s --model CONFIG_JSON --gpus N --gpu-memory GiB --seq-len L --batch B [options]",
+        description=_wrap(
+            "Estimates, for every layout of N GPUs the trainer accepts (dp_shard x tp x pp x cp = N; ep for "
+            "MoE models, its ranks taken from dp_shard x cp x tp), the bytes on the busiest rank: parameters, "
+            "gradients, AdamW state, FSDP buffers, activations with and without checkpointing, full and "
+            "chunked logits; and recommends the layout that fits with the least communication. Reads dense "
+            "Qwen3 and Qwen3-MoE config.json files (formulas: titanrl/planning/memory.py)."
+        ),
+        **common,
+    )
+    p.add_argument("--model", required=True, metavar="CONFIG_JSON", help="HF config.json (or its directory)")
+    p.add_argument("--gpus", required=True, type=int, metavar="N", help="trainer GPUs (the world size)")
+    p.add_argument("--gpu-memory", required=True, type=float, metavar="GiB", help="memory per GPU, GiB")
+    p.add_argument("--seq-len", required=True, type=int, metavar="L", help="tokens per sequence (prompt + completion)")
+    p.add_argument("--batch", required=True, type=int, metavar="B", help="sequences per optimizer step (all ranks)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="parameter storage dtype, model.dtype (default float32)")
+    p.add_argument("--compute-dtype", choices=("float32", "bfloat16"),
+                   help="forward/backward dtype, train.compute_dtype (default: --dtype)")
+    p.add_argument("--micro-batch", type=int, default=64, metavar="M",
+                   help="sequences per forward/backward per data-parallel rank, train.micro_batch_size (default 64)")
+    p.add_argument("--activation-checkpointing", default="none", choices=("none", "full"),
+                   help="what the peak assumes (both are shown; default none)")
+    p.add_argument("--logprob-chunk-tokens", type=int, default=1024, metavar="C",
+                   help="tokens per chunk of the LM head + log-softmax; 0: full logits (default 1024)")
+    p.add_argument("--safety-margin", type=float, default=0.1, metavar="F",
+                   help="fraction of GPU memory kept free (fragmentation, estimate error; default 0.1)")
+    p.add_argument("--top", type=int, metavar="K", help="print only the first K layouts (default all)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead")
+
     p = sub.add_parser("make-tiny", help="write a tiny random HF checkpoint with a byte tokenizer", add_help=False)
     p.add_argument("out_dir", metavar="OUT_DIR")
     return parser, dict(sub.choices)
@@ -297,6 +330,22 @@ def cmd_rollouts(args: argparse.Namespace, overrides: list[str]) -> int:
     return EXIT_OK
 
 
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from titanrl.commands.plan import plan_command
+
+    text, fits = plan_command(
+        args.model, args.gpus, args.gpu_memory, args.seq_len, args.batch, dtype=args.dtype,
+        compute_dtype=args.compute_dtype, micro_batch=args.micro_batch,
+        activation_checkpointing=args.activation_checkpointing, logprob_chunk_tokens=args.logprob_chunk_tokens,
+        margin=args.safety_margin, top=args.top, as_json=args.json,
+    )
+    print(text)
+    if not fits:
+        print("titanrl plan: no layout fits; the report above says which settings would", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
 def cmd_make_tiny(args: argparse.Namespace, rest: list[str]) -> int:
     from titanrl.models.tiny import main as tiny_main
 
@@ -306,7 +355,7 @@ def cmd_make_tiny(args: argparse.Namespace, rest: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot, "rollouts": cmd_rollouts,
-    "make-tiny": cmd_make_tiny,
+    "make-tiny": cmd_make_tiny, "plan": cmd_plan,
 }
 
 
