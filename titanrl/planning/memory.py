@@ -207,8 +207,8 @@ class MemoryEstimate:
     logits_chunked: int
     """The same over one chunk of `logprob_chunk_tokens` tokens."""
     optimizer_step: int
-    """AdamW's temporaries during the step (after activations are freed): foreach on CUDA, one float32
-    copy of every element; per parameter on CPU, two float32 copies of the largest one."""
+    """AdamW's temporaries during the step (after activations are freed): none with the fused
+    kernels the trainer uses."""
     baseline: int
     """Process (CPU) or CUDA context (GPU) memory outside the model."""
     activation_checkpointing: ActivationCheckpointing
@@ -434,14 +434,11 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
         accumulation = 4 * unsharded
     stored, checkpointed = stage_activations(shape, layout, work, stage, sched)
     full, chunked = logits_bytes(shape, layout, work, sched, stage)
-    if work.device == "cuda":
-        step = 4 * n  # foreach AdamW: one float32 temporary per element (exp_avg_sq's sqrt)
-        baseline = CUDA_CONTEXT_BYTES
-    else:
-        # Per-parameter AdamW (CPU's default): denom = exp_avg_sq.sqrt() / bias_correction makes
-        # two float32 temporaries of the parameter at once; the largest parameter sets the peak.
-        step = 2 * 4 * _largest_parameter_shard(shape, layout, p)
-        baseline = CPU_PROCESS_BASELINE_BYTES
+    # Fused AdamW (titanrl.trainer.optimizer.implementation) updates each tensor in place: no
+    # temporaries beyond a few scalars. (Only a layout mixing DTensors and plain tensors falls back
+    # to the per-parameter loop, two float32 temporaries of one parameter: small next to the rest.)
+    step = 0
+    baseline = CUDA_CONTEXT_BYTES if work.device == "cuda" else CPU_PROCESS_BASELINE_BYTES
     return MemoryEstimate(
         layout=layout, stage=stage, schedule=sched, parameter_elements=n,
         parameters=store * n,
@@ -459,14 +456,6 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
         activation_checkpointing=work.activation_checkpointing,
         chunked_logprobs=work.logprob_chunk_tokens > 0,
     )
-
-
-def _largest_parameter_shard(shape: ModelShape, layout: Layout, p: StageParams) -> int:
-    """Elements of the largest single parameter shard (per-parameter AdamW's temporary)."""
-    candidates = [shape.hidden_size * max(shape.intermediate_size, shape.moe_intermediate_size * shape.num_experts)]
-    if p.root:
-        candidates.append(shape.embedding_params // layout.tp)
-    return -(-max(candidates) // layout.fsdp_size)
 
 
 def estimate(shape: ModelShape, layout: Layout, work: Workload) -> MemoryEstimate:
