@@ -31,6 +31,7 @@ from titanrl.trainer.parallel.checkpoint import load_model_optim, save_training_
 from titanrl.trainer.parallel.gather import GatheredWeights, iter_full_weights
 from titanrl.trainer.parallel.mesh import barrier, build_mesh, global_rank, init_distributed, resolve_device_type
 from titanrl.trainer.parallel.parallelize import build_optimizers, parallelize
+from titanrl.trainer.parallel.sharded_load import build_sharded_policy
 from titanrl.trainer.parallel.step import ParallelGRPOStep
 from titanrl.trainer.stats import GradStats, LogprobParity
 from titanrl.types import Group, PolicyVersion
@@ -53,8 +54,8 @@ class GRPOTrainer:
         self, model_config: ModelConfig, train_config: TrainConfig, temperature: float, seed: int,
         batch_invariant: bool = False, *, device_type: str | None = None,
     ) -> None:
-        """Loads the policy, moves it to the device and, for a parallel layout, joins the world
-        (blocks until every rank has) and shards it.
+        """Loads the policy onto the device; for a parallel layout, joins the world (blocks until
+        every rank has) and loads only this rank's shards (no rank holds the full model).
 
         batch_invariant: run the model and the logprobs through `titanrl.kernels`, so they match
         a batch-invariant generator bit for bit.
@@ -72,16 +73,20 @@ class GRPOTrainer:
         self.cfg = train_config
         self.temperature = temperature
         self.dtype = getattr(torch, model_config.dtype)
-        # Loaded before the world exists: DCP then reads a training checkpoint on its own.
-        model, self.model_config, self.tokenizer_dir = ckpt_io.load_initial_policy(model_config.checkpoint, self.dtype)
-        self.pad_id = self.model_config.eos_token_id or 0
         parallel = train_config.parallel
-        mesh = None
         if parallel.world_size > 1:
+            # Config and tensor names / shapes are checked before joining the world; then each
+            # rank builds the model on the meta device and reads only its shards.
+            policy = ckpt_io.open_initial_policy(model_config.checkpoint)
+            self.model_config, self.tokenizer_dir = policy.config, policy.tokenizer_dir
             init_distributed(device_type)
-            mesh = build_mesh(parallel, device_type)
+            self.pm = build_sharded_policy(policy, self.dtype, parallel, build_mesh(parallel, device_type))
+        else:
+            model, self.model_config, self.tokenizer_dir = ckpt_io.load_initial_policy(
+                model_config.checkpoint, self.dtype)
+            self.pm = parallelize(model, parallel, None, device_type=device_type)
+        self.pad_id = self.model_config.eos_token_id or 0
         self.rank = global_rank()
-        self.pm = parallelize(model, parallel, mesh, device_type=device_type)
         self.optimizers = build_optimizers(self.pm, train_config)
         self.schedulers = [build_scheduler(opt, train_config) for opt in self.optimizers]
         self.grpo = ParallelGRPOStep(self.pm, self.optimizers, train_config, temperature, batch_invariant)
