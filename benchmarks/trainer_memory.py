@@ -37,5 +37,131 @@ QWEN3_0_6B = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, 
 PROMPT_LEN = 16
 
 ARMS: dict[str, dict] = {
-    # name -> TrainConfig overrides (filled in below, once the switches exist)
+    # name -> TrainConfig overrides. "Full logits" is one chunk holding every token of the step.
+    "full_logits": dict(logprob_chunk_tokens=1 << 30),
+    "chunked": dict(),  # the default chunk (train.logprob_chunk_tokens)
+    "chunked+checkpointing": dict(activation_checkpointing="full"),
+    "full_logits+checkpointing": dict(logprob_chunk_tokens=1 << 30, activation_checkpointing="full"),
 }
+
+
+def _groups(rows: int, completion: int, vocab: int):
+    import torch
+
+    from titanrl.types import Group, Sample
+
+    g = torch.Generator().manual_seed(0)
+    groups = []
+    for gid in range(rows // 4):
+        samples = []
+        for k in range(4):
+            prompt = torch.randint(0, vocab, (PROMPT_LEN,), generator=g).tolist()
+            tokens = torch.randint(0, vocab, (completion,), generator=g).tolist()
+            samples.append(Sample(prompt="", completion="", prompt_ids=prompt, completion_ids=tokens,
+                                  gen_logprobs=[-12.0] * completion, reward=float(k % 2), group_id=gid,
+                                  policy_version=0))
+        groups.append(Group(samples))
+    return groups
+
+
+def run_arm(ckpt: str, overrides: dict, rows: int, completion: int, threads: int) -> dict:
+    """In this (fresh) process: build the trainer, one step, one timed step; peak RSS."""
+    import torch
+
+    from titanrl.config import ModelConfig, TrainConfig
+    from titanrl.memory import current_rss_bytes, peak_rss_bytes
+    from titanrl.trainer.trainer import GRPOTrainer
+
+    train = TrainConfig(threads=threads, micro_batch_size=rows, device="cpu", **overrides)
+    trainer = GRPOTrainer(ModelConfig(checkpoint=ckpt), train, temperature=1.0, seed=0)
+    after_load = current_rss_bytes()
+    groups = _groups(rows, completion, trainer.model_config.vocab_size)
+    trainer.step(groups)
+    t0 = time.perf_counter()
+    metrics = trainer.step(groups)
+    step_s = time.perf_counter() - t0
+    tokens = rows * (PROMPT_LEN + completion - 1)
+    return dict(peak_rss_bytes=peak_rss_bytes(), rss_after_load_bytes=after_load, step_s=round(step_s, 3),
+                tokens_per_s=round(tokens / step_s, 1), loss=metrics["loss"], torch=torch.__version__)
+
+
+def estimate(ckpt: str, overrides: dict, rows: int, completion: int) -> int:
+    """`titanrl plan`'s estimate of the same single-process step (bytes)."""
+    from titanrl.config import TrainConfig
+    from titanrl.planning import ModelShape, Workload, estimate_cpu_process
+
+    train = TrainConfig(**overrides)
+    work = Workload(seq_len=PROMPT_LEN + completion - 1, batch=rows, micro_batch=rows, dtype="float32",
+                    compute_dtype="float32", activation_checkpointing=train.activation_checkpointing,
+                    logprob_chunk_tokens=min(train.logprob_chunk_tokens, rows * (PROMPT_LEN + completion - 1)))
+    return estimate_cpu_process(ModelShape.from_config_json(Path(ckpt) / "config.json"), work).peak
+
+
+def cpu_flags() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return ""
+    return " ".join(f for f in flags.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma")))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=2, help="decoder blocks (Qwen3-0.6B has 28)")
+    parser.add_argument("--rows", type=int, default=16, help="sequences per step (a multiple of 4)")
+    parser.add_argument("--completion", type=int, default=128, help="completion tokens per sequence")
+    parser.add_argument("--threads", type=int, default=int(os.environ["OMP_NUM_THREADS"]))
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of: " + ", ".join(ARMS))
+    parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
+    parser.add_argument("--child", nargs=2, metavar=("CKPT", "ARM"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        ckpt, arm = args.child
+        print(json.dumps(run_arm(ckpt, ARMS[arm], args.rows, args.completion, args.threads)))
+        return
+
+    from titanrl.models.qwen3 import Qwen3Config
+    from titanrl.models.tiny import config_from_hf_json, write_checkpoint
+
+    lines = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = Qwen3Config(num_hidden_layers=args.layers, **QWEN3_0_6B).to_hf_dict()
+        (Path(tmp) / "config.json").write_text(json.dumps(hf))
+        ckpt = str(write_checkpoint(Path(tmp) / "ckpt", config_from_hf_json(Path(tmp) / "config.json")))
+        for arm in args.arms.split(","):
+            cmd = [sys.executable, __file__, "--child", ckpt, arm, "--rows", str(args.rows),
+                   "--completion", str(args.completion), "--threads", str(args.threads)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            line = {"benchmark": "trainer_memory", "arm": arm, "layers": args.layers, "rows": args.rows,
+                    "seq_len": PROMPT_LEN + args.completion - 1, **ARMS[arm]}
+            if out.returncode != 0:
+                line["error"] = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
+            else:
+                line.update(json.loads(out.stdout.strip().splitlines()[-1]))
+                line["peak_rss_gib"] = round(line["peak_rss_bytes"] / 2**30, 3)
+                est = estimate(ckpt, ARMS[arm], args.rows, args.completion)
+                line.update(estimate_gib=round(est / 2**30, 3), estimate_over_measured=round(est / line["peak_rss_bytes"], 3))
+            lines.append(line)
+            print(json.dumps(line), flush=True)
+    peak = {line["arm"]: line.get("peak_rss_bytes") for line in lines}
+
+    def ratio(a: str, b: str) -> float | None:
+        return round(peak[a] / peak[b], 3) if peak.get(a) and peak.get(b) else None
+
+    summary = {"benchmark": "trainer_memory", "summary": True, "layers": args.layers, "rows": args.rows,
+               "seq_len": PROMPT_LEN + args.completion - 1, "vocab_size": QWEN3_0_6B["vocab_size"],
+               "threads": args.threads, "cpu_flags": cpu_flags(),
+               "chunked_logprobs_peak_ratio": ratio("full_logits", "chunked"),
+               "activation_checkpointing_peak_ratio": ratio("chunked", "chunked+checkpointing"),
+               "activation_checkpointing_peak_ratio_full_logits": ratio("full_logits", "full_logits+checkpointing"),
+               "estimate_over_measured": [line.get("estimate_over_measured") for line in lines]}
+    lines.append(summary)
+    print(json.dumps(summary), flush=True)
+    if args.out:
+        with args.out.open("a") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -330,3 +330,115 @@ def optimizer_groups_resume(case: Case, workdir: str, layout: dict) -> dict[str,
     if dist.get_rank() != 0:
         return {}
     return {"groups": by_rank, "checkpoint": ckpt, "weights_after": weights, "tied_copies_equal": equal}
+
+
+def _rss_peak_mb() -> float:
+    """This process's peak resident memory (VmHWM), MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def _reset_rss_peak() -> float:
+    """Sets the peak to the current resident memory (Linux clear_refs 5); returns it, MiB."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _rss_peak_mb()
+
+
+def _old_path(checkpoint: str, dtype: torch.dtype, parallel: ParallelConfig, mesh):
+    """How every rank loaded before sharded loading: the full model, then parallelize."""
+    from titanrl.trainer.checkpoint import load_initial_policy
+
+    model, _, _ = load_initial_policy(checkpoint, dtype)
+    return parallelize(model, parallel, mesh)
+
+
+def sharded_loading(cases: dict[str, tuple[str, Case]], layouts: dict[str, dict],
+                    dtypes: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Per (case, layout): build_sharded_policy vs the old path (full model, then parallelize).
+
+    For every parameter on every rank: whether its local block equals the old path's and the
+    reference full tensor's slice at the block's offset (torch.equal; mismatching names by rank);
+    then, in float32, the loss and the gathered gradients of one accumulate_gradients under each.
+    cases: name -> (policy checkpoint, Case whose batch to use); dtypes: case -> storage dtype.
+    """
+    from titanrl.models.hf_checkpoint import checkpoint_name, read_state_dict
+    from titanrl.trainer.checkpoint import is_training_checkpoint, load_policy, open_initial_policy
+    from titanrl.trainer.parallel.gather import iter_full_gradients
+    from titanrl.trainer.parallel.sharded_load import build_sharded_policy, local_block
+
+    out: dict[str, dict[str, Any]] = {}
+    for case_name, (ckpt, case) in cases.items():
+        dtype = getattr(torch, dtypes.get(case_name, "float32"))
+        if is_training_checkpoint(ckpt):
+            reference = {k: v.detach() for k, v in load_policy(ckpt)[0].state_dict().items()}
+        else:
+            reference = read_state_dict(ckpt)
+        for name, layout in layouts.items():
+            parallel = ParallelConfig(**layout)
+            mesh = build_mesh(parallel, "cpu")
+            new = build_sharded_policy(open_initial_policy(ckpt), dtype, parallel, mesh)
+            old = _old_path(ckpt, dtype, parallel, mesh)
+            old_params = dict(old.named_parameters())
+            unequal_old, unequal_ref, checked = [], [], 0
+            for pname, param in new.named_parameters():
+                block, offset = local_block(param)
+                old_block, _ = local_block(old_params[pname])
+                full = reference[checkpoint_name(pname, new.config)].to(dtype)
+                want = full[tuple(slice(o, o + n) for o, n in zip(offset, block.shape, strict=True))]
+                unequal_old += [] if torch.equal(block, old_block) else [pname]
+                unequal_ref += [] if torch.equal(block, want) else [pname]
+                checked += 1
+            report: dict[str, Any] = {"unequal_old": unequal_old, "unequal_ref": unequal_ref, "checked": checked,
+                                      "same_names": sorted(old_params) == sorted(dict(new.named_parameters()))}
+            if dtype == torch.float32:
+                for which, pm in (("new", new), ("old", old)):
+                    step = ParallelGRPOStep(pm, build_optimizers(pm, case.train), case.train, case.temperature)
+                    stats = step.accumulate_gradients(case.batch)
+                    grads = {n: t.clone() for bucket in iter_full_gradients(pm) for n, t in bucket}
+                    report[which] = {"loss": stats.loss_sum / stats.tokens, "grads": grads}
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, report)
+            out[f"{case_name}/{name}"] = {"ranks": gathered}
+    return out if dist.get_rank() == 0 else {}
+
+
+def sharded_load_memory(hf_ckpt: str, workdir: str, layout: dict) -> dict[str, float]:
+    """Peak resident memory increase (MiB) of loading `hf_ckpt` on this rank: sharded from the HF
+    files; sharded from a training checkpoint that this layout saved (weights only); and (rank 0
+    only, as a check of the instrument) a full single-process load, which every rank used to make."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from titanrl.models.hf_checkpoint import load_model
+    from titanrl.trainer import checkpoint as ckpt_io
+    from titanrl.trainer.parallel.sharded_load import build_sharded_policy
+
+    parallel = ParallelConfig(**layout)
+    mesh = build_mesh(parallel, "cpu")
+    out = {}
+    base = _reset_rss_peak()
+    pm = build_sharded_policy(ckpt_io.open_initial_policy(hf_ckpt), torch.float32, parallel, mesh)
+    out["hf_sharded_mb"] = _rss_peak_mb() - base
+    # A training checkpoint of the weights alone (its optimizer state would only cost disk time here).
+    ckpt = Path(workdir) / "train_ckpt"
+    ckpt_io.dcp_save({"model": get_model_state_dict(pm.parts[0])}, ckpt / ckpt_io.MODEL_OPTIM_DIR)
+    if dist.get_rank() == 0:
+        ckpt_io.write_hf_config(ckpt / ckpt_io.HF_CONFIG_DIR, pm.config, torch.float32, hf_ckpt)
+        torch.save({"format_version": ckpt_io.FORMAT_VERSION}, ckpt / ckpt_io.TRAINER_STATE_FILE)
+    dist.barrier()
+    del pm
+    base = _reset_rss_peak()
+    pm = build_sharded_policy(ckpt_io.open_initial_policy(str(ckpt)), torch.float32, parallel, mesh)
+    out["dcp_sharded_mb"] = _rss_peak_mb() - base
+    del pm
+    dist.barrier()
+    if dist.get_rank() == 0:
+        base = _reset_rss_peak()
+        model, _ = load_model(hf_ckpt)
+        out["full_load_mb"] = _rss_peak_mb() - base
+        del model
+    dist.barrier()
+    return out

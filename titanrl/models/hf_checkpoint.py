@@ -8,13 +8,16 @@ sharded checkpoints (`model.safetensors.index.json`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from titanrl.atomic_io import replacing_directory
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
@@ -28,6 +31,8 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+EMBED = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
 
 
 class CheckpointError(ValueError):
@@ -52,8 +57,8 @@ def read_config(ckpt_dir: str | os.PathLike) -> Qwen3Config:
         raise CheckpointError(f"{str(cfg_file)!r}: {e}") from e
 
 
-def read_state_dict(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Reads all tensors of a single-file or sharded safetensors checkpoint."""
+def weight_files(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a single-file or sharded (index) checkpoint, checked to exist."""
     path = Path(ckpt_dir)
     if (path / INDEX_FILE).is_file():
         try:
@@ -67,11 +72,16 @@ def read_state_dict(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise CheckpointError(
             f"no weights in {str(path)!r}: expected {SINGLE_FILE} or {INDEX_FILE} with its shards"
         )
-    state: dict[str, torch.Tensor] = {}
     for name in shard_names:
-        shard = path / name
-        if not shard.is_file():
-            raise CheckpointError(f"shard {str(shard)!r} listed in {INDEX_FILE} is missing")
+        if not (path / name).is_file():
+            raise CheckpointError(f"shard {str(path / name)!r} listed in {INDEX_FILE} is missing")
+    return [path / name for name in shard_names]
+
+
+def read_state_dict(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Reads all tensors of a single-file or sharded safetensors checkpoint."""
+    state: dict[str, torch.Tensor] = {}
+    for shard in weight_files(ckpt_dir):
         try:
             state.update(load_file(str(shard)))
         except (SafetensorError, OSError, RuntimeError) as e:
@@ -79,50 +89,151 @@ def read_state_dict(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_state_dict_into(model: Qwen3ForCausalLM, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
-    """Copies HF-named tensors into `model`, checking names and shapes first."""
-    expected = model.state_dict()  # tensors share storage with the parameters
-    if model.config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+def checkpoint_name(name: str, config: Qwen3Config) -> str:
+    """The checkpoint tensor a parameter loads from: a tied LM head (or a pipeline stage's copy of
+    it) from the embedding, which is all an HF file of a tied model is sure to hold."""
+    return EMBED if config.tie_word_embeddings and name == HEAD else name
+
+
+def expected_shapes(model: nn.Module, config: Qwen3Config) -> dict[str, torch.Size]:
+    """Checkpoint tensor names and full shapes that `model` (whole, on any device, meta too) loads."""
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop(HEAD, None)
+    return shapes
+
+
+def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Size], source: str) -> None:
+    """A CheckpointError naming missing / unexpected tensors, or the first one of the wrong shape."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
     if missing or unexpected:
         raise CheckpointError(
             f"{source} does not match the model config: missing {missing[:5]}"
             f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
+    for name, shape in found.items():
+        if shape != expected[name]:
             raise CheckpointError(
-                f"{source}: {name} has shape {tuple(tensor.shape)} but config.json implies "
-                f"{tuple(expected[name].shape)}"
+                f"{source}: {name} has shape {tuple(shape)} but config.json implies {tuple(expected[name])}"
             )
+
+
+class CheckpointTensors:
+    """The tensors of an HF checkpoint directory as its safetensors headers describe them (which
+    file holds each, and its shape), read without touching any data; `read_into` then copies one
+    tensor, or one block of it, into a target. The one reader of weights: the single-process
+    load reads whole tensors, a sharded rank only its blocks (trainer/parallel/sharded_load.py).
+    """
+
+    READ_BLOCK_BYTES = 16 << 20
+    """Most bytes of the file one read maps: each block gets its own mapping, released after the
+    copy, so a reader's resident file pages stay one block, not the tensors it has read."""
+
+    def __init__(self, ckpt_dir: str | os.PathLike) -> None:
+        self.source = str(ckpt_dir)
+        self.files: dict[str, Path] = {}
+        """Tensor name -> the safetensors file holding it."""
+        self.shapes: dict[str, torch.Size] = {}
+        """Tensor name -> its full shape."""
+        for shard in weight_files(ckpt_dir):
+            try:
+                with safe_open(str(shard), framework="pt") as f:
+                    for name in f.keys():
+                        self.files[name] = shard
+                        self.shapes[name] = torch.Size(f.get_slice(name).get_shape())
+            except (SafetensorError, OSError, RuntimeError) as e:
+                raise CheckpointError(f"{str(shard)!r} is not a readable safetensors file ({e})") from e
+
+    def check(self, expected: dict[str, torch.Size]) -> None:
+        """Names and shapes against what a model loads (`expected_shapes`), before any data is read.
+
+        A tied model's checkpoint may also hold `lm_head.weight`: it is not read (see checkpoint_name).
+        """
+        found = dict(self.shapes)
+        if HEAD not in expected and EMBED in expected:
+            found.pop(HEAD, None)
+        check_shapes(expected, found, self.source)
+
+    def read_into(self, name: str, out: torch.Tensor, offset: Sequence[int] | None = None) -> None:
+        """Copies the block of tensor `name` that starts at `offset` (default: 0s) and has
+        `out`'s shape into `out`, cast to `out`'s dtype. Reads only that block's rows."""
+        offset = tuple(offset) if offset is not None else (0,) * out.dim()
+        full = self.shapes[name]
+        if len(offset) != len(full) or out.dim() != len(full) or any(
+            o < 0 or o + n > f for o, n, f in zip(offset, out.shape, full, strict=True)
+        ):
+            raise CheckpointError(
+                f"{self.source}: block {tuple(out.shape)} at {offset} does not fit {name} of shape {tuple(full)}"
+            )
+        if out.numel() == 0:
+            return
+        if out.dim() == 0:
+            with safe_open(str(self.files[name]), framework="pt") as f:
+                out.copy_(f.get_tensor(name))
+            return
+        index = [slice(o, o + n) for o, n in zip(offset, out.shape, strict=True)]
+        # Block over the first dimension, sized by the file rows a block touches (whole rows: pages).
+        row_bytes = max(1, math.prod(full[1:]) * out.element_size())
+        rows = max(1, self.READ_BLOCK_BYTES // row_bytes)
+        for lo in range(0, out.shape[0], rows):
+            hi = min(out.shape[0], lo + rows)
+            with safe_open(str(self.files[name]), framework="pt") as f:
+                out[lo:hi].copy_(f.get_slice(name)[(slice(offset[0] + lo, offset[0] + hi), *index[1:])])
+
+
+def load_state_dict_into(model: Qwen3ForCausalLM, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
+    """Copies HF-named tensors into `model`, checking names and shapes first."""
+    params = model.state_dict()  # tensors share storage with the parameters
+    if model.config.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != HEAD}
+    check_shapes(expected_shapes(model, model.config), {k: v.shape for k, v in state.items()}, source)
     with torch.no_grad():
         for name, tensor in state.items():
-            expected[name].copy_(tensor)
+            params[name].copy_(tensor)
+
+
+def tie_head(model: nn.Module) -> None:
+    """Makes a tied model's LM head the embedding's Parameter again where both are present
+    (`to_empty` gives each module its own; a pipeline stage holds at most one of them)."""
+    head, embed = getattr(model, "lm_head", None), getattr(model.model, "embed_tokens", None)
+    if model.config.tie_word_embeddings and head is not None and embed is not None and head.weight is not embed.weight:
+        head.weight = embed.weight
+
+
+def empty_meta_model(config: Qwen3Config, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
+    """A model of `config` on the meta device: shapes, names and dtype, no storage."""
+    with torch.device("meta"):
+        return Qwen3ForCausalLM(config).to(dtype)
+
+
+def empty_model(config: Qwen3Config, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> Qwen3ForCausalLM:
+    """An uninitialised model of `config` in `dtype` on `device` (weights are loaded next)."""
+    model = empty_meta_model(config, dtype).to_empty(device=device)
+    tie_head(model)
+    return model
 
 
 def load_model(
     ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[Qwen3ForCausalLM, Qwen3Config]:
-    """Builds our model from an HF checkpoint directory."""
+    """Builds our model from an HF checkpoint directory, one tensor at a time (cast to `dtype`)."""
     config = read_config(ckpt_dir)
-    state = read_state_dict(ckpt_dir)
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    model = model.to_empty(device=device)
-    if config.tie_word_embeddings:  # to_empty breaks the tie; restore it
-        model.lm_head.weight = model.model.embed_tokens.weight
-    load_state_dict_into(model, state, source=str(ckpt_dir))
-    return model.to(dtype), config
+    tensors = CheckpointTensors(ckpt_dir)
+    model = empty_model(config, dtype, device)
+    tensors.check(expected_shapes(model, config))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            tensors.read_into(checkpoint_name(name, config), param)
+    return model, config
 
 
 def hf_state_dict(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
     """The tensors an HF checkpoint holds: contiguous, detached, no duplicate tied head."""
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+        state.pop(HEAD, None)
     return state
 
 

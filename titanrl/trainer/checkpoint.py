@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from titanrl.models.hf_checkpoint import TOKENIZER_FILES, CheckpointError, read_config, save_checkpoint
+from titanrl.models.hf_checkpoint import (
+    HEAD,
+    TOKENIZER_FILES,
+    CheckpointError,
+    CheckpointTensors,
+    check_shapes,
+    empty_meta_model,
+    empty_model,
+    expected_shapes,
+    read_config,
+    save_checkpoint,
+)
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 MODEL_OPTIM_DIR = "model_optim"
@@ -145,16 +158,6 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     return state
 
 
-def empty_model(config: Qwen3Config, dtype: torch.dtype) -> Qwen3ForCausalLM:
-    """An uninitialised model of `config` (weights are loaded next)."""
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    model = model.to_empty(device="cpu")
-    if config.tie_word_embeddings:  # to_empty breaks the tie; restore it
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model.to(dtype)
-
-
 def load_policy(training_ckpt_dir: str | os.PathLike) -> tuple[Qwen3ForCausalLM, Qwen3Config]:
     """Rebuilds the policy from a training checkpoint: hf_config/ plus the DCP "model" state."""
     ckpt = check_training_checkpoint(training_ckpt_dir)
@@ -184,3 +187,37 @@ def load_initial_policy(checkpoint: str, dtype: torch.dtype) -> tuple[Qwen3ForCa
 
     model, config = load_model(checkpoint, dtype=dtype)
     return model, config, checkpoint
+
+
+@dataclass
+class InitialPolicy:
+    """Where a parallel trainer's starting weights come from, opened and checked (tensor names
+    and shapes) from file headers alone: no weight is read until each rank reads its shards."""
+
+    config: Qwen3Config
+    """Architecture of the policy."""
+    tokenizer_dir: str
+    """Directory holding the policy's tokenizer files."""
+    hf_tensors: CheckpointTensors | None = None
+    """An HF checkpoint directory's tensors (None for a training checkpoint)."""
+    dcp_dir: Path | None = None
+    """A training checkpoint's `model_optim/` (None for an HF checkpoint directory)."""
+
+
+def open_initial_policy(checkpoint: str) -> InitialPolicy:
+    """`load_initial_policy` without loading: the config, and the weights' source checked against it."""
+    if not is_training_checkpoint(checkpoint):
+        config = read_config(checkpoint)
+        tensors = CheckpointTensors(checkpoint)
+        tensors.check(expected_shapes(empty_meta_model(config), config))
+        return InitialPolicy(config, checkpoint, hf_tensors=tensors)
+    ckpt = check_training_checkpoint(checkpoint)
+    config, _ = read_hf_config(ckpt)
+    dcp_dir = ckpt / MODEL_OPTIM_DIR
+    saved = dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    found = {k.removeprefix("model."): md.size for k, md in saved.items()
+             if k.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+    if config.tie_word_embeddings:
+        found.pop(HEAD, None)  # saved beside the embedding for readers that ask for both
+    check_shapes(expected_shapes(empty_meta_model(config), config), found, str(dcp_dir))
+    return InitialPolicy(config, str(ckpt / HF_CONFIG_DIR), dcp_dir=dcp_dir)

@@ -28,11 +28,12 @@ from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, 
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.batch import PackedBatch, minibatch_row_ranges, pack
 from titanrl.trainer.lr_schedule import build_scheduler, load_scheduler_state
+from titanrl.trainer.optimizer import build_optimizers
 from titanrl.trainer.parallel.checkpoint import load_model_optim, save_training_checkpoint
 from titanrl.trainer.parallel.gather import GatheredWeights, iter_full_weights
 from titanrl.trainer.parallel.mesh import barrier, build_mesh, global_rank, init_distributed, resolve_device_type
-from titanrl.trainer.optimizer import build_optimizers
 from titanrl.trainer.parallel.parallelize import parallelize
+from titanrl.trainer.parallel.sharded_load import build_sharded_policy
 from titanrl.trainer.parallel.step import ParallelGRPOStep
 from titanrl.trainer.stats import GradStats, LogprobParity
 from titanrl.types import Group, PolicyVersion
@@ -55,8 +56,8 @@ class GRPOTrainer:
         self, model_config: ModelConfig, train_config: TrainConfig, temperature: float, seed: int,
         batch_invariant: bool = False, *, device_type: str | None = None,
     ) -> None:
-        """Loads the policy, moves it to the device and, for a parallel layout, joins the world
-        (blocks until every rank has) and shards it.
+        """Loads the policy onto the device; for a parallel layout, joins the world (blocks until
+        every rank has) and loads only this rank's shards (no rank holds the full model).
 
         batch_invariant: run the model and the logprobs through `titanrl.kernels`, so they match
         a batch-invariant generator bit for bit.
@@ -78,18 +79,24 @@ class GRPOTrainer:
         self.compute_dtype = getattr(torch, compute_dtype(model_config, train_config))
         """Dtype of the forward/backward (train.compute_dtype, else model.dtype) and of the weights
         pushed to the generators, which compute in it too."""
-        # Loaded before the world exists: DCP then reads a training checkpoint on its own.
-        model, self.model_config, self.tokenizer_dir = ckpt_io.load_initial_policy(model_config.checkpoint, self.dtype)
-        self.pad_id = self.model_config.eos_token_id or 0
-        parallel = train_config.parallel
-        mesh = None
-        if parallel.world_size > 1:
-            init_distributed(device_type)
-            mesh = build_mesh(parallel, device_type)
-        self.rank = global_rank()
-        self.pm = parallelize(model, parallel, mesh, device_type=device_type, compute_dtype=self.compute_dtype,
+        layout_options = dict(compute_dtype=self.compute_dtype,
                               activation_checkpointing=train_config.activation_checkpointing,
                               activation_checkpointing_every=train_config.activation_checkpointing_every)
+        parallel = train_config.parallel
+        if parallel.world_size > 1:
+            # Config and tensor names / shapes are checked before joining the world; then each
+            # rank builds the model on the meta device and reads only its shards.
+            policy = ckpt_io.open_initial_policy(model_config.checkpoint)
+            self.model_config, self.tokenizer_dir = policy.config, policy.tokenizer_dir
+            init_distributed(device_type)
+            self.pm = build_sharded_policy(policy, self.dtype, parallel, build_mesh(parallel, device_type),
+                                           **layout_options)
+        else:
+            model, self.model_config, self.tokenizer_dir = ckpt_io.load_initial_policy(
+                model_config.checkpoint, self.dtype)
+            self.pm = parallelize(model, parallel, None, device_type=device_type, **layout_options)
+        self.pad_id = self.model_config.eos_token_id or 0
+        self.rank = global_rank()
         self.optimizers = build_optimizers(self.pm, train_config)
         self.schedulers = [build_scheduler(opt, train_config) for opt in self.optimizers]
         self.grpo = ParallelGRPOStep(self.pm, self.optimizers, train_config, temperature, batch_invariant)

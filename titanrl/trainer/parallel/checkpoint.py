@@ -24,7 +24,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.optimizer import GROUP_NAME, LAYOUT_KEYS
@@ -125,6 +130,18 @@ def _current_group_settings(current: dict[str, Any], loaded: dict[str, Any], pat
                       f"param-group settings (weight decay)", stacklevel=3)
         return groups
     return {k: v for k, v in groups.items() if k.rpartition(".")[2] in LAYOUT_KEYS}
+
+
+def load_model_weights(pm: ParallelModel, path: str | os.PathLike) -> None:
+    """Loads only the weights of a `model_optim/` directory (any layout's) into this one, each
+    rank reading the saved chunks that overlap its shards (call on every rank)."""
+    renames = [_head_copy_keys(pm, part) for part in pm.parts]
+    states = [get_model_state_dict(part, options=_OPTIONS) for part in pm.parts]
+    request = {"model": {_saved_key(k, head): v for head, sd in zip(renames, states, strict=True)
+                         for k, v in sd.items()}}
+    ckpt_io.dcp_load(request, Path(path))
+    for part, head, sd in zip(pm.parts, renames, states, strict=True):
+        set_model_state_dict(part, {k: request["model"][_saved_key(k, head)] for k in sd}, options=_OPTIONS)
 
 
 def save_training_checkpoint(pm: ParallelModel, optimizers: list[torch.optim.Optimizer], out_dir: str | os.PathLike,

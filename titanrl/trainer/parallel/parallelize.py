@@ -78,6 +78,10 @@ class ParallelModel:
             yield p
 
 
+def _is_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
 def _layers(part: nn.Module) -> list[nn.Module]:
     return part.layers() if isinstance(part, PipelineStageModel) else list(part.model.layers)
 
@@ -103,7 +107,8 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
         raise ValueError(f"a layout of {parallel.world_size} ranks needs a device mesh (see mesh.build_mesh)")
     device_type = mesh.device_type if mesh is not None else device_type
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
-    model = model.to(device)
+    if not _is_meta(model):  # a meta model is materialised shard by shard after sharding (sharded_load.py)
+        model = model.to(device)
     if compute_dtype == next(model.parameters()).dtype:
         compute_dtype = None
     context = None

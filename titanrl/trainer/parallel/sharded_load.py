@@ -1,0 +1,70 @@
+"""A parallel policy built without a full model on any rank.
+
+The model is built on the meta device (shapes, no storage), parallelized there (FSDP2's
+`fully_shard` and the tensor-parallel plan only rewrite parameters into DTensors of local
+shapes), and only then materialised: `to_empty` allocates each rank's shards and nothing else.
+Each rank then fills them from the checkpoint, reading only its own blocks: from the
+safetensors files of an HF directory (a block per parameter, located by its DTensor's local
+shape and global offset), or from a training checkpoint through DCP, which reads the saved
+chunks that overlap the rank's shards. A pipeline rank materialises only its stages' modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from titanrl.config.schema import ParallelConfig
+from titanrl.models.hf_checkpoint import CheckpointTensors, checkpoint_name, empty_meta_model, tie_head
+from titanrl.trainer.checkpoint import InitialPolicy
+from titanrl.trainer.parallel.checkpoint import load_model_weights
+from titanrl.trainer.parallel.parallelize import ParallelModel, parallelize
+
+
+def local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """This rank's block of `param` (its local tensor, writable) and the block's offset in the full
+    tensor; a plain tensor is its own block at offset 0."""
+    if not isinstance(param, DTensor):
+        return param.detach(), (0,) * param.dim()
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    local = param.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise RuntimeError(f"local shard {tuple(local.shape)} is not the block {shape} its placements imply")
+    return local, tuple(offset)
+
+
+def materialize(pm: ParallelModel) -> None:
+    """Allocates (uninitialised) storage for this rank's shards of a meta-built ParallelModel."""
+    for part in pm.parts:
+        if any(True for _ in part.buffers()):
+            raise RuntimeError("sharded loading fills parameters only; this model has buffers, which to_empty "
+                               "would leave uninitialised")
+        part.to_empty(device=pm.device)
+        tie_head(part)
+
+
+@torch.no_grad()
+def load_hf_shards(pm: ParallelModel, tensors: CheckpointTensors) -> None:
+    """Fills every parameter on this rank with its block of the checkpoint's tensor (cast to the
+    parameter's dtype); a split tied matrix's two copies both read the embedding."""
+    for part in pm.parts:
+        for name, param in part.named_parameters():
+            block, offset = local_block(param)
+            tensors.read_into(checkpoint_name(name, pm.config), block, offset)
+
+
+def build_sharded_policy(policy: InitialPolicy, dtype: torch.dtype, parallel: ParallelConfig,
+                         mesh: DeviceMesh, **parallelize_options: Any) -> ParallelModel:
+    """This rank's share of the policy in `dtype`, loaded shard by shard (call on every rank);
+    `parallelize_options` go to `parallelize` (mixed precision, activation checkpointing)."""
+    pm = parallelize(empty_meta_model(policy.config, dtype), parallel, mesh, **parallelize_options)
+    materialize(pm)
+    if policy.hf_tensors is not None:
+        load_hf_shards(pm, policy.hf_tensors)
+    else:
+        load_model_weights(pm, policy.dcp_dir)
+    return pm
