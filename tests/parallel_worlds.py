@@ -356,13 +356,14 @@ def _old_path(checkpoint: str, dtype: torch.dtype, parallel: ParallelConfig, mes
     return parallelize(model, parallel, mesh)
 
 
-def sharded_loading(cases: dict[str, tuple[str, Case]], layouts: dict[str, dict],
-                    dtypes: dict[str, str]) -> dict[str, dict[str, Any]]:
+def sharded_loading(cases: dict[str, tuple[str, Case]], layouts: dict[str, dict], dtypes: dict[str, str],
+                    steps: set[str]) -> dict[str, dict[str, Any]]:
     """Per (case, layout): build_sharded_policy vs the old path (full model, then parallelize).
 
     For every parameter on every rank: whether its local block equals the old path's and the
     reference full tensor's slice at the block's offset (torch.equal; mismatching names by rank);
-    then, in float32, the loss and the gathered gradients of one accumulate_gradients under each.
+    then, for the "case/layout" keys in `steps`, the loss and the gathered gradients of one
+    accumulate_gradients under each (a few seconds per key on gloo).
     cases: name -> (policy checkpoint, Case whose batch to use); dtypes: case -> storage dtype.
     """
     from titanrl.models.hf_checkpoint import checkpoint_name, read_state_dict
@@ -394,7 +395,7 @@ def sharded_loading(cases: dict[str, tuple[str, Case]], layouts: dict[str, dict]
                 checked += 1
             report: dict[str, Any] = {"unequal_old": unequal_old, "unequal_ref": unequal_ref, "checked": checked,
                                       "same_names": sorted(old_params) == sorted(dict(new.named_parameters()))}
-            if dtype == torch.float32:
+            if f"{case_name}/{name}" in steps:
                 for which, pm in (("new", new), ("old", old)):
                     step = ParallelGRPOStep(pm, build_optimizers(pm, case.train), case.train, case.temperature)
                     stats = step.accumulate_gradients(case.batch)

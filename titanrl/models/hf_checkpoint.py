@@ -2,7 +2,9 @@
 
 Our parameter names are HF's, so the state-dict adapter only has to deal with the
 tied LM head (HF files omit `lm_head.weight` when embeddings are tied) and with
-sharded checkpoints (`model.safetensors.index.json`).
+sharded checkpoints (`model.safetensors.index.json`). Weights are read through one
+reader, `CheckpointTensors.read_into`: whole tensors in one process, each rank's blocks
+in a parallel layout (trainer/parallel/sharded_load.py).
 """
 
 from __future__ import annotations
@@ -157,7 +159,8 @@ class CheckpointTensors:
 
     def read_into(self, name: str, out: torch.Tensor, offset: Sequence[int] | None = None) -> None:
         """Copies the block of tensor `name` that starts at `offset` (default: 0s) and has
-        `out`'s shape into `out`, cast to `out`'s dtype. Reads only that block's rows."""
+        `out`'s shape into `out`, cast to `out`'s dtype. Touches only the file rows the block spans
+        (a block of columns still reads whole pages of those rows)."""
         offset = tuple(offset) if offset is not None else (0,) * out.dim()
         full = self.shapes[name]
         if len(offset) != len(full) or out.dim() != len(full) or any(
@@ -173,7 +176,7 @@ class CheckpointTensors:
                 out.copy_(f.get_tensor(name))
             return
         index = [slice(o, o + n) for o, n in zip(offset, out.shape, strict=True)]
-        # Block over the first dimension, sized by the file rows a block touches (whole rows: pages).
+        # Blocks over the first dimension, sized by the full rows they touch (in out's element size).
         row_bytes = max(1, math.prod(full[1:]) * out.element_size())
         rows = max(1, self.READ_BLOCK_BYTES // row_bytes)
         for lo in range(0, out.shape[0], rows):
