@@ -135,7 +135,8 @@ def _fsdp_internals(rank: int, case) -> dict | None:
     """dp_shard=2 with bf16 compute: shards, gradients and AdamW state float32, forward weights
     bf16, the pushed tensors (GatheredWeights) the bf16 cast of the gathered float32 weights."""
     from titanrl.config import ParallelConfig
-    from titanrl.trainer.parallel import ParallelGRPOStep, build_mesh, build_optimizers, iter_full_weights, parallelize
+    from titanrl.trainer.optimizer import build_optimizers
+    from titanrl.trainer.parallel import ParallelGRPOStep, build_mesh, iter_full_weights, parallelize
     from titanrl.trainer.parallel.gather import GatheredWeights
 
     model, _ = load_model(case.checkpoint)
@@ -163,7 +164,8 @@ def _fsdp_internals(rank: int, case) -> dict | None:
 def _tp_losses(case) -> dict:
     """tp=2 (no FSDP): the loss with float32 masters and bf16 compute, and with a bf16 model."""
     from titanrl.config import ParallelConfig
-    from titanrl.trainer.parallel import ParallelGRPOStep, build_mesh, build_optimizers, parallelize
+    from titanrl.trainer.optimizer import build_optimizers
+    from titanrl.trainer.parallel import ParallelGRPOStep, build_mesh, parallelize
 
     parallel, out = ParallelConfig(tp=2), {}
     for name, dtype, compute in (("mixed", torch.float32, BF16), ("bf16", BF16, None)):

@@ -7,13 +7,15 @@ the same names in every layout.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from titanrl.config.schema import ParallelConfig
-from titanrl.models.qwen3 import Qwen3ForCausalLM
+from titanrl.models.qwen3 import LMHead, Qwen3ForCausalLM
 from titanrl.trainer.parallel.ring_attention import ContextLayout
 from titanrl.config.parallel import PP_SCHEDULES
 
@@ -75,7 +77,15 @@ class PipelineStageModel(nn.Module):
     def layers(self) -> list[nn.Module]:
         return list(self.model.layers.values())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, head: LMHead | None = None) -> Any:
+        """The stage's output for input `x`; with `head` (the last stage only), the loss function's
+        call `head(x, lm_head.weight)` on hidden states this stage returned: a call of the stage
+        module itself, so FSDP gathers the head's weight and mixed precision casts it, as they do
+        for the whole model's head (Qwen3ForCausalLM.forward)."""
+        if head is not None:
+            if not self.is_last:
+                raise RuntimeError(f"pipeline stage {self.stage} holds no LM head")
+            return head(x, self.lm_head.weight)
         h = self.model.embed_tokens(x) if self.is_first else x
         B, T = h.shape[:2]
         pos = self.context.positions(T, h.device) if self.context else torch.arange(T, device=h.device)

@@ -252,7 +252,8 @@ class ParallelGRPOStep:
             calls.append(_Totals())
             # The loss reads no input ids: the targets stand in for them.
             sub = PackedBatch(t.long(), t.long(), m.float(), o.float(), a[:, 0].float(), c[:, 0] > 0)
-            logprobs, entropy = self._head(t.long())(hidden, last.lm_head.weight)
+            # Through the stage module: FSDP gathers the head's weight, mixed precision casts it.
+            logprobs, entropy = last(hidden, head=self._head(t.long()))
             loss_sum = self._loss(logprobs, entropy, sub, calls[-1])
             return loss_sum / total_tokens.to(loss_sum.device)
 
