@@ -58,6 +58,7 @@ def _assert_matches(report: dict) -> None:
     assert report["grad_rel_diff"] <= TOL, report
     assert report["grad_max_param_rel_diff"] <= TOL, report
     assert report["grad_norm_rel_diff"] <= TOL, report
+    assert report["entropy_sum_rel_diff"] <= TOL, report  # train/entropy: each token counted once
     assert report["clipped_tokens_equal"], report
     # AdamW's first step is ~lr * sign(g): elements with |g| near zero amplify 1e-7 gradient
     # noise (up to ~1e-3 seen), so the update agrees less tightly; a wrong shard update is O(1) off.

@@ -56,7 +56,8 @@ def reports(world):
 def test_4_rank_layout_equals_single_process(reports, layout):
     """Loss, full gradient (global and per parameter) and grad norm equal GRPOTrainer's to 1e-5."""
     r = reports[layout]
-    for key in ("loss_rel_diff", "grad_rel_diff", "grad_max_param_rel_diff", "grad_norm_rel_diff"):
+    for key in ("loss_rel_diff", "grad_rel_diff", "grad_max_param_rel_diff", "grad_norm_rel_diff",
+                "entropy_sum_rel_diff"):
         assert r[key] <= 1e-5, (key, r)
     assert r["clipped_tokens_equal"] and r["update_rel_diff"] <= 1e-2, r
 
@@ -70,7 +71,8 @@ def test_4_rank_tied_layout_equals_single_process(world, layout):
     GRPOTrainer's to 1e-5, and after two optimizer steps the two copies are bitwise equal."""
     r = world["tied"][layout]
     assert r["tied_embeddings"] is True, r
-    for key in ("loss_rel_diff", "grad_rel_diff", "grad_max_param_rel_diff", "grad_norm_rel_diff"):
+    for key in ("loss_rel_diff", "grad_rel_diff", "grad_max_param_rel_diff", "grad_norm_rel_diff",
+                "entropy_sum_rel_diff"):
         assert r[key] <= 1e-5, (key, r)
     assert r["clipped_tokens_equal"] and r["update_rel_diff"] <= 1e-2, r
     assert r["tied_copies_equal"] is True, r

@@ -148,14 +148,19 @@ def test_doubling_dp_shard_halves_sharded_terms():
 
 
 def test_tensor_parallel_shards_vocabulary_parallel_logits():
-    """Under tp each rank holds vocab / tp of the logits (full and chunked), for the same tokens."""
+    """Under tp each rank holds vocab / tp of the logits (full, and chunks of a given size), for the
+    same tokens; the default chunk is a fixed size per rank (more tokens over a narrower shard)."""
     shape = ModelShape.from_config_json(CONFIGS / "qwen3-0.6b.json")
-    work = Workload(seq_len=512, batch=8, compute_dtype="bfloat16")
+    work = Workload(seq_len=512, batch=8, compute_dtype="bfloat16", logprob_chunk_tokens=1024)
     one, two = estimate(shape, Layout(), work), estimate(shape, Layout(tp=2), work)
     assert one.schedule.tokens_per_micro_batch == two.schedule.tokens_per_micro_batch == 8 * 512
     assert one.logits_full == 2 * two.logits_full == 3 * 4 * 8 * 512 * 151936
     assert one.logits_chunked == 2 * two.logits_chunked
     assert two.logits_chunked < two.logits_full
+    auto = Workload(seq_len=512, batch=8, compute_dtype="bfloat16")
+    one, two = estimate(shape, Layout(), auto), estimate(shape, Layout(tp=2), auto)
+    assert one.logits_chunked == 3 * 4 * 220 * 151936  # 220 tokens: 128 MiB of float32 logits
+    assert abs(two.logits_chunked - one.logits_chunked) <= 3 * 4 * 151936  # within one token's row
 
 
 def test_checkpointing_lowers_activations_and_peak():

@@ -204,8 +204,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="sequences per forward/backward per data-parallel rank, train.micro_batch_size (default 64)")
     p.add_argument("--activation-checkpointing", default="none", choices=("none", "full"),
                    help="what the peak assumes (both are shown; default none)")
-    p.add_argument("--logprob-chunk-tokens", type=int, default=1024, metavar="C",
-                   help="tokens per chunk of the LM head + log-softmax; 0: full logits (default 1024)")
+    p.add_argument("--logprob-chunk-tokens", type=int, default=None, metavar="C",
+                   help="tokens per chunk of the LM head + log-softmax; 0: full logits (default: the "
+                        "trainer's, 128 MiB of float32 logits per rank)")
     p.add_argument("--safety-margin", type=float, default=0.1, metavar="F",
                    help="fraction of GPU memory kept free (fragmentation, estimate error; default 0.1)")
     p.add_argument("--top", type=int, metavar="K", help="print only the first K layouts (default all)")

@@ -13,6 +13,7 @@ from titanrl.commands import CommandError
 from titanrl.planning.layouts import RULE, Candidate, Plan, plan, what_would_fit
 from titanrl.planning.memory import GiB, Workload
 from titanrl.planning.shape import ModelShape, PlanInputError
+from titanrl.trainer.logprob_chunks import chunk_tokens_for
 
 COLUMNS = (
     ("layout", 38), ("params", 7), ("grads", 7), ("optim", 7), ("fsdp", 7), ("act:none", 9), ("act:full", 9),
@@ -22,7 +23,7 @@ COLUMNS = (
 
 def plan_command(model: str, gpus: int, gpu_memory: float, seq_len: int, batch: int, *, dtype: str = "float32",
                  compute_dtype: str | None = None, micro_batch: int = 64, activation_checkpointing: str = "none",
-                 logprob_chunk_tokens: int = 1024, margin: float = 0.1, top: int | None = None,
+                 logprob_chunk_tokens: int | None = None, margin: float = 0.1, top: int | None = None,
                  as_json: bool = False) -> tuple[str, bool]:
     """The report (table or JSON) and whether a layout fits. Raises CommandError on bad input."""
     try:
@@ -63,15 +64,15 @@ def _row(c: Candidate) -> list[str]:
 
 def _table(p: Plan, hints: list[str], top: int | None) -> str:
     w = p.work
-    chunk = w.logprob_chunk_tokens or 1024
+    chunk = chunk_tokens_for(p.shape.vocab_size, w.logprob_chunk_tokens or None)  # tp splits the vocabulary
     lines = [
         p.shape.describe(),
         f"{p.gpus} GPUs x {p.gpu_memory / GiB:g} GiB: budget {p.budget / GiB:.1f} GiB per GPU after a {p.margin:.0%} "
         f"safety margin. Step: {w.batch} sequences x {w.seq_len} tokens, micro-batch {w.micro_batch} per "
         f"data-parallel rank. Parameters stored in {w.dtype}, compute in {w.compute_dtype}.",
         f"The peak uses act:{w.activation_checkpointing} (--activation-checkpointing) and "
-        + (f"logit:chunk of {chunk} tokens (--logprob-chunk-tokens)." if w.logprob_chunk_tokens
-           else "logit:full (--logprob-chunk-tokens 0); logit:chunk shows 1024-token chunks."),
+        + (f"logit:chunk of {chunk} tokens at tp=1 (--logprob-chunk-tokens)." if w.logprob_chunk_tokens != 0
+           else "logit:full (--logprob-chunk-tokens 0); logit:chunk shows the trainer's default chunks."),
         "",
         "GiB on the busiest rank of each layout; comm: GB that rank sends per step; bubble: pipeline idle share.",
         "params: stored shards (+ float32 master copy); grads: float32 shards; optim: AdamW's two float32 moments;",

@@ -168,10 +168,12 @@ class TrainConfig:
     """Divide group-centered rewards by the group std (GRPO); False gives Dr.GRPO-style centering."""
     micro_batch_size: int = 64
     """Sequences per forward/backward; gradients accumulate to one step per batch."""
-    logprob_chunk_tokens: int = 1024
+    logprob_chunk_tokens: int | None = None
     """Tokens whose LM-head logits exist at once: the head, log-softmax and its backward run over
     chunks of this many tokens (logits recomputed in backward), so a micro-batch never holds its
-    full [tokens, vocab] logits. Smaller saves memory (a chunk costs ~3 x tokens x vocab x 4 bytes)."""
+    full [tokens, vocab] logits. None (the default): as many tokens as fit 128 MiB of float32 logits
+    (220 at Qwen3's 151,936-token vocabulary; a tiny vocabulary's micro-batch is one chunk). A
+    chunk's backward holds ~3 such buffers; smaller saves memory, at a little speed."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """Decoder blocks that keep only their input for backward and recompute the rest there
     (saves activation memory for about one more forward): 'none', 'full' (every block) or

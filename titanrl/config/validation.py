@@ -72,8 +72,11 @@ def validate(config: RunConfig) -> None:
         config,
         "rollout.num_workers", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
         "rollout.max_model_len", "rollout.max_num_seqs", "rollout.kv_cache_gib", "rollout.threads_per_worker",
-        "train.steps", "train.lr", "train.micro_batch_size", "train.logprob_chunk_tokens", "train.threads",
+        "train.steps", "train.lr", "train.micro_batch_size", "train.threads",
     )
+    if config.train.logprob_chunk_tokens is not None and config.train.logprob_chunk_tokens <= 0:
+        raise ConfigError(f"train.logprob_chunk_tokens must be > 0 (or none: sized to 128 MiB of logits), "
+                          f"got {config.train.logprob_chunk_tokens}")
     if config.rollout.group_size < 2:
         raise ConfigError("rollout.group_size must be >= 2: GRPO compares completions of the same prompt")
     if config.rollout.temperature <= 0:

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from titanrl.planning.shape import ModelShape
+from titanrl.trainer.logprob_chunks import chunk_tokens_for
 
 GiB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -146,8 +147,9 @@ class Workload:
     """Dtype forward and backward run in (train.compute_dtype)."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """'full': every decoder block keeps only its input and recomputes the rest in backward."""
-    logprob_chunk_tokens: int = 1024
-    """Tokens per chunk of the LM head + log-softmax (chunked logprobs); 0 keeps full logits."""
+    logprob_chunk_tokens: int | None = None
+    """Tokens per chunk of the LM head + log-softmax (chunked logprobs, train.logprob_chunk_tokens);
+    None sizes chunks as the trainer does (128 MiB of float32 logits per rank); 0 keeps full logits."""
     device: Literal["cuda", "cpu"] = "cuda"
     """cuda: AdamW runs foreach (one float32 temporary per parameter) and the CUDA context counts;
     cpu: per-parameter AdamW and the measured process baseline."""
@@ -159,7 +161,7 @@ class Workload:
         for name in ("seq_len", "batch", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.logprob_chunk_tokens < 0:
+        if self.logprob_chunk_tokens is not None and self.logprob_chunk_tokens < 0:
             raise ValueError(f"--logprob-chunk-tokens must be >= 0 (0: full logits), got {self.logprob_chunk_tokens}")
         if self.activation_checkpointing not in ("none", "full"):
             raise ValueError(f"--activation-checkpointing must be none or full, got {self.activation_checkpointing!r}")
@@ -406,7 +408,7 @@ def logits_bytes(shape: ModelShape, layout: Layout, work: Workload, sched: Sched
     T = sched.tokens_per_micro_batch
     flights = in_flight(layout, sched.micro_batches, stage)
     full = 4 * T * vocab * (LOGITS_COPIES - 1 + flights)
-    chunk = min(work.logprob_chunk_tokens or 1024, T)
+    chunk = min(chunk_tokens_for(vocab, work.logprob_chunk_tokens or None), T)
     return full, 4 * chunk * vocab * LOGITS_COPIES
 
 
@@ -454,7 +456,7 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
         optimizer_step=step,
         baseline=baseline,
         activation_checkpointing=work.activation_checkpointing,
-        chunked_logprobs=work.logprob_chunk_tokens > 0,
+        chunked_logprobs=work.logprob_chunk_tokens != 0,
     )
 
 

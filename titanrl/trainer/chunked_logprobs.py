@@ -5,8 +5,9 @@ and the entropy of its sampling distribution softmax(logits / temperature), both
 The forward computes one chunk of `chunk_tokens` rows of logits at a time and keeps only per-token
 numbers (log-sum-exp, entropy); the backward recomputes each chunk's logits and accumulates the
 gradients of the hidden states and the head weight, from either output (a loss on the logprobs,
-an entropy bonus). Peak extra memory is a few [chunk_tokens, V] float32 buffers instead of
-[N, V] logits plus their autograd copies.
+an entropy bonus). Peak extra memory is two or three [chunk_tokens, V] float32 buffers (reused
+in place) instead of [N, V] logits plus their autograd copies; the backward recomputes the
+logits (one more matmul). benchmarks/chunked_logprobs.py measures both.
 
 Batch-invariant mode computes a chunk's logits with `kernels.linear` and its logprobs with
 `kernels.token_logprobs`: both give a row the same bits whatever rows share the call, so the
@@ -78,21 +79,28 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         logprobs, entropy, lse = (torch.empty(N, dtype=out_dtype, device=hidden_ND.device) for _ in range(3))
         for lo in range(0, N, chunk_tokens):
             hi = min(lo + chunk_tokens, N)
+            # Fresh [c, V] buffers, reused in place: at most three exist at once.
             logits = _logits(hidden_ND[lo:hi], weight_VD, batch_invariant)
             if vocab_group is None:
                 # The unchunked reference's ops, row for row (same bits in batch-invariant mode).
                 if batch_invariant:
                     logprobs[lo:hi] = kernels.token_logprobs(logits, targets_N[lo:hi], temperature)
                     logp = kernels.log_softmax(logits, temperature)
+                    z = logits.div_(temperature)
                 else:
-                    logp = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, -1)
+                    z = logits.div_(temperature) if temperature != 1.0 else logits  # == logits / T, bitwise
+                    logp = torch.log_softmax(z, -1)
                     logprobs[lo:hi] = logp.gather(-1, targets_N[lo:hi, None]).squeeze(-1)
-                entropy[lo:hi] = -(logp.exp() * logp).sum(-1)
-                lse[lo:hi] = torch.logsumexp(logits / temperature, -1)
+                # log-sum-exp = z - log p at the row's largest logit, where log p is near 0 (precise).
+                top = z.argmax(-1, keepdim=True)
+                lse[lo:hi] = (z.gather(-1, top) - logp.gather(-1, top)).squeeze(-1)
+                del logits, z
+                entropy[lo:hi] = -logp.exp().mul_(logp).sum(-1)
+                del logp
             else:
                 logprobs[lo:hi], entropy[lo:hi], lse[lo:hi] = _local_stats(
-                    logits / temperature, targets_N[lo:hi], vocab_start, vocab_group)
-            del logits
+                    logits.div_(temperature), targets_N[lo:hi], vocab_start, vocab_group)
+                del logits
         ctx.save_for_backward(hidden_ND, weight_VD, targets_N, lse, entropy)
         ctx.temperature, ctx.chunk_tokens, ctx.batch_invariant = temperature, chunk_tokens, batch_invariant
         ctx.vocab_group, ctx.vocab_start = vocab_group, vocab_start
@@ -114,20 +122,24 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         for lo in range(0, hidden.shape[0], ctx.chunk_tokens):
             hi = min(lo + ctx.chunk_tokens, hidden.shape[0])
             h = hidden[lo:hi]
-            logp = _logits(h, weight, False) / T - lse[lo:hi, None]
+            # Two [c, V] buffers: log p (then the gradient) and p.
+            logp = _logits(h, weight, False).div_(T).sub_(lse[lo:hi, None])
             p = logp.exp()
-            grad_z = torch.zeros_like(p)
+            if grad_entropy is not None:
+                # dH/dz = -p (log p + H), built in log p's buffer
+                grad_z = logp.add_(entropy[lo:hi, None]).mul_(p).mul_(-grad_entropy[lo:hi, None])
+                if grad_logprobs is not None:
+                    grad_z.sub_(p.mul_(grad_logprobs[lo:hi, None]))
+            else:
+                grad_z = p.mul_(-grad_logprobs[lo:hi, None])  # d log p(t) / dz = onehot(t) - p
+            del logp, p
             if grad_logprobs is not None:
                 g = grad_logprobs[lo:hi]
-                grad_z -= p * g[:, None]
                 local = targets[lo:hi] - ctx.vocab_start
                 owned = (local >= 0) & (local < V_local)
                 grad_z.scatter_add_(-1, local.clamp(0, V_local - 1)[:, None], (g * owned)[:, None].to(grad_z.dtype))
-            if grad_entropy is not None:
-                # dH/dz = -p (log p + H)
-                grad_z -= grad_entropy[lo:hi, None] * p * (logp + entropy[lo:hi, None])
-            grad_logits = (grad_z / T).to(weight.dtype)
-            del logp, p, grad_z
+            grad_logits = grad_z.div_(T).to(weight.dtype)
+            del grad_z
             if need_hidden:
                 grad_hidden[lo:hi] = (grad_logits @ weight).to(hidden.dtype)
             if need_weight:

@@ -159,7 +159,8 @@ def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu"
 
     Report: loss_rel_diff = |loss - ref| / |ref|; grad_rel_diff = ||g - g_ref|| / ||g_ref|| over
     all parameters concatenated (relative L2); grad_max_param_rel_diff = the largest per-parameter
-    relative L2; grad_norm_rel_diff for the distributed norm; update_rel_diff for the parameter
+    relative L2; grad_norm_rel_diff for the distributed norm; entropy_sum_rel_diff for the summed
+    entropy of the trained tokens (counted once over tp / pp ranks); update_rel_diff for the parameter
     change of the first (clipped AdamW) step, gathered with iter_full_weights; step_s = slowest
     rank's wall time of accumulate_gradients + clip_and_step (first step, cold); warm_step_s =
     the same for a second step on the batch; tied_copies_equal = whether, after those two steps,
@@ -215,6 +216,7 @@ def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu"
         "grad_norm_rel_diff": abs(norm - ref.grad_norm) / ref.grad_norm,
         "update_rel_diff": _rel(update, torch.cat([ref.update[n].flatten() for n in names])),
         "clipped_tokens_equal": stats.clipped_tokens == ref.stats["clipped_tokens"],
+        "entropy_sum_rel_diff": abs(stats.entropy_sum - ref.stats["entropy_sum"]) / ref.stats["entropy_sum"],
         "logprob_diff_sum_rel_diff": abs(stats.abs_logprob_diff_sum - ref.stats["abs_logprob_diff_sum"])
         / ref.stats["abs_logprob_diff_sum"],
         "parity_tokens_equal": stats.parity.checked == ref.stats["parity"].checked > 0,

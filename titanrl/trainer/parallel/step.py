@@ -23,6 +23,7 @@ from titanrl import kernels
 from titanrl.config.schema import TrainConfig
 from titanrl.trainer.batch import PackedBatch
 from titanrl.trainer.chunked_logprobs import chunked_token_logprobs
+from titanrl.trainer.logprob_chunks import chunk_tokens_for
 from titanrl.trainer.grpo import clipped_surrogate_loss, decoupled_surrogate_loss, token_logprobs
 from titanrl.trainer.parallel.mesh import all_reduce, coord, dp_rank_and_size, owns
 from titanrl.trainer.parallel.parallelize import ParallelModel
@@ -169,10 +170,17 @@ class ParallelGRPOStep:
         (logprobs [B, T], entropy [B, T]) of `targets_BT`, computed chunk by chunk."""
 
         def head(hidden_BTD: torch.Tensor, weight_VD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if isinstance(weight_VD, DTensor) and weight_VD.device_mesh.mesh_dim_names != ("tp",):
+                # Only the tp shards may remain: an FSDP-sharded head here would mean the head
+                # runs outside the FSDP unit's forward, where its weight is not gathered.
+                raise RuntimeError(f"the LM head weight reached the logprob head sharded over "
+                                   f"{weight_VD.device_mesh.mesh_dim_names}, expected whole or tp-sharded")
             B, T, D = hidden_BTD.shape
+            # A vocabulary-parallel head's rows are split over tp: size chunks by this rank's share.
+            vocab_rows = -(-weight_VD.shape[0] // self.pm.parallel.tp)
             logprobs, entropy = chunked_token_logprobs(
                 hidden_BTD.reshape(B * T, D), weight_VD, targets_BT.reshape(B * T), self.temperature,
-                self.cfg.logprob_chunk_tokens, self.batch_invariant)
+                chunk_tokens_for(vocab_rows, self.cfg.logprob_chunk_tokens), self.batch_invariant)
             return logprobs.view(B, T), entropy.view(B, T)
 
         return head
@@ -202,7 +210,7 @@ class ParallelGRPOStep:
         return sub.map(per_token, lambda t: t.to(dev))
 
     def _logprobs_by_micro_batch(self, local: PackedBatch, backward: bool
-                                 ) -> Iterator[tuple[int, PackedBatch, torch.Tensor]]:
+                                 ) -> Iterator[tuple[int, PackedBatch, torch.Tensor, torch.Tensor]]:
         """For each micro-batch of `local`: its first row, its tensors on the device (trimmed to
         its trained length), and the model's logprobs of its targets and entropies [B, T]."""
         (model,) = self.pm.parts

@@ -1,0 +1,93 @@
+"""Peak memory and time of the LM head + token logprobs, full logits vs chunked (one GRPO head pass).
+
+    .venv/bin/python benchmarks/chunked_logprobs.py [--tokens 2048] [--chunks 1024,256] [--vocab 151936]
+
+Forward and backward of log p(target) for `--tokens` final-norm hidden states (hidden 1024,
+Qwen3-0.6B's width) through a `--vocab`-row head, float32, temperature 0.7: the unchunked arm
+is what the trainer did before (full logits, grpo.token_logprobs), the others
+`chunked_token_logprobs` at each chunk size. Each arm runs in a fresh process, so its peak RSS
+(ru_maxrss, minus the RSS once the inputs exist) is its own; the head weight's gradient counts in
+every arm. Prints one JSON line per arm and a summary with `chunked_logprobs_peak_ratio` per chunk
+size (unchunked peak / chunked peak) and the CPU flags.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+HIDDEN = 1024
+
+
+def arm(tokens: int, vocab: int, chunk: int) -> dict:
+    """One arm in this process (chunk 0: unchunked)."""
+    import torch
+
+    from titanrl.trainer.chunked_logprobs import chunked_token_logprobs
+    from titanrl.trainer.grpo import token_logprobs
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, HIDDEN, generator=gen).requires_grad_()
+    weight = (torch.randn(vocab, HIDDEN, generator=gen) * 0.02).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), generator=gen)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    if chunk:
+        logprobs, _ = chunked_token_logprobs(hidden, weight, targets, 0.7, chunk)
+    else:
+        logprobs = token_logprobs(hidden @ weight.t(), targets, 0.7)
+    logprobs.sum().backward()
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"arm": f"chunk_{chunk}" if chunk else "unchunked", "tokens": tokens, "vocab": vocab, "hidden": HIDDEN,
+            "chunk_tokens": chunk or None, "peak_rss_above_inputs_mib": round((peak - base) / 1024),
+            "seconds": round(seconds, 2)}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(ln for ln in f if ln.startswith("flags"))
+        return " ".join(sorted(x for x in line.split(":", 1)[1].split() if x.startswith(("avx", "amx", "fma"))))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--chunks", default="1024,256")
+    parser.add_argument("--arm", type=int, default=None, help=argparse.SUPPRESS)  # internal: run one arm
+    args = parser.parse_args()
+    if args.arm is not None:
+        print(json.dumps(arm(args.tokens, args.vocab, args.arm)))
+        return
+    results = []
+    for chunk in [0, *(int(c) for c in args.chunks.split(","))]:
+        out = subprocess.run([sys.executable, __file__, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
+                              "--arm", str(chunk)], check=True, capture_output=True, text=True).stdout
+        results.append(json.loads(out.strip().splitlines()[-1]))
+        print(json.dumps(results[-1]), flush=True)
+    full = results[0]["peak_rss_above_inputs_mib"]
+    print(json.dumps({
+        "summary": True, "tokens": args.tokens, "vocab": args.vocab,
+        "chunked_logprobs_peak_ratio": {r["chunk_tokens"]: round(full / r["peak_rss_above_inputs_mib"], 2)
+                                        for r in results[1:]},
+        "time_ratio": {r["chunk_tokens"]: round(r["seconds"] / results[0]["seconds"], 2) for r in results[1:]},
+        "cpu_flags": _cpu_flags(), "threads": 1,
+    }))
+
+
+if __name__ == "__main__":
+    main()
