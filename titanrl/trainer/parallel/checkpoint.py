@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanrl.trainer import checkpoint as ckpt_io
-from titanrl.trainer.optimizer import GROUP_NAME, LAYOUT_KEYS
+# A module, not its names: optimizer.py imports this package (the names are read at call time).
+from titanrl.trainer import optimizer as param_groups
 from titanrl.trainer.parallel import tied
 from titanrl.trainer.parallel.mesh import barrier, global_rank
 from titanrl.trainer.parallel.parallelize import ParallelModel
@@ -98,7 +99,7 @@ def load_model_optim(pm: ParallelModel, optimizers: list[torch.optim.Optimizer],
     # older nested format keys param groups by index ("optim.param_groups.0.lr"); the older
     # flattened one has a single group without a name (everything decayed).
     nested = any(k.startswith("optim.param_groups.0.") for k in saved_keys)
-    named = any(k.startswith("optim.param_groups.") and k.endswith(f".{GROUP_NAME}") for k in saved_keys)
+    named = any(k.startswith("optim.param_groups.") and k.endswith(f".{param_groups.GROUP_NAME}") for k in saved_keys)
     keep_groups = nested or not named
     # The last stage's copy of a split tied matrix loads from the embedding's entries (weight and
     # optimizer state), which every tied checkpoint holds, whatever layout wrote it.
@@ -123,13 +124,13 @@ def _current_group_settings(current: dict[str, Any], loaded: dict[str, Any], pat
     the checkpoint: the layout's own choices (LAYOUT_KEYS, e.g. foreach), or all of them when the
     checkpoint put some parameter in another group than this optimizer does."""
     groups = {k: v for k, v in current.items() if k.startswith("param_groups.")}
-    moved = [k for k, v in groups.items() if k.endswith(f".{GROUP_NAME}") and loaded[k] != v]
+    moved = [k for k, v in groups.items() if k.endswith(f".{param_groups.GROUP_NAME}") and loaded[k] != v]
     if moved:
         warnings.warn(f"{path}: the checkpoint groups parameters differently for the optimizer (e.g. "
                       f"{moved[0]}={loaded[moved[0]]!r}, here {groups[moved[0]]!r}): keeping this run's "
                       f"param-group settings (weight decay)", stacklevel=3)
         return groups
-    return {k: v for k, v in groups.items() if k.rpartition(".")[2] in LAYOUT_KEYS}
+    return {k: v for k, v in groups.items() if k.rpartition(".")[2] in param_groups.LAYOUT_KEYS}
 
 
 def load_model_weights(pm: ParallelModel, path: str | os.PathLike) -> None:
