@@ -7,7 +7,9 @@ bucket size of the broadcast that follows (broadcast).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +41,24 @@ class WeightAnnouncement:
     timeout_s: float = 300.0
     """shared_memory: longest a receiver waits for the trainer to write what it announced."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (Ray's object store) with each tensor as a uint8 NumPy view of its bytes: pickle
+        protocol 5 hands those to Ray as out-of-band buffers, written straight into the object
+        store. A torch tensor would first be pickled into an in-memory copy of every byte (a
+        second copy of the model in the trainer, and again in each worker)."""
+        state = dict(self.__dict__)
+        if self.tensors is not None:
+            state["tensors"] = {name: (_bytes_view(t), str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                                for name, t in self.tensors.items()}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        tensors = state.get("tensors")
+        if tensors is not None:
+            state = {**state, "tensors": {name: _from_bytes(array, dtype, shape)
+                                          for name, (array, dtype, shape) in tensors.items()}}
+        self.__dict__.update(state)
+
     def to_wire(self) -> dict:
         """Plain data for vLLM's multiprocess RPC (tensors never go this way)."""
         return {"transport": self.transport, "version": self.version, "layout": self.layout.to_wire(),
@@ -51,3 +71,18 @@ class WeightAnnouncement:
                                   segment=wire["segment"], sender_id=wire["sender_id"],
                                   live_segments=tuple(wire["live_segments"]),
                                   bucket_bytes=int(wire["bucket_bytes"]), timeout_s=float(wire["timeout_s"]))
+
+
+def _bytes_view(tensor: torch.Tensor) -> Any:
+    """The tensor's bytes as a uint8 NumPy array sharing its memory (a copy only if it must move
+    to the CPU or be made contiguous)."""
+    t = tensor.detach().to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _from_bytes(array: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over `array`'s memory (the object store's, read-only: receivers only copy from it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        raw = torch.from_numpy(array)
+    return raw.view(getattr(torch, dtype)).view(shape)
