@@ -57,6 +57,21 @@ def trimmed_len(mask_BT: torch.Tensor, multiple: int = 1) -> int:
     return -(-T // multiple) * multiple
 
 
+NORM_CHUNK_ELEMENTS = 1 << 20
+"""Elements of a gradient squared at once in float64 by `grad_norm` (8 MiB of float64)."""
+
+
+def _squared_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of `t` in float64, a slice at a time: a whole-tensor float64 copy of a
+    151,936-row embedding's gradient would be 1.2 GB on top of the optimizer's peak."""
+    flat = t.detach().reshape(-1)
+    sq = torch.zeros((), dtype=torch.float64, device=t.device)
+    for lo in range(0, flat.numel(), NORM_CHUNK_ELEMENTS):
+        chunk = flat[lo:lo + NORM_CHUNK_ELEMENTS].double()
+        sq += torch.dot(chunk, chunk)
+    return sq
+
+
 class _Totals:
     """Per-rank sums of what GradStats reports, reduced over the world at the end."""
 
@@ -324,7 +339,7 @@ class ParallelGRPOStep:
             if g is None or not owns(self.pm.mesh, g):
                 continue
             local = g.to_local() if isinstance(g, DTensor) else g
-            sq += local.double().pow(2).sum()
+            sq += _squared_sum(local)
         all_reduce(sq, self.pm.mesh)
         return math.sqrt(sq.item())
 
