@@ -93,7 +93,7 @@ def estimate(ckpt: str, overrides: dict, rows: int, completion: int) -> int:
     train = TrainConfig(**overrides)
     work = Workload(seq_len=PROMPT_LEN + completion - 1, batch=rows, micro_batch=rows, dtype="float32",
                     compute_dtype="float32", activation_checkpointing=train.activation_checkpointing,
-                    logprob_chunk_tokens=min(train.logprob_chunk_tokens, rows * (PROMPT_LEN + completion - 1)))
+                    logprob_chunk_tokens=train.logprob_chunk_tokens)  # None: the trainer's default rule
     return estimate_cpu_process(ModelShape.from_config_json(Path(ckpt) / "config.json"), work).peak
 
 

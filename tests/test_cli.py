@@ -93,7 +93,7 @@ def test_string_choices_are_literal_types():
     keys = {key for key, _ in _literal_fields()}
     assert keys == {
         "model.dtype", "data.on_overlong", "rollout.on_weight_update", "rollout.weight_transport",
-        "train.lr_decay", "train.device", "train.parallel.pp_schedule",
+        "train.lr_decay", "train.device", "train.parallel.pp_schedule", "train.activation_checkpointing",
     }
 
 
