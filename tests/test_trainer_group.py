@@ -36,7 +36,9 @@ def test_fsdp_trainer_group_matches_single_process_run(tmp_path, ray_session, ti
     (ref,) = [m for m in single.metrics if m["step"] == 1]
     steps = [m for m in group.metrics if m["step"] > 0]
     assert [m["step"] for m in steps] == [1, 2]
-    assert abs(steps[0]["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (steps[0]["loss"], ref["loss"])
+    # The token-mean loss is a sum of +-advantage terms of size ~1 that nearly cancel (it is ~5e-8
+    # here), so float32 summation order alone moves it by ~5e-9: compare on the terms' scale.
+    assert abs(steps[0]["loss"] - ref["loss"]) <= 1e-5 * max(abs(ref["loss"]), 1e-2), (steps[0]["loss"], ref["loss"])
     assert steps[0]["train/tokens"] == ref["train/tokens"]  # the same rollouts
     assert [m["policy_version"] for m in steps] == [1.0, 2.0]
     assert steps[1]["train/mismatch_max_abs"] < 1e-4  # the pushed (gathered) weights reached vLLM
