@@ -97,14 +97,6 @@ def estimate(ckpt: str, overrides: dict, rows: int, completion: int) -> int:
     return estimate_cpu_process(ModelShape.from_config_json(Path(ckpt) / "config.json"), work).peak
 
 
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return ""
-    return " ".join(f for f in flags.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma")))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=2, help="decoder blocks (Qwen3-0.6B has 28)")
@@ -119,6 +111,8 @@ def main() -> None:
         ckpt, arm = args.child
         print(json.dumps(run_arm(ckpt, ARMS[arm], args.rows, args.completion, args.threads)))
         return
+
+    from trainer_step import _cpu_flags  # this folder's trainer benchmark: one reader of the CPU flags
 
     from titanrl.models.qwen3 import Qwen3Config
     from titanrl.models.tiny import config_from_hf_json, write_checkpoint
@@ -150,7 +144,7 @@ def main() -> None:
 
     summary = {"benchmark": "trainer_memory", "summary": True, "layers": args.layers, "rows": args.rows,
                "seq_len": PROMPT_LEN + args.completion - 1, "vocab_size": QWEN3_0_6B["vocab_size"],
-               "threads": args.threads, "cpu_flags": cpu_flags(),
+               "threads": args.threads, "cpu_flags": _cpu_flags(),
                "chunked_logprobs_peak_ratio": ratio("full_logits", "chunked"),
                "activation_checkpointing_peak_ratio": ratio("chunked", "chunked+checkpointing"),
                "activation_checkpointing_peak_ratio_full_logits": ratio("full_logits", "full_logits+checkpointing"),
