@@ -22,7 +22,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from titanrl.atomic_io import replacing_directory
+from titanrl.models.architectures import build_model, config_from_hf_dict
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from titanrl.models.qwen3_moe import expert_checkpoint_name, parse_expert_checkpoint_name, stacked_expert_name
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -42,7 +44,7 @@ class CheckpointError(ValueError):
 
 
 def read_config(ckpt_dir: str | os.PathLike) -> Qwen3Config:
-    """Parses `config.json` of an HF checkpoint directory into a Qwen3Config."""
+    """Parses `config.json` of an HF checkpoint directory into its architecture's config."""
     path = Path(ckpt_dir)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
@@ -54,7 +56,7 @@ def read_config(ckpt_dir: str | os.PathLike) -> Qwen3Config:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{str(cfg_file)!r} is not valid JSON ({e})") from e
     try:
-        return Qwen3Config.from_hf_dict(hf)
+        return config_from_hf_dict(hf)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{str(cfg_file)!r}: {e}") from e
 
@@ -97,12 +99,66 @@ def checkpoint_name(name: str, config: Qwen3Config) -> str:
     return EMBED if config.tie_word_embeddings and name == HEAD else name
 
 
-def expected_shapes(model: nn.Module, config: Qwen3Config) -> dict[str, torch.Size]:
-    """Checkpoint tensor names and full shapes that `model` (whole, on any device, meta too) loads."""
+def parameter_shapes(model: nn.Module, config: Qwen3Config) -> dict[str, torch.Size]:
+    """The model's own tensor names and full shapes (what a training checkpoint stores), without a
+    tied head."""
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         shapes.pop(HEAD, None)
     return shapes
+
+
+def expected_shapes(model: nn.Module, config: Qwen3Config) -> dict[str, torch.Size]:
+    """HF checkpoint tensor names and full shapes that `model` (whole, on any device, meta too)
+    loads: its parameters, with stacked experts as one tensor per expert."""
+    shapes: dict[str, torch.Size] = {}
+    for name, shape in parameter_shapes(model, config).items():
+        if stacked_expert_name(name) is None:
+            shapes[name] = shape
+        else:
+            shapes.update({expert_checkpoint_name(name, e): shape[1:] for e in range(shape[0])})
+    return shapes
+
+
+def to_checkpoint_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Model-named tensors as an HF checkpoint names them: a stacked expert tensor becomes one
+    tensor per expert (views, no copy)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if stacked_expert_name(name) is None:
+            out[name] = tensor
+        else:
+            out.update({expert_checkpoint_name(name, e): tensor[e] for e in range(tensor.shape[0])})
+    return out
+
+
+def from_checkpoint_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `to_checkpoint_tensors`: per-expert tensors stacked into the model's names."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        parsed = parse_expert_checkpoint_name(name)
+        if parsed is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(parsed[0], {})[parsed[1]] = tensor
+    for name, by_expert in experts.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise CheckpointError(f"experts of {name!r} are not numbered 0..{len(by_expert) - 1}: {sorted(by_expert)}")
+        out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
+
+
+def read_parameter(tensors: CheckpointTensors, name: str, config: Qwen3Config, out: torch.Tensor,
+                   offset: Sequence[int] | None = None) -> None:
+    """Fills `out` with the block of model parameter `name` at `offset` from an HF checkpoint:
+    one tensor, or for stacked experts one tensor per expert row of the block."""
+    offset = tuple(offset) if offset is not None else (0,) * out.dim()
+    if stacked_expert_name(name) is None:
+        tensors.read_into(checkpoint_name(name, config), out, offset)
+        return
+    for i in range(out.shape[0]):
+        tensors.read_into(expert_checkpoint_name(name, offset[0] + i), out[i], offset[1:])
 
 
 def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Size], source: str) -> None:
@@ -191,6 +247,7 @@ def load_state_dict_into(model: Qwen3ForCausalLM, state: dict[str, torch.Tensor]
     if model.config.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != HEAD}
     check_shapes(expected_shapes(model, model.config), {k: v.shape for k, v in state.items()}, source)
+    state = from_checkpoint_tensors(state)
     with torch.no_grad():
         for name, tensor in state.items():
             params[name].copy_(tensor)
@@ -207,7 +264,7 @@ def tie_head(model: nn.Module) -> None:
 def empty_meta_model(config: Qwen3Config, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
     """A model of `config` on the meta device: shapes, names and dtype, no storage."""
     with torch.device("meta"):
-        return Qwen3ForCausalLM(config).to(dtype)
+        return build_model(config).to(dtype)
 
 
 def empty_model(config: Qwen3Config, dtype: torch.dtype = torch.float32,
@@ -228,16 +285,17 @@ def load_model(
     tensors.check(expected_shapes(model, config))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            tensors.read_into(checkpoint_name(name, config), param)
+            read_parameter(tensors, name, config, param)
     return model, config
 
 
 def hf_state_dict(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
-    """The tensors an HF checkpoint holds: contiguous, detached, no duplicate tied head."""
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    """The tensors an HF checkpoint holds: contiguous, detached, no duplicate tied head, one tensor
+    per expert."""
+    state = dict(model.state_dict())
     if model.config.tie_word_embeddings:
         state.pop(HEAD, None)
-    return state
+    return {k: v.detach().contiguous() for k, v in to_checkpoint_tensors(state).items()}
 
 
 def save_checkpoint(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,11 @@ HF_ARCHITECTURE = "Qwen3ForCausalLM"
 @dataclass
 class Qwen3Config:
     """Architecture hyper-parameters, named as in an HF `config.json`."""
+
+    HF_ARCHITECTURE: ClassVar[str] = HF_ARCHITECTURE
+    """The `architectures[0]` of config.json this config reads and writes."""
+    HF_MODEL_TYPE: ClassVar[str] = "qwen3"
+    """config.json's `model_type`."""
 
     vocab_size: int = 512
     """Number of token ids the embedding and LM head cover."""
@@ -66,12 +71,13 @@ class Qwen3Config:
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> Qwen3Config:
         """Reads the fields we use from an HF `config.json` dict; ignores the rest."""
-        archs = hf.get("architectures") or [HF_ARCHITECTURE]
-        if archs[0] != HF_ARCHITECTURE:
+        archs = hf.get("architectures") or [cls.HF_ARCHITECTURE]
+        if archs[0] != cls.HF_ARCHITECTURE:
             raise ValueError(
-                f"unsupported architecture {archs[0]!r} in config.json: TitanRL's qwen3 model "
-                f"loads {HF_ARCHITECTURE!r} checkpoints"
+                f"unsupported architecture {archs[0]!r} in config.json: {cls.__name__} "
+                f"reads {cls.HF_ARCHITECTURE!r} checkpoints"
             )
+        refuse_unsupported(hf)
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in hf.items() if k in known}
         # transformers >= 5 nests rope_theta under rope_parameters.
@@ -90,8 +96,8 @@ class Qwen3Config:
         """An HF `config.json` dict that transformers' Qwen3ForCausalLM loads."""
         d = asdict(self)
         d.update(
-            architectures=[HF_ARCHITECTURE],
-            model_type="qwen3",
+            architectures=[self.HF_ARCHITECTURE],
+            model_type=self.HF_MODEL_TYPE,
             hidden_act="silu",
             attention_bias=False,
             attention_dropout=0.0,
@@ -100,6 +106,23 @@ class Qwen3Config:
             torch_dtype="float32",
         )
         return d
+
+
+UNSUPPORTED_HF_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "hidden_act": lambda v: v != "silu",
+    "attention_bias": bool,
+    "use_sliding_window": bool,
+    "layer_types": lambda v: any(t != "full_attention" for t in v or ()),
+}
+"""config.json fields that change the function in ways this model does not implement: a value
+for which the test is true is refused (silently ignoring it would compute another model)."""
+
+
+def refuse_unsupported(hf: dict[str, Any]) -> None:
+    """A ValueError naming the first config.json field whose value this model cannot honour."""
+    for name, unsupported in UNSUPPORTED_HF_FIELDS.items():
+        if name in hf and unsupported(hf[name]):
+            raise ValueError(f"config.json sets {name}={hf[name]!r}, which TitanRL's Qwen3 models do not support")
 
 
 class RMSNorm(nn.Module):
@@ -197,6 +220,9 @@ LMHead = Callable[[torch.Tensor, torch.Tensor], Any]
 AttentionBackendFactory = Callable[[int], nn.Module]
 """Builds the attention backend for decoder layer `i`; called as backend(q, k, v)."""
 
+FeedForwardFactory = Callable[[int], nn.Module]
+"""Builds decoder layer `i`'s feed-forward block (`mlp`): dense SwiGLU or a mixture of experts."""
+
 
 class Attention(nn.Module):
     """Grouped-query attention with per-head q/k RMSNorm and rotary embeddings."""
@@ -253,10 +279,10 @@ class DecoderLayer(nn.Module):
     off by default and inert without grad (vLLM and every no-grad forward).
     """
 
-    def __init__(self, config: Qwen3Config, attention_backend: nn.Module) -> None:
+    def __init__(self, config: Qwen3Config, attention_backend: nn.Module, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(config, attention_backend)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.checkpoint_activations = False
@@ -274,11 +300,13 @@ class DecoderLayer(nn.Module):
 class Qwen3Backbone(nn.Module):
     """Embeddings, decoder layers and final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: Qwen3Config, attention_backend: AttentionBackendFactory) -> None:
+    def __init__(self, config: Qwen3Config, attention_backend: AttentionBackendFactory,
+                 feed_forward: FeedForwardFactory | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attention_backend(i)) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, attention_backend(i), None if feed_forward is None else feed_forward(i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
@@ -295,11 +323,16 @@ class Qwen3ForCausalLM(nn.Module):
             def attention_backend(layer_idx: int) -> nn.Module:
                 return CausalSDPA(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
 
-        self.model = Qwen3Backbone(config, attention_backend)
+        self.model = Qwen3Backbone(config, attention_backend, self.feed_forward_factory(config))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.batch_invariant = False
+
+    @staticmethod
+    def feed_forward_factory(config: Qwen3Config) -> FeedForwardFactory | None:
+        """Each layer's `mlp`; None is the dense SwiGLU everywhere (the MoE model overrides this)."""
+        return None
 
     def set_batch_invariant(self, enabled: bool = True) -> Qwen3ForCausalLM:
         """Routes every op through `titanrl.kernels` (True) or the fast library kernels (False).

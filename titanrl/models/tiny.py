@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
+from titanrl.models.architectures import build_model, config_from_hf_dict
 from titanrl.models.hf_checkpoint import save_checkpoint
-from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from titanrl.models.qwen3 import Qwen3Config
 from titanrl.models.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, save_byte_tokenizer, vocab_size_with_specials
 
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index(EOS_TOKEN)
@@ -51,7 +52,7 @@ def write_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, std: float 
 
 def config_from_hf_json(path: str | os.PathLike) -> Qwen3Config:
     """A published architecture from its config.json, with the byte tokenizer's special ids."""
-    config = Qwen3Config.from_hf_dict(json.loads(Path(path).read_text()))
+    config = config_from_hf_dict(json.loads(Path(path).read_text()))
     if config.vocab_size < vocab_size_with_specials():
         raise ValueError(f"{path}: vocab_size {config.vocab_size} is smaller than the byte tokenizer's "
                          f"{vocab_size_with_specials()} ids")
@@ -60,7 +61,7 @@ def config_from_hf_json(path: str | os.PathLike) -> Qwen3Config:
 
 def write_checkpoint(out_dir: str | os.PathLike, config: Qwen3Config, seed: int = 0, std: float = 0.02) -> Path:
     """Writes a randomly initialised checkpoint of `config` with the byte-level tokenizer."""
-    model = Qwen3ForCausalLM(config)
+    model = build_model(config)
     model.init_weights(seed=seed, std=std)
     out = save_checkpoint(model, out_dir)
     save_byte_tokenizer(out, model_max_length=config.max_position_embeddings)
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         config = tiny_config(tie_word_embeddings=not untied, **args)
     path = write_checkpoint(out_dir, config, seed=seed)
     with torch.device("meta"):
-        n = sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
+        n = sum(p.numel() for p in build_model(config).parameters())
     print(f"wrote {path} ({n / 1e6:.2f}M parameters)")
 
 

@@ -43,6 +43,7 @@ from titanrl.models.hf_checkpoint import (
     empty_meta_model,
     empty_model,
     expected_shapes,
+    parameter_shapes,
     read_config,
     save_checkpoint,
 )
@@ -219,5 +220,5 @@ def open_initial_policy(checkpoint: str) -> InitialPolicy:
              if k.startswith("model.") and isinstance(md, TensorStorageMetadata)}
     if config.tie_word_embeddings:
         found.pop(HEAD, None)  # saved beside the embedding for readers that ask for both
-    check_shapes(expected_shapes(empty_meta_model(config), config), found, str(dcp_dir))
+    check_shapes(parameter_shapes(empty_meta_model(config), config), found, str(dcp_dir))
     return InitialPolicy(config, str(ckpt / HF_CONFIG_DIR), dcp_dir=dcp_dir)

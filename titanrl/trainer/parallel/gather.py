@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanrl.models.qwen3 import Qwen3ForCausalLM
+from titanrl.models.architectures import build_model
 from titanrl.trainer.parallel.mesh import coord, global_rank
 from titanrl.trainer.parallel.parallelize import ParallelModel
 from titanrl.trainer.parallel.pipeline import stage_of_layer
@@ -28,7 +28,7 @@ Bucket = list[tuple[str, torch.Tensor]]
 def hf_parameter_shapes(pm: ParallelModel) -> list[tuple[str, torch.Size]]:
     """Names and shapes of the full model's parameters in HF order (tied LM head omitted, as in HF files)."""
     with torch.device("meta"):
-        ref = Qwen3ForCausalLM(pm.config)
+        ref = build_model(pm.config)
     return [(n, p.shape) for n, p in ref.named_parameters()]  # named_parameters lists a tied weight once
 
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from titanrl.config.schema import ParallelConfig
-from titanrl.models.hf_checkpoint import CheckpointTensors, checkpoint_name, empty_meta_model, tie_head
+from titanrl.models.hf_checkpoint import CheckpointTensors, empty_meta_model, read_parameter, tie_head
 from titanrl.trainer.checkpoint import InitialPolicy
 from titanrl.trainer.parallel.checkpoint import load_model_weights
 from titanrl.trainer.parallel.parallelize import ParallelModel, parallelize
@@ -54,7 +54,7 @@ def load_hf_shards(pm: ParallelModel, tensors: CheckpointTensors) -> None:
     for part in pm.parts:
         for name, param in part.named_parameters():
             block, offset = local_block(param)
-            tensors.read_into(checkpoint_name(name, pm.config), block, offset)
+            read_parameter(tensors, name, pm.config, block, offset)
 
 
 def build_sharded_policy(policy: InitialPolicy, dtype: torch.dtype, parallel: ParallelConfig,
