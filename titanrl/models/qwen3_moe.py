@@ -135,8 +135,8 @@ class Router(nn.Module):
     """Top-k softmax router (`mlp.gate`): weight [E, D], scores in float32.
 
     Two hooks serve router replay: `replay` (set by the trainer for one forward) makes the
-    layer route through given experts [N, k] while the weights still come from this router's
-    own probabilities, so the router keeps its gradient; `capture` (the generator's recorder)
+    layer route through given experts [N, k] (rows holding -1 are routed live) while the weights
+    still come from this router's own probabilities, so the router keeps its gradient; `capture` (the generator's recorder)
     is called with each forward's chosen experts. `last_routing` keeps the latest forward's
     routing for the auxiliary loss and the metrics when `keep_routing` is set.
     """
@@ -158,14 +158,17 @@ class Router(nn.Module):
         # Batch-invariant mode decides top-k on identical bits in trainer and generator.
         logits = kernels.linear(x32, w32) if self.batch_invariant else F.linear(x32, w32)
         probs = torch.softmax(logits, dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.replay is not None:
             if self.replay.shape != (x_ND.shape[0], self.top_k):
                 raise ValueError(f"router replay for layer {self.layer_id}: expected experts of shape "
                                  f"{(x_ND.shape[0], self.top_k)}, got {tuple(self.replay.shape)}")
-            experts = self.replay.to(device=x_ND.device, dtype=torch.long)
+            replay = self.replay.to(device=x_ND.device, dtype=torch.long)
+            # A row with any -1 was not recorded (a prompt token served from the prefix cache, a
+            # pad): it is routed live.
+            recorded = (replay >= 0).all(dim=-1, keepdim=True)
+            experts = torch.where(recorded, replay, experts)
             weights = probs.gather(1, experts)
-        else:
-            weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         routing = Routing(logits=logits, experts=experts, weights=weights)
