@@ -77,9 +77,10 @@ def greedy_accuracy(model: Qwen3ForCausalLM, tok, rows: list[dict], max_new_toke
     return correct / len(rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=HERE / "warm_start")
+def build_parser(description: str | None, out: Path) -> argparse.ArgumentParser:
+    """The warm start's flags (shared with examples/moe/make_warm_start.py), writing to `out`."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=out)
     parser.add_argument("--data-dir", type=Path, default=HERE / "data")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft-examples", type=int, default=4000, help="distinct correct sums to train on")
@@ -93,7 +94,18 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--train-rows", type=int, default=20_000)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser(__doc__, HERE / "warm_start").parse_args()
+    model = Qwen3ForCausalLM(tiny_config(**task.MODEL_CONFIG))
+    model.init_weights(seed=args.seed)
+    train_warm_start(model, args)
+
+
+def train_warm_start(model: Qwen3ForCausalLM, args: argparse.Namespace) -> None:
+    """Writes the data files and `model` trained on correct sums until dev accuracy reaches the stop."""
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
 
@@ -105,9 +117,7 @@ def main() -> None:
     sft_rows = list(itertools.islice(task.train_rows(seed=args.seed + 2), args.sft_examples))
 
     tok = build_byte_tokenizer()
-    config = tiny_config(**task.MODEL_CONFIG)
-    model = Qwen3ForCausalLM(config)
-    model.init_weights(seed=args.seed)
+    config = model.config
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
