@@ -224,6 +224,9 @@ def test_reads_transformers_config_json(tmp_path):
     written = json.loads((tmp_path / "config.json").read_text())
     assert "num_local_experts" in written and "num_experts" not in written  # transformers 5's spelling
     assert read_config(tmp_path) == config
+    from titanrl.planning import ModelShape
+
+    assert ModelShape.from_config_json(tmp_path).num_experts == 6  # the planner reads the spelling too
 
     defaults = transformers.Qwen3MoeConfig()
     for name, value in HF_DEFAULTS.items():
