@@ -290,6 +290,12 @@ def test_validation_refuses_bad_moe_checkpoint_before_actors(tmp_path):
     with pytest.raises(ConfigError, match="model.checkpoint") as info:
         validate(config)
     assert "num_experts_per_tok" in str(info.value)
+    # A config.json that reads but does not describe the weights (8 experts, 4 on disk), from the
+    # safetensors headers alone.
+    _write_config(ckpt, num_experts=8)
+    with pytest.raises(ConfigError, match="model.checkpoint") as info:
+        validate(config)
+    assert "does not match the model config" in str(info.value) and "mlp.experts.4." in str(info.value)
 
 
 # ----------------------------------------------------------------------------- tiny writer
