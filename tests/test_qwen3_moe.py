@@ -153,6 +153,25 @@ def test_grouped_mm_equals_loop_with_an_idle_expert():
         assert all(torch.count_nonzero(dw_g[name][e]) > 0 for e in (0, 2, 3)), name
 
 
+def test_experts_cast_their_weights_to_the_input_dtype():
+    """float32 stacked weights run on a bf16 input as their bf16 casts (bitwise), on either path,
+    and the gradient reaches the float32 weights."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(num_experts=3, hidden_size=32, intermediate_size=16)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.2)
+    bf16 = GroupedExperts(num_experts=3, hidden_size=32, intermediate_size=16).to(torch.bfloat16)
+    bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in experts.state_dict().items()})
+    x, counts = torch.randn(7, 32).to(torch.bfloat16), torch.tensor([2, 0, 5])
+    for implementation in ("auto", "loop"):
+        experts.implementation = bf16.implementation = implementation
+        y = experts(x, counts)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, bf16(x, counts)), implementation
+    y.float().sum().backward()
+    assert experts.gate_proj.grad.dtype == torch.float32 and torch.count_nonzero(experts.gate_proj.grad) > 0
+
+
 def test_model_grouped_mm_equals_loop():
     """A whole MoE model's logits and gradients are the same with every sparse layer on the loop
     as on grouped matmul (auto), and the auto path is the grouped one at these sizes."""
