@@ -126,7 +126,7 @@ def validate(config: RunConfig) -> None:
     _validate_dtypes(config)
     if not config.model.checkpoint:
         raise ConfigError("model.checkpoint is empty: set it to an HF checkpoint directory")
-    from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, read_config
+    from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, checked_tensors, read_config
 
     try:
         model_config = read_config(config.model.checkpoint)
@@ -135,6 +135,10 @@ def validate(config: RunConfig) -> None:
     ckpt = Path(config.model.checkpoint)
     if not (ckpt / SINGLE_FILE).is_file() and not (ckpt / INDEX_FILE).is_file():
         raise ConfigError(f"model.checkpoint: {str(ckpt)!r} has no {SINGLE_FILE} or {INDEX_FILE}")
+    try:
+        checked_tensors(ckpt, model_config)  # tensor names and shapes against config.json, headers only
+    except CheckpointError as e:
+        raise ConfigError(f"model.checkpoint: {e}") from e
     if not (ckpt / "tokenizer.json").is_file() and not (ckpt / "tokenizer_config.json").is_file():
         raise ConfigError(f"model.checkpoint: {str(ckpt)!r} has no tokenizer files (tokenizer.json)")
     for name in ("train_file", "eval_file"):

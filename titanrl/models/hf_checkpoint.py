@@ -275,6 +275,14 @@ def empty_model(config: Qwen3Config, dtype: torch.dtype = torch.float32,
     return model
 
 
+def checked_tensors(ckpt_dir: str | os.PathLike, config: Qwen3Config) -> CheckpointTensors:
+    """An HF checkpoint directory's tensors, their names and shapes checked against `config` from
+    the file headers alone (no weight is read): a CheckpointError names the first mismatch."""
+    tensors = CheckpointTensors(ckpt_dir)
+    tensors.check(expected_shapes(empty_meta_model(config), config))
+    return tensors
+
+
 def load_model(
     ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[Qwen3ForCausalLM, Qwen3Config]:

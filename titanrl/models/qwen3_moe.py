@@ -80,13 +80,15 @@ class Qwen3MoeConfig(Qwen3Config):
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> Qwen3MoeConfig:
+        """Reads config.json as transformers' Qwen3MoeConfig does: its spelling `num_local_experts`
+        of num_experts, and its defaults (`HF_DEFAULTS`) for the fields the file leaves out."""
         if hf.get("shared_expert_intermediate_size"):
             raise ValueError("config.json sets shared_expert_intermediate_size: shared experts (Qwen2-MoE) "
                              "are not supported by TitanRL's Qwen3-MoE")
-        hf = dict(hf)
+        hf = canonical_hf_dict(hf)
         if hf.get("mlp_only_layers") is None:
             hf.pop("mlp_only_layers", None)
-        return super().from_hf_dict(hf)  # type: ignore[return-value]
+        return super().from_hf_dict({**HF_DEFAULTS, **hf})  # type: ignore[return-value]
 
     def is_sparse(self, layer_idx: int) -> bool:
         """Whether decoder layer `layer_idx` has experts (HF's rule)."""
@@ -96,6 +98,34 @@ class Qwen3MoeConfig(Qwen3Config):
     def sparse_layers(self) -> list[int]:
         """Indices of the layers with experts."""
         return [i for i in range(self.num_hidden_layers) if self.is_sparse(i)]
+
+
+HF_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=32,
+    num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768,
+    tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+    norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+)
+"""transformers' Qwen3MoeConfig defaults (5.19), which a config.json that leaves a field out means.
+They differ from this dataclass's (sized for tests): reading the file with ours would compute
+another function (norm_topk_prob, tie_word_embeddings, rope_theta above all)."""
+
+HF_ALIASES = {"num_local_experts": "num_experts"}
+"""config.json spellings of our fields: transformers 5 writes num_experts as num_local_experts."""
+
+
+def canonical_hf_dict(hf: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a config.json dict with every alias under our field's name (both present and
+    different is refused, naming them)."""
+    out = dict(hf)
+    for alias, name in HF_ALIASES.items():
+        if alias not in out:
+            continue
+        value = out.pop(alias)
+        if name in out and out[name] != value:
+            raise ValueError(f"config.json sets both {name}={out[name]!r} and {alias}={value!r}: keep one")
+        out[name] = value
+    return out
 
 
 def stacked_expert_name(name: str) -> tuple[str, str] | None:

@@ -1,6 +1,7 @@
 """Writes tiny, randomly initialised HF-format checkpoints for tests and examples.
 
     python -m titanrl.models.tiny OUT_DIR [--hidden-size 128 --num-hidden-layers 2 ...]
+    python -m titanrl.models.tiny OUT_DIR --num-experts 4 [--num-experts-per-tok 2 --moe-intermediate-size 64]
     python -m titanrl.models.tiny OUT_DIR --config-json examples/configs/qwen3-0.6b.json
 
 With `--config-json` the architecture is a published model's (an HF config.json) and the
@@ -21,6 +22,7 @@ import torch
 from titanrl.models.architectures import build_model, config_from_hf_dict
 from titanrl.models.hf_checkpoint import save_checkpoint
 from titanrl.models.qwen3 import Qwen3Config
+from titanrl.models.qwen3_moe import Qwen3MoeConfig
 from titanrl.models.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, save_byte_tokenizer, vocab_size_with_specials
 
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index(EOS_TOKEN)
@@ -45,9 +47,25 @@ def tiny_config(**overrides) -> Qwen3Config:
     return Qwen3Config(**base)
 
 
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+"""The experts of `tiny_moe_config`: 4 experts, top-2, renormalised weights (as Qwen3-30B-A3B)."""
+
+
+def tiny_moe_config(**overrides) -> Qwen3MoeConfig:
+    """`tiny_config`'s Qwen3-MoE sibling: the same attention and vocabulary, every layer sparse
+    with `TINY_MOE`'s experts; any field (the experts' too) can be overridden."""
+    return Qwen3MoeConfig(**{**dataclasses.asdict(tiny_config()), **TINY_MOE, **overrides})
+
+
 def write_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, std: float = 0.02, **config_overrides) -> Path:
     """Writes config.json, model.safetensors and a byte-level tokenizer to `out_dir`."""
     return write_checkpoint(out_dir, tiny_config(**config_overrides), seed=seed, std=std)
+
+
+def write_tiny_moe_checkpoint(out_dir: str | os.PathLike, seed: int = 0, std: float = 0.02,
+                              **config_overrides) -> Path:
+    """`write_tiny_checkpoint` for `tiny_moe_config(**config_overrides)`."""
+    return write_checkpoint(out_dir, tiny_moe_config(**config_overrides), seed=seed, std=std)
 
 
 def config_from_hf_json(path: str | os.PathLike) -> Qwen3Config:
@@ -78,12 +96,23 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(value, (bool, int, float)) and not isinstance(value, bool):
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--untied", action="store_true", help="separate LM head matrix")
+    parser.add_argument("--num-experts", type=int, default=0,
+                        help="write a Qwen3-MoE checkpoint with this many experts in every layer (0: dense)")
+    parser.add_argument("--num-experts-per-tok", type=int, default=TINY_MOE["num_experts_per_tok"],
+                        help="with --num-experts: experts each token is routed to")
+    parser.add_argument("--moe-intermediate-size", type=int, default=TINY_MOE["moe_intermediate_size"],
+                        help="with --num-experts: hidden width of each expert")
     parser.add_argument("--config-json", default=None,
                         help="take the architecture from this HF config.json (the other size flags are ignored)")
     args = vars(parser.parse_args(argv))
     out_dir, seed, untied, config_json = args.pop("out_dir"), args.pop("seed"), args.pop("untied"), args.pop("config_json")
+    moe = {name: args.pop(name) for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
     if config_json:
         config = config_from_hf_json(config_json)
+    elif moe["num_experts"] > 0:
+        config = tiny_moe_config(tie_word_embeddings=not untied, **args, **moe)
+    elif moe["num_experts"] < 0:
+        parser.error(f"--num-experts must be >= 0 (0: a dense checkpoint), got {moe['num_experts']}")
     else:
         config = tiny_config(tie_word_embeddings=not untied, **args)
     path = write_checkpoint(out_dir, config, seed=seed)

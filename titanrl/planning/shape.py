@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from titanrl.models.qwen3 import HF_ARCHITECTURE as DENSE_ARCHITECTURE
+from titanrl.models.qwen3_moe import canonical_hf_dict
 
 MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
 ARCHITECTURES = (DENSE_ARCHITECTURE, MOE_ARCHITECTURE)
@@ -116,6 +117,10 @@ class ModelShape:
             )
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
         if arch == MOE_ARCHITECTURE:
+            try:
+                hf = canonical_hf_dict(hf)  # transformers 5 writes num_experts as num_local_experts
+            except ValueError as e:
+                raise PlanInputError(str(e)) from None
             required += ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
         else:
             required += ["intermediate_size"]

@@ -40,9 +40,9 @@ from titanrl.models.hf_checkpoint import (
     CheckpointError,
     CheckpointTensors,
     check_shapes,
+    checked_tensors,
     empty_meta_model,
     empty_model,
-    expected_shapes,
     parameter_shapes,
     read_config,
     save_checkpoint,
@@ -209,9 +209,7 @@ def open_initial_policy(checkpoint: str) -> InitialPolicy:
     """`load_initial_policy` without loading: the config, and the weights' source checked against it."""
     if not is_training_checkpoint(checkpoint):
         config = read_config(checkpoint)
-        tensors = CheckpointTensors(checkpoint)
-        tensors.check(expected_shapes(empty_meta_model(config), config))
-        return InitialPolicy(config, checkpoint, hf_tensors=tensors)
+        return InitialPolicy(config, checkpoint, hf_tensors=checked_tensors(checkpoint, config))
     ckpt = check_training_checkpoint(checkpoint)
     config, _ = read_hf_config(ckpt)
     dcp_dir = ckpt / MODEL_OPTIM_DIR

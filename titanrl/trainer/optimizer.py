@@ -8,7 +8,8 @@ exclusion in LM training. By HF parameter name:
     no_decay   every `*norm.weight`, every `*.bias`, `model.embed_tokens.weight` and, with tied
                embeddings, `lm_head.weight` (the same matrix; the last pipeline stage's copy of it)
     decay      everything else, an untied `lm_head.weight` included (an output projection,
-               decayed like the other matrices)
+               decayed like the other matrices), and in an MoE model the router
+               (`mlp.gate.weight`) and the stacked experts (`mlp.experts.{gate,up,down}_proj`)
 
 Each group carries its name (`name`: 'decay' or 'no_decay'); the flattened distributed
 checkpoint stores every group setting per parameter (`param_groups.<param>.name`, `...weight_decay`),
