@@ -93,3 +93,27 @@ def test_regenerate_aborts_running_requests(vllm_engine, vllm_tiny_checkpoint):
         assert set(after.token_versions) == {start + 1}
     finally:
         vllm_engine.update_weights(old_state, start)  # the shared engine goes back to where it was
+
+
+def test_a_failing_engine_step_fails_waiting_requests_instead_of_hanging(vllm_engine, monkeypatch):
+    """When the engine's step raises (vLLM state torn down, a worker error), every request awaiting a
+    completion gets that error: without it their futures stay pending and the run hangs forever."""
+    llm_engine = vllm_engine.llm.llm_engine
+
+    def broken_step():
+        raise RuntimeError("engine step failed")
+
+    async def run():
+        results = None
+        with pytest.raises(RuntimeError, match="engine step failed"):  # leaving the block re-raises it
+            async with AsyncGenerator(vllm_engine) as gen:
+                monkeypatch.setattr(llm_engine, "step", broken_step)
+                requests = [gen.generate(PROMPT, temperature=1.0, max_tokens=8, seed=i) for i in range(2)]
+                # A bound keeps a regression a failure, not a hung suite.
+                results = await asyncio.wait_for(asyncio.gather(*requests, return_exceptions=True), timeout=60)
+        return results
+
+    results = asyncio.run(run())
+    monkeypatch.undo()
+    assert [str(r) for r in results] == ["engine step failed"] * 2
+    assert asyncio.run(_run_plain(vllm_engine)).token_ids  # the engine itself still serves

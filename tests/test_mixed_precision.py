@@ -249,6 +249,7 @@ def test_tensor_parallel_computes_as_a_bf16_model(world):
 # ----------------------------------------------------------------------------- the generator
 
 
+@pytest.mark.own_vllm_engine
 def test_bf16_generator_holds_the_cast_and_matches_the_mixed_trainer(tmp_path):
     """A bf16 vLLM engine (the generator dtype under compute_dtype=bfloat16) receives the mixed
     trainer's push as bf16 tensors and then holds exactly the bf16 cast of the float32 masters;

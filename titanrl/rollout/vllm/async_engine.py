@@ -41,13 +41,14 @@ class AsyncGenerator:
         assert self._pump is not None
         self._pump.cancel()
         try:
-            await self._pump
+            await self._pump  # re-raises the error that stopped a failed pump
         except asyncio.CancelledError:
             pass
-        if self._pending:  # an episode failed mid-turn: free the engine for the next batch
-            self.engine.llm.llm_engine.abort_request(list(self._pending))
-            self._pending.clear()
-            self._versions.clear()
+        finally:
+            if self._pending:  # an episode failed mid-turn: free the engine for the next batch
+                self.engine.llm.llm_engine.abort_request(list(self._pending))
+                self._pending.clear()
+                self._versions.clear()
 
     async def generate(
         self,
@@ -88,6 +89,19 @@ class AsyncGenerator:
         return await future
 
     async def _run(self) -> None:
+        try:
+            await self._pump_steps()
+        except asyncio.CancelledError:
+            raise  # `__aexit__`: it aborts what is still pending
+        except Exception as e:
+            # Every waiting caller gets the engine's error: a pump that died silently would leave
+            # their futures pending forever (a hung run, not a failed one).
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(e)
+            raise
+
+    async def _pump_steps(self) -> None:
         llm_engine = self.engine.llm.llm_engine
         while True:
             if not self._pending:
