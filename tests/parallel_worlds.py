@@ -366,7 +366,7 @@ def sharded_loading(cases: dict[str, tuple[str, Case]], layouts: dict[str, dict]
     accumulate_gradients under each (a few seconds per key on gloo).
     cases: name -> (policy checkpoint, Case whose batch to use); dtypes: case -> storage dtype.
     """
-    from titanrl.models.hf_checkpoint import checkpoint_name, read_state_dict
+    from titanrl.models.hf_checkpoint import checkpoint_name, from_checkpoint_tensors, read_state_dict
     from titanrl.trainer.checkpoint import is_training_checkpoint, load_policy, open_initial_policy
     from titanrl.trainer.parallel.gather import iter_full_gradients
     from titanrl.trainer.parallel.sharded_load import build_sharded_policy, local_block
@@ -377,7 +377,7 @@ def sharded_loading(cases: dict[str, tuple[str, Case]], layouts: dict[str, dict]
         if is_training_checkpoint(ckpt):
             reference = {k: v.detach() for k, v in load_policy(ckpt)[0].state_dict().items()}
         else:
-            reference = read_state_dict(ckpt)
+            reference = from_checkpoint_tensors(read_state_dict(ckpt))  # per-expert tensors stacked
         for name, layout in layouts.items():
             parallel = ParallelConfig(**layout)
             mesh = build_mesh(parallel, "cpu")
