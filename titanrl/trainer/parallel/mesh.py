@@ -98,7 +98,7 @@ def expert_meshes(mesh: DeviceMesh | None) -> tuple[DeviceMesh, DeviceMesh | Non
 
     The ep mesh is the 1-D group that splits each sparse layer's experts (Shard(0)) and trades
     tokens with all-to-alls; the FSDP mesh shards each expert slice over the ranks holding the
-    same experts (None when no other rank does).
+    same experts (of size 1 when ep == dp_shard; None when ep == tp without data parallelism).
     """
     return getattr(mesh, "titanrl_experts", None) if mesh is not None else None
 
