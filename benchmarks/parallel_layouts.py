@@ -1,6 +1,6 @@
 """Parallel layouts benchmark: one GRPO step per layout vs the single-process trainer.
 
-    .venv/bin/python benchmarks/parallel_layouts.py [LAYOUT ...] [--tied] [--out FILE [--append]]
+    .venv/bin/python benchmarks/parallel_layouts.py [LAYOUT ...] [--tied] [--moe] [--out FILE [--append]]
 
 For each layout (default: all of `titanrl.trainer.parallel.layout_check.LAYOUTS`: fsdp, ddp, tp,
 tp_sp, pp (1F1B), pp_gpipe, pp_interleaved, cp with 2 gloo processes; hsdp, fsdp+tp, fsdp+tp_sp,
@@ -24,6 +24,12 @@ layout is printed:
 benchmarks/results/parallel_layouts.jsonl holds an untied run of every layout followed by a
 tied one (`--tied --out ... --append`).
 
+--moe runs the tiny mixture-of-experts policy (layout_check.TINY_MOE: layers 1-3 route each
+token to 2 of 4 experts, init std 0.2 so routing varies) under every layout, by default, the
+expert-parallel ones included: ep (experts over dp_shard=2), tp_sp+ep (over the tp ranks),
+fsdp+ep (dp_shard=4 as 2 x ep=2), ep4, hsdp+ep, fsdp+tp_sp+ep; ep=1 layouts replicate the
+sparse blocks over tp. benchmarks/results/parallel_layouts_moe.jsonl holds such a run.
+
 Target: loss and gradient differences <= 1e-5. Runtime ~1.5 min on 2 shared cores (4-process
 worlds oversubscribe them; step times here measure overheads, not speed-ups).
 """
@@ -40,20 +46,21 @@ import torch
 
 from titanrl.config import ParallelConfig
 from titanrl.trainer.parallel.launch import run_local_world
-from titanrl.trainer.parallel.layout_check import LAYOUTS, check_layouts, make_case, reference
+from titanrl.trainer.parallel.layout_check import EXPERT_PARALLEL, LAYOUTS, check_layouts, make_case, reference
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("layouts", nargs="*", default=list(LAYOUTS), help=f"any of {list(LAYOUTS)}")
+    parser.add_argument("layouts", nargs="*", help=f"any of {list(LAYOUTS)} (default: all that fit the policy)")
     parser.add_argument("--tied", action="store_true", help="tied embedding / LM head")
+    parser.add_argument("--moe", action="store_true", help="the tiny mixture-of-experts policy (ep layouts need it)")
     parser.add_argument("--out", help="also write the JSON lines here (replacing the file)")
     parser.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
     args = parser.parse_args()
-    names = args.layouts
+    names = args.layouts or [n for n in LAYOUTS if args.moe or n not in EXPERT_PARALLEL]
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
-        case = make_case(tmp, tied=args.tied)
+        case = make_case(tmp, tied=args.tied, moe=args.moe)
         ref = reference(case)
         by_world: dict[int, list[str]] = {}
         for name in names:

@@ -366,7 +366,7 @@ def sharded_loading(cases: dict[str, tuple[str, Case]], layouts: dict[str, dict]
     accumulate_gradients under each (a few seconds per key on gloo).
     cases: name -> (policy checkpoint, Case whose batch to use); dtypes: case -> storage dtype.
     """
-    from titanrl.models.hf_checkpoint import checkpoint_name, read_state_dict
+    from titanrl.models.hf_checkpoint import checkpoint_name, from_checkpoint_tensors, read_state_dict
     from titanrl.trainer.checkpoint import is_training_checkpoint, load_policy, open_initial_policy
     from titanrl.trainer.parallel.gather import iter_full_gradients
     from titanrl.trainer.parallel.sharded_load import build_sharded_policy, local_block
@@ -377,7 +377,7 @@ def sharded_loading(cases: dict[str, tuple[str, Case]], layouts: dict[str, dict]
         if is_training_checkpoint(ckpt):
             reference = {k: v.detach() for k, v in load_policy(ckpt)[0].state_dict().items()}
         else:
-            reference = read_state_dict(ckpt)
+            reference = from_checkpoint_tensors(read_state_dict(ckpt))  # per-expert tensors stacked
         for name, layout in layouts.items():
             parallel = ParallelConfig(**layout)
             mesh = build_mesh(parallel, "cpu")
@@ -442,4 +442,72 @@ def sharded_load_memory(hf_ckpt: str, workdir: str, layout: dict) -> dict[str, f
         out["full_load_mb"] = _rss_peak_mb() - base
         del model
     dist.barrier()
+    return out
+
+
+def expert_dispatch() -> dict[str, float]:
+    """One SparseMoeBlock (8 experts, top-2) with ExpertParallelDispatch over the world against
+    the same block run in one process on every rank's tokens (float64). Routing is replayed so
+    that the splits are uneven, rank 1 sends no token to rank 0 and expert 1 gets none at all;
+    each rank's loss weighs its outputs. Max over ranks of |difference| of the outputs, the
+    inputs' gradients, the router's gradient (summed over ranks) and this rank's experts'
+    gradients; and how many token copies crossed to another rank."""
+    import copy
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titanrl.models.qwen3_moe import Qwen3MoeConfig, SparseMoeBlock
+    from titanrl.trainer.parallel.expert_parallel import apply_expert_parallel
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    config = Qwen3MoeConfig(hidden_size=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=6)
+    gen = torch.Generator().manual_seed(0)
+    ref = SparseMoeBlock(config, 0).double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5)
+    block = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("ep",))
+    apply_expert_parallel([SimpleNamespace(mlp=block)], mesh, tokens_split_over_tp=False)
+    ref.experts.implementation = block.experts.implementation = "loop"  # float64: no grouped matmul
+    local = config.num_experts // n
+    allowed = [[0, 2, 3, 4, 5, 6, 7]] + [[e for e in range(8) if e >= local]] * (n - 1)
+    xs, replays, weights = [], [], []
+    for r in range(n):  # every rank draws every rank's tokens: the reference runs them all
+        tokens = 5 + 4 * r
+        xs.append(torch.randn(1, tokens, 8, generator=gen, dtype=torch.float64))
+        pool = torch.tensor(allowed[r])
+        picks = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:2]] for _ in range(tokens)])
+        replays.append(picks)
+        weights.append(torch.randn(1, tokens, 8, generator=gen, dtype=torch.float64))
+    ref_x = [x.clone().requires_grad_() for x in xs]
+    ref_y = []
+    for r in range(n):
+        ref.gate.replay = replays[r]
+        ref_y.append(ref(ref_x[r]))
+        (ref_y[-1] * weights[r]).sum().backward()
+    x = xs[rank].clone().requires_grad_()
+    block.gate.replay = replays[rank]
+    y = block(x)
+    (y * weights[rank]).sum().backward()
+    router_grad = block.gate.weight.grad.clone()
+    dist.all_reduce(router_grad)
+    rows = slice(rank * local, (rank + 1) * local)
+    diffs = {
+        "output": (y - ref_y[rank]).abs().max().item(),
+        "grad_input": (x.grad - ref_x[rank].grad).abs().max().item(),
+        "grad_router": (router_grad - ref.gate.weight.grad).abs().max().item(),
+    }
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        mine = getattr(block.experts, name).grad.to_local()
+        diffs[f"grad_{name}"] = (mine - getattr(ref.experts, name).grad[rows]).abs().max().item()
+    top = torch.tensor(list(diffs.values()), dtype=torch.float64)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    out = dict(zip(diffs, top.tolist(), strict=True))
+    remote = torch.tensor([float((replays[rank] // local != rank).sum())])
+    dist.all_reduce(remote)
+    out["remote_copies"] = remote.item()
+    out["expert_1_copies"] = float(sum(int((r == 1).sum()) for r in replays))
+    out["rank_1_to_rank_0"] = float((replays[1] // local == 0).sum()) if n > 1 else 0.0
     return out

@@ -6,11 +6,13 @@ import torch
 
 from titanrl.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
 from titanrl.config.validation import _validate_trainer_layout
+from titanrl.models.qwen3_moe import Qwen3MoeConfig
 from titanrl.models.tiny import tiny_config
 from titanrl.trainer.parallel.ring_attention import ContextLayout
 from titanrl.config.parallel import sequence_multiple, validate_parallel
 
 MODEL = tiny_config(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, tie_word_embeddings=False)
+MOE = Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, num_experts=4)
 
 
 def test_valid_layouts_pass():
@@ -18,6 +20,16 @@ def test_valid_layouts_pass():
     for kw, world in [(dict(), 1), (dict(dp_shard=2, tp=2), 4), (dict(pp=2, pp_schedule="Interleaved1F1B"), 2),
                       (dict(dp_replicate=2, dp_shard=2, cp=2), 8), (dict(tp=2, sequence_parallel=True), None)]:
         assert validate_parallel(ParallelConfig(**kw), MODEL, world, seq_len=64) is None  # no ConfigError
+
+
+def test_expert_parallel_layouts_pass_and_borrow_ranks():
+    """ep borrows its ranks: from dp_shard (ep divides it, HSDP included) or as the tp ranks (ep == tp,
+    sequence parallel); the world size counts the other degrees only."""
+    for kw, world in [(dict(dp_shard=2, ep=2), 2), (dict(dp_shard=4, ep=2), 4), (dict(dp_shard=4, ep=4), 4),
+                      (dict(dp_replicate=2, dp_shard=2, ep=2), 4), (dict(tp=2, sequence_parallel=True, ep=2), 2),
+                      (dict(dp_shard=2, tp=2, sequence_parallel=True, ep=2), 4), (dict(tp=2), 2)]:
+        assert ParallelConfig(**kw).world_size == world
+        assert validate_parallel(ParallelConfig(**kw), MOE, world) is None  # no ConfigError
 
 
 def test_pipeline_accepts_tied_embeddings():
@@ -39,7 +51,14 @@ def test_pipeline_accepts_tied_embeddings():
         (dict(pp=3), 3, None, MODEL, ["3 stages", "num_hidden_layers (4)"]),
         (dict(pp=4, pp_schedule="Interleaved1F1B"), 4, None, MODEL, ["8 stages", "pp x 2 divides 4"]),
         (dict(pp=2, pp_schedule="ZeroBubble"), 2, None, MODEL, ["pp_schedule='ZeroBubble'", "'1F1B'", "'GPipe'"]),
-        (dict(ep=2), 2, None, MODEL, ["expert parallelism", "train.parallel.ep=1"]),
+        (dict(dp_shard=2, ep=2), 2, None, MODEL, ["expert parallelism", "is dense", "train.parallel.ep=1"]),
+        (dict(dp_shard=2, ep=2), 4, None, MOE, ["multiply to 2", "ep borrows ranks", "product is 4"]),
+        (dict(dp_shard=6, ep=3), 6, None, MOE, ["ep=3 must divide", "num_experts (4)", "[1, 2, 4]"]),
+        (dict(dp_shard=2, ep=4), 2, None, MOE, ["ep=4 must divide train.parallel.dp_shard (2)", "[1, 2]"]),
+        (dict(tp=2, ep=2), 2, None, MOE, ["tp ranks", "ep=2 and sequence_parallel=true"]),
+        (dict(tp=2, sequence_parallel=True, dp_shard=4, ep=4), 8, None, MOE, ["with tp=2", "ep=2"]),
+        (dict(dp_shard=2, cp=2, ep=2), 4, None, MOE, ["cp=2, pp=1", "cp=1 and pp=1, or ep=1"]),
+        (dict(dp_shard=2, pp=2, ep=2), 4, None, MOE, ["cp=1, pp=2", "cp=1 and pp=1, or ep=1"]),
         (dict(cp=2), 2, 30, MODEL, ["multiple of 4", "2 x cp=2 chunks", "pad it to 32"]),
         (dict(cp=2, tp=2, sequence_parallel=True), 4, 36, MODEL, ["multiple of 8", "tp=2 sequence-parallel", "40"]),
         (dict(dp_shard=0), 0, None, MODEL, ["train.parallel.dp_shard must be an integer >= 1"]),

@@ -45,14 +45,11 @@ def validate_parallel(
     if world_size is not None and p.world_size != world_size:
         raise ConfigError(
             f"train.parallel degrees multiply to {p.world_size} (dp_replicate={p.dp_replicate} x "
-            f"dp_shard={p.dp_shard} x tp={p.tp} x pp={p.pp} x cp={p.cp} x ep={p.ep}) but the trainer "
+            f"dp_shard={p.dp_shard} x tp={p.tp} x pp={p.pp} x cp={p.cp}; ep borrows ranks) but the trainer "
             f"has {world_size} processes: change the degrees so that their product is {world_size}"
         )
     if p.ep != 1:
-        raise ConfigError(
-            f"train.parallel.ep={p.ep}: expert parallelism needs a mixture-of-experts model, and "
-            f"{type(m).__name__} is dense; set train.parallel.ep=1"
-        )
+        check_expert_parallel(p, m)
     if p.pp_schedule not in PP_SCHEDULES:
         raise ConfigError(
             f"train.parallel.pp_schedule={p.pp_schedule!r} is not a schedule; use one of {sorted(PP_SCHEDULES)}"
@@ -86,6 +83,46 @@ def validate_parallel(
         raise ConfigError(
             f"sequence length {seq_len} must be a multiple of {multiple} ({why}); pad it to "
             f"{-(-seq_len // multiple) * multiple} or change train.parallel.cp / tp"
+        )
+
+
+def check_expert_parallel(parallel: ParallelConfig, model_config: Qwen3Config) -> None:
+    """Raises ConfigError unless train.parallel.ep > 1 follows the rule expert parallelism implements.
+
+    ep borrows its ranks (the world size does not count it): with tp > 1 they are the tp ranks
+    (ep == tp, with sequence_parallel so each tp rank routes its own tokens), otherwise ep
+    neighbouring dp_shard ranks (ep divides dp_shard). ep must divide num_experts; cp and pp
+    are not combined with it yet.
+    """
+    p = parallel
+    experts = getattr(model_config, "num_experts", 0)
+    if not experts:
+        raise ConfigError(
+            f"train.parallel.ep={p.ep}: expert parallelism needs a mixture-of-experts model, and "
+            f"{type(model_config).__name__} is dense; set train.parallel.ep=1"
+        )
+    if experts % p.ep:
+        raise ConfigError(
+            f"train.parallel.ep={p.ep} must divide the model's num_experts ({experts}): each ep rank holds "
+            f"an equal share of every sparse layer's experts; pick ep from {_divisors(experts)}"
+        )
+    if p.cp > 1 or p.pp > 1:
+        raise ConfigError(
+            f"train.parallel.ep={p.ep} with cp={p.cp}, pp={p.pp}: expert parallelism is implemented with "
+            f"dp_shard, dp_replicate and tp only; set train.parallel.cp=1 and pp=1, or ep=1"
+        )
+    if p.tp > 1:
+        if p.ep != p.tp or not p.sequence_parallel:
+            raise ConfigError(
+                f"train.parallel.ep={p.ep} with tp={p.tp} (sequence_parallel={p.sequence_parallel}): with "
+                f"tensor parallelism the ep ranks are the tp ranks, each routing its sequence-parallel share "
+                f"of the tokens; set train.parallel.ep={p.tp} and sequence_parallel=true, or tp=1"
+            )
+    elif p.dp_shard % p.ep:
+        raise ConfigError(
+            f"train.parallel.ep={p.ep} must divide train.parallel.dp_shard ({p.dp_shard}): the ep ranks are "
+            f"borrowed from dp_shard (the world size does not count ep); pick ep from "
+            f"{[d for d in _divisors(p.dp_shard) if experts % d == 0]} or raise dp_shard"
         )
 
 

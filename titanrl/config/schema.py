@@ -104,7 +104,7 @@ class RolloutConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the trainer's processes split the work; the product of all degrees is its world size."""
+    """How the trainer's processes split the work; the product of the degrees but ep is its world size."""
 
     dp_replicate: int = 1
     """Data-parallel replicas holding full copies (HSDP's outer dimension when dp_shard > 1)."""
@@ -121,11 +121,16 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel degree: each sequence split across ranks, attention as a ring."""
     ep: int = 1
-    """Expert-parallel degree for mixture-of-experts layers (reserved for the MoE model)."""
+    """Expert-parallel degree of a mixture-of-experts model: each sparse layer's experts split over
+    ep ranks borrowed from the others (it does not multiply the world size): the tp ranks when
+    tp > 1 (ep == tp, with sequence_parallel), else ep neighbouring dp_shard ranks (ep divides
+    dp_shard). Tokens travel to their experts' ranks and back by all-to-all; the expert weights
+    are FSDP-sharded over the dp_shard / ep (x dp_replicate) ranks holding the same experts; the
+    router is replicated. ep must divide num_experts; cp > 1 and pp > 1 are not combined with it."""
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp * self.ep
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
 
 
 @dataclass

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titanrl import kernels
 from titanrl.models.qwen3 import MLP, FeedForwardFactory, Qwen3Config, Qwen3ForCausalLM
@@ -238,6 +239,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        if isinstance(gate, DTensor):  # expert parallelism: this rank's experts (counts_E is theirs)
+            gate, up, down = gate.to_local(), up.to_local(), down.to_local()
         if gate.dtype != x_MD.dtype:  # a compute-dtype cast of the stacked weights (mixed precision)
             gate, up, down = gate.to(x_MD.dtype), up.to(x_MD.dtype), down.to(x_MD.dtype)
         use_grouped = not self.batch_invariant and self.implementation != "loop" and (

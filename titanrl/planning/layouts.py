@@ -4,7 +4,9 @@ Candidates are the layouts the trainer accepts: dp_shard x tp x pp x cp = N (dp_
 HSDP only moves traffic between links, which these byte counts do not see), checked by
 `titanrl.config.parallel.validate_parallel` (tp divides the heads and MLP width, pp the layers,
 the sequence splits into 2 x cp (x tp) pieces), every data-parallel rank gets at least one row,
-and for an MoE model every ep that divides dp_shard x cp x tp and the expert count.
+and for an MoE model every ep the trainer implements (ep divides the expert count and borrows
+its ranks: ep == tp when tp > 1, else ep divides dp_shard; not with cp or pp, see
+`titanrl.config.parallel.check_expert_parallel`).
 """
 
 from __future__ import annotations
@@ -73,20 +75,22 @@ def candidate_layouts(shape: ModelShape, gpus: int, work: Workload) -> list[Layo
                 if dp_shard > work.batch:
                     continue  # a data-parallel rank with no row
                 layout = Layout(dp_shard=dp_shard, tp=tp, pp=pp, cp=cp)
-                try:
-                    validate_parallel(
-                        ParallelConfig(dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, sequence_parallel=tp > 1,
-                                       pp_schedule=layout.pp_schedule),
-                        shape, world_size=None, seq_len=work.seq_len,  # type: ignore[arg-type]
-                    )
-                except ConfigError:
-                    continue
-                eps = [1]
-                if shape.is_moe:
-                    pool = dp_shard * cp * tp
-                    eps = [e for e in _divisors(pool) if shape.num_experts % e == 0]
-                out.extend(replace(layout, ep=ep) for ep in eps)
+                eps = [e for e in _divisors(dp_shard * cp * tp) if shape.num_experts % e == 0] if shape.is_moe else [1]
+                out.extend(replace(layout, ep=ep) for ep in eps if _accepted(replace(layout, ep=ep), shape, work))
     return out
+
+
+def _accepted(layout: Layout, shape: ModelShape, work: Workload) -> bool:
+    """Whether the trainer takes `layout` for this model (validate_parallel, ep's rule included)."""
+    try:
+        validate_parallel(
+            ParallelConfig(dp_shard=layout.dp_shard, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+                           sequence_parallel=layout.tp > 1, pp_schedule=layout.pp_schedule),
+            shape, world_size=None, seq_len=work.seq_len,  # type: ignore[arg-type]
+        )
+    except ConfigError:
+        return False
+    return True
 
 
 def plan(shape: ModelShape, gpus: int, gpu_memory_gib: float, work: Workload, margin: float = 0.1) -> Plan:

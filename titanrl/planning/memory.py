@@ -21,7 +21,9 @@ gradients FSDP accumulates across micro-batches. Layout semantics follow the tra
   head on the last (a tied matrix has a copy on both).
 - ep borrows its ranks from dp_shard x cp x tp (TorchTitan's rule, issue 18): experts are split
   ep ways and FSDP-sharded over the remaining dp_shard x cp x tp / ep ranks, so the world size
-  is dp_replicate x dp_shard x tp x pp x cp.
+  is dp_replicate x dp_shard x tp x pp x cp. The trainer implements ep == tp (tp > 1) and ep
+  dividing dp_shard; with tp > 1 and ep = 1 the experts are replicated over tp (FSDP over
+  dp_shard x cp only).
 
 Mixed precision (issue 17 item 3): parameters are stored in `dtype`; when that is not float32
 a float32 master copy is kept; gradients and AdamW's two moments are float32; forward and
@@ -112,8 +114,9 @@ class Layout:
 
     @property
     def expert_fsdp_size(self) -> int:
-        """Ranks FSDP2 shards one expert-parallel slice over: dp_shard x cp x tp / ep."""
-        return self.dp_shard * self.cp * self.tp // self.ep
+        """Ranks FSDP2 shards one expert-parallel slice over: dp_shard x cp x tp / ep, where tp
+        counts only when ep borrows it (ep = 1 leaves the experts replicated over tp)."""
+        return self.dp_shard * self.cp * (self.tp if self.ep > 1 else 1) // self.ep
 
     def short(self) -> str:
         parts = [f"{name}={getattr(self, name)}" for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")

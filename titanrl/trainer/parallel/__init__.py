@@ -2,7 +2,8 @@
 
 `validate_parallel` checks a `ParallelConfig` against the model before any process starts;
 `build_mesh` names the mesh dimensions; `parallelize` applies FSDP2 / HSDP, tensor (+sequence)
-parallel, pipeline stages and ring-attention context parallel; `ParallelGRPOStep` runs one GRPO
+parallel, pipeline stages, ring-attention context parallel and expert parallel (MoE experts
+split over borrowed ranks, tokens exchanged by all-to-all); `ParallelGRPOStep` runs one GRPO
 gradient accumulation whose loss and gradients equal the single-process trainer's.
 """
 

@@ -1,4 +1,5 @@
-"""FSDP2 (`fully_shard`) over dp_shard (x cp), HSDP when dp_replicate > 1."""
+"""FSDP2 (`fully_shard`) over dp_shard (x cp), HSDP when dp_replicate > 1; expert weights over
+their own mesh under expert parallelism."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from titanrl.trainer.parallel.expert_parallel import sparse_blocks
 
 
 def mixed_precision_policy(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
@@ -22,7 +25,7 @@ def mixed_precision_policy(compute_dtype: torch.dtype | None) -> MixedPrecisionP
 
 
 def apply_fsdp(part: nn.Module, layers: Sequence[nn.Module], dp_mesh: DeviceMesh,
-               compute_dtype: torch.dtype | None = None) -> None:
+               compute_dtype: torch.dtype | None = None, expert_mesh: DeviceMesh | None = None) -> None:
     """Shards each decoder layer, then the rest of `part` (embedding, norm, head), over `dp_mesh`.
 
     One FSDP unit per layer lets a layer's all-gather overlap the previous layer's compute.
@@ -31,8 +34,13 @@ def apply_fsdp(part: nn.Module, layers: Sequence[nn.Module], dp_mesh: DeviceMesh
     gradient (and context-parallel ranks, which share this mesh, must be summed too).
     compute_dtype: mixed precision (see mixed_precision_policy); the sharded parameters, their
     gradients and the optimizer state keep the parameters' dtype.
+    expert_mesh: under expert parallelism, the mesh that shards each sparse layer's ep-split
+    experts (their own FSDP unit, over the ranks holding the same experts: mesh.expert_meshes).
     """
     mp_policy = mixed_precision_policy(compute_dtype)
+    if expert_mesh is not None:
+        for block in sparse_blocks(layers):
+            fully_shard(block.experts, mesh=expert_mesh, mp_policy=mp_policy)
     for layer in layers:
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy)
     fully_shard(part, mesh=dp_mesh, mp_policy=mp_policy)

@@ -11,6 +11,7 @@ benchmarks/parallel_layouts.py and tests/test_parallel_*.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import tempfile
@@ -24,7 +25,8 @@ import torch.distributed as dist
 
 from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from titanrl.models.hf_checkpoint import load_model
-from titanrl.models.tiny import write_tiny_checkpoint
+from titanrl.models.qwen3_moe import Qwen3MoeConfig
+from titanrl.models.tiny import tiny_config, write_checkpoint, write_tiny_checkpoint
 from titanrl.trainer.grpo import token_logprobs
 from titanrl.trainer.parallel.gather import iter_full_gradients, iter_full_weights
 from titanrl.trainer.parallel.mesh import build_mesh
@@ -58,12 +60,35 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp+cp": dict(pp=2, cp=2),
     "cp4": dict(cp=4),
     "pp4": dict(pp=4, pp_schedule="1F1B"),  # 1 layer per stage; tied: middle stages hold no copy
+    # Expert parallelism (a mixture-of-experts policy; ep borrows ranks)
+    "ep": dict(dp_shard=2, ep=2),
+    "tp_sp+ep": dict(tp=2, sequence_parallel=True, ep=2),
+    "fsdp+ep": dict(dp_shard=4, ep=2),  # 4 processes
+    "ep4": dict(dp_shard=4, ep=4),
+    "hsdp+ep": dict(dp_replicate=2, dp_shard=2, ep=2),
+    "fsdp+tp_sp+ep": dict(dp_shard=2, tp=2, sequence_parallel=True, ep=2),
 }
 """Named layouts; each runs with exactly ParallelConfig(**kwargs).world_size processes."""
+
+EXPERT_PARALLEL = [name for name, kw in LAYOUTS.items() if kw.get("ep", 1) > 1]
+"""Layouts that need a mixture-of-experts policy (make_case(moe=True))."""
 
 TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, std=0.1)
 """A ~0.1M-parameter Qwen3 with 4 layers (Interleaved1F1B over pp=2 needs 4 stages) and GQA."""
+
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0])
+"""Qwen3-MoE on TINY_MODEL: layers 1-3 route each token to 2 of 4 experts (layer 0 stays dense)."""
+
+TINY_MOE_STD = 0.2
+"""Init std of the MoE policy: router scores spread enough that tokens take different experts."""
+
+
+def write_tiny_moe_checkpoint(out_dir: str | Path, seed: int = 0, tied: bool = False) -> Path:
+    """TINY_MODEL with TINY_MOE's experts, as an HF checkpoint (byte tokenizer)."""
+    base = tiny_config(tie_word_embeddings=tied, **{k: v for k, v in TINY_MODEL.items() if k != "std"})
+    config = Qwen3MoeConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, **TINY_MOE)
+    return write_checkpoint(out_dir, config, seed=seed, std=TINY_MOE_STD)
 
 
 @dataclass
@@ -80,6 +105,8 @@ class Case:
     """Sampling temperature the trainer scores under."""
     tied: bool = False
     """Whether the policy ties its embedding and LM head."""
+    moe: bool = False
+    """Whether the policy is the tiny mixture of experts (TINY_MOE)."""
 
 
 @dataclass
@@ -102,12 +129,16 @@ class Reference:
     """Wall time of a second step on the same batch."""
 
 
-def make_case(workdir: str | Path, *, tied: bool = False, groups: int = 4, group_size: int = 4,
+def make_case(workdir: str | Path, *, tied: bool = False, moe: bool = False, groups: int = 4, group_size: int = 4,
               micro_batch_size: int = 3, seed: int = 0) -> Case:
     """A tiny policy and a batch of random groups: varied lengths, env-inserted tokens, noisy
-    generator logprobs (so some ratios clip), micro-batches that split unevenly."""
-    ckpt = write_tiny_checkpoint(Path(workdir) / ("tied" if tied else "untied"), seed=seed,
-                                 tie_word_embeddings=tied, **TINY_MODEL)
+    generator logprobs (so some ratios clip), micro-batches that split unevenly.
+    moe: the policy is TINY_MOE's mixture of experts."""
+    name = ("moe_" if moe else "") + ("tied" if tied else "untied")
+    if moe:
+        ckpt = write_tiny_moe_checkpoint(Path(workdir) / name, seed=seed, tied=tied)
+    else:
+        ckpt = write_tiny_checkpoint(Path(workdir) / name, seed=seed, tie_word_embeddings=tied, **TINY_MODEL)
     model, config = load_model(ckpt)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -128,7 +159,7 @@ def make_case(workdir: str | Path, *, tied: bool = False, groups: int = 4, group
         out.append(Group(samples))
     batch = pack(out, pad_id=config.eos_token_id or 0, current_version=0)
     train = TrainConfig(micro_batch_size=micro_batch_size, lr=1e-3, grad_clip=1.0, clip_eps=0.2)
-    return Case(str(ckpt), batch, train, tied=tied)
+    return Case(str(ckpt), batch, train, tied=tied, moe=moe)
 
 
 def reference(case: Case) -> Reference:
@@ -209,6 +240,7 @@ def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu"
         "world_size": parallel.world_size,
         "parallel": LAYOUTS[name],
         "tied_embeddings": case.tied,
+        "moe": case.moe,
         "tied_copies_equal": copies_equal,
         "loss_rel_diff": abs(loss - ref.loss) / abs(ref.loss),
         "grad_rel_diff": _rel(flat, flat_ref),
@@ -237,11 +269,13 @@ def main(argv: list[str] | None = None) -> None:
     from titanrl.trainer.parallel.launch import run_local_world
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("layouts", nargs="*", default=list(LAYOUTS), help=f"from {sorted(LAYOUTS)}")
+    parser.add_argument("layouts", nargs="*", help=f"from {sorted(LAYOUTS)} (default: all that fit the policy)")
     parser.add_argument("--tied", action="store_true", help="tied embedding / LM head")
+    parser.add_argument("--moe", action="store_true", help="the tiny mixture-of-experts policy (ep layouts need it)")
     args = parser.parse_args(argv)
+    args.layouts = args.layouts or [n for n in LAYOUTS if args.moe or n not in EXPERT_PARALLEL]
     with tempfile.TemporaryDirectory() as tmp:
-        case = make_case(tmp, tied=args.tied)
+        case = make_case(tmp, tied=args.tied, moe=args.moe)
         ref = reference(case)
         by_world: dict[int, list[str]] = {}
         for name in args.layouts:

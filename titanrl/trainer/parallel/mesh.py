@@ -5,6 +5,11 @@ so the trainer's step runs the same code for one process and for N.
 
 Dimension order, outermost first: pp, dp_replicate, dp_shard, cp, tp. TP is innermost so its
 ranks are neighbours (one host, the fastest links); PP is outermost (least traffic).
+
+Expert parallelism adds no dimension: its ep ranks are borrowed (TorchTitan's rule). With
+tp > 1 they are the tp ranks (ep == tp); otherwise dp_shard is viewed as (efsdp, ep), ep
+innermost, so an ep group is ep neighbouring data-parallel ranks and expert weights are
+FSDP-sharded over the efsdp (x dp_replicate) ranks that hold the same experts (`expert_meshes`).
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ from torch.distributed.tensor import DTensor, Replicate
 from titanrl.config.schema import ParallelConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-"""Mesh dimension names, outermost first (ep joins when the MoE model does)."""
+"""Mesh dimension names, outermost first (ep borrows ranks: see `expert_meshes`)."""
 
 FLATTENED = {"dp_shard_cp": ("dp_shard", "cp")}
 """Flattened dimensions built by `build_mesh`: FSDP shards over dp_shard x cp, since CP ranks
 hold the same parameters and their gradients must be summed like data-parallel ones."""
+
+EXPERT_DIMS = {"efsdp": ("dp_shard",), "ep": ("dp_shard",)}
+"""Dimensions of the expert mesh (dp_shard viewed as efsdp x ep) and the base dimension each splits."""
 
 
 def resolve_device_type(device: str) -> str:
@@ -55,7 +63,8 @@ def build_mesh(parallel: ParallelConfig, device_type: str) -> DeviceMesh:
 
     dp_shard stays (size 1) when dp_replicate > 1, so HSDP / pure replication always find a 2-D
     (dp_replicate, dp_shard) mesh; a world of one gets a single size-1 "dp_shard" dimension.
-    `parallel.ep` must be 1 (checked by validate_parallel).
+    With ep > 1 the mesh also keeps the expert views (`expert_meshes`); validate_parallel
+    checks ep's rule first.
     """
     degrees = _degrees(parallel)
     names = [n for n in MESH_DIMS if degrees[n] > 1 or (n == "dp_shard" and degrees["dp_replicate"] > 1)]
@@ -70,7 +79,28 @@ def build_mesh(parallel: ParallelConfig, device_type: str) -> DeviceMesh:
     mesh.titanrl_flattened = {}
     if "dp_shard" in names and "cp" in names:
         mesh.titanrl_flattened["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    mesh.titanrl_experts = _build_expert_meshes(mesh, parallel) if parallel.ep > 1 else None
     return mesh
+
+
+def _build_expert_meshes(mesh: DeviceMesh, parallel: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh | None]:
+    if parallel.tp > 1:  # ep == tp: experts over the tp ranks, FSDP-sharded like the dense weights
+        return mesh["tp"], fsdp_mesh(mesh)
+    # dp_shard as (efsdp, ep): an unflattened view of the same root mesh, so FSDP2 can combine
+    # the ep-sharded expert DTensors with the efsdp mesh (size 1 when ep == dp_shard).
+    experts = mesh._unflatten("dp_shard", (parallel.dp_shard // parallel.ep, parallel.ep), ("efsdp", "ep"))
+    fsdp = experts["dp_replicate", "efsdp"] if has_dim(mesh, "dp_replicate") else experts["efsdp"]
+    return experts["ep"], fsdp
+
+
+def expert_meshes(mesh: DeviceMesh | None) -> tuple[DeviceMesh, DeviceMesh | None] | None:
+    """(ep mesh, expert FSDP mesh) under expert parallelism, None without it.
+
+    The ep mesh is the 1-D group that splits each sparse layer's experts (Shard(0)) and trades
+    tokens with all-to-alls; the FSDP mesh shards each expert slice over the ranks holding the
+    same experts (of size 1 when ep == dp_shard; None when ep == tp without data parallelism).
+    """
+    return getattr(mesh, "titanrl_experts", None) if mesh is not None else None
 
 
 def global_rank() -> int:
@@ -129,7 +159,7 @@ def fsdp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
 
 
 def _base_dims(name: str) -> tuple[str, ...]:
-    return FLATTENED.get(name, (name,))
+    return FLATTENED.get(name) or EXPERT_DIMS.get(name, (name,))
 
 
 def replicated_dims(mesh: DeviceMesh, tensor: torch.Tensor) -> set[str]:

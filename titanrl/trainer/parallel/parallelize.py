@@ -1,8 +1,8 @@
 """`parallelize`: applies a ParallelConfig's layout to a Qwen3ForCausalLM on a device mesh.
 
 Order: context parallel (swap attention backends), activation checkpointing flags, pipeline
-split, then per stage tensor parallel and finally FSDP2 / HSDP over the data-parallel
-(x context-parallel) ranks. A tied embedding split across pipeline stages gets its
+split, then per stage tensor parallel, expert parallel (experts split over the ep ranks) and
+finally FSDP2 / HSDP over the data-parallel (x context-parallel) ranks. A tied embedding split across pipeline stages gets its
 gradient-summing group last (tied.py). The optimizers are built from the result
 (titanrl.trainer.optimizer).
 """
@@ -21,7 +21,8 @@ from titanrl.config.schema import ActivationCheckpointing, ParallelConfig
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from titanrl.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from titanrl.trainer.parallel.fsdp import apply_fsdp
-from titanrl.trainer.parallel.mesh import coord, fsdp_mesh
+from titanrl.trainer.parallel.expert_parallel import apply_expert_parallel
+from titanrl.trainer.parallel.mesh import coord, expert_meshes, fsdp_mesh
 from titanrl.trainer.parallel.mixed_precision import apply_compute_dtype
 from titanrl.trainer.parallel.pipeline import PipelineStageModel, num_stages, stages_of_rank
 from titanrl.trainer.parallel.ring_attention import ContextLayout, RingAttention
@@ -127,12 +128,16 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
     else:
         parts = [model]
     dp_mesh = fsdp_mesh(mesh)
+    experts = expert_meshes(mesh)  # (ep mesh, expert FSDP mesh) under expert parallelism
     for part in parts:
         if parallel.tp > 1:
-            apply_tensor_parallel(_layers(part), mesh["tp"], parallel.sequence_parallel)
+            apply_tensor_parallel(_layers(part), mesh["tp"], parallel.sequence_parallel,
+                                  experts_over_tp=experts is not None)
             apply_vocab_parallel(part, mesh["tp"])
+        if experts is not None:
+            apply_expert_parallel(_layers(part), experts[0], tokens_split_over_tp=parallel.tp > 1)
         if dp_mesh is not None:
-            apply_fsdp(part, _layers(part), dp_mesh, compute_dtype)
+            apply_fsdp(part, _layers(part), dp_mesh, compute_dtype, expert_mesh=experts[1] if experts else None)
         elif compute_dtype is not None:
             apply_compute_dtype(part, compute_dtype)
         part.train()

@@ -25,6 +25,7 @@ from titanrl.trainer.batch import PackedBatch
 from titanrl.trainer.chunked_logprobs import chunked_token_logprobs
 from titanrl.trainer.logprob_chunks import chunk_tokens_for
 from titanrl.trainer.grpo import clipped_surrogate_loss, decoupled_surrogate_loss, token_logprobs
+from titanrl.trainer.parallel.expert_parallel import sum_router_grads
 from titanrl.trainer.parallel.mesh import all_reduce, coord, dp_rank_and_size, owns
 from titanrl.trainer.parallel.parallelize import ParallelModel
 from titanrl.trainer.parallel.pipeline import build_schedule
@@ -135,6 +136,7 @@ class ParallelGRPOStep:
             opt.zero_grad(set_to_none=True)
         totals, total_tokens = self._forward(batch, backward=True)
         self._reduce_partial_grads()
+        sum_router_grads(self.pm.parts)  # ep == tp: each tp rank routed its own tokens
         if self.pm.tied_group is not None:
             # Before any norm or step: both copies of a split tied matrix need its full gradient.
             sum_tied_grads(self.pm.parts, self.pm.tied_group)

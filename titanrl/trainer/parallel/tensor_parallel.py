@@ -10,6 +10,12 @@ the one sharded matrix; the final norm stays a replicated plain module.
 With sequence parallel the residual stream between TP regions is split along the sequence:
 layer norms run on 1/tp of the tokens, row-parallel outputs are reduce-scattered instead of
 all-reduced, and the stack all-gathers before each attention / MLP and once at its end.
+
+A mixture-of-experts layer's `mlp` (SparseMoeBlock: router and stacked experts) is not split
+by tp. Without expert parallelism it is replicated over the tp ranks, which all run it on the
+same (gathered) tokens; under sequence parallel its output is cut back to this rank's part of the
+sequence. With ep == tp (experts_over_tp) the block runs on this rank's sequence-parallel
+tokens and sends them to the experts' ranks (expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -22,22 +28,28 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
+from titanrl.models.qwen3_moe import SparseMoeBlock
 
-def apply_tensor_parallel(layers: Sequence[nn.Module], tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+
+def apply_tensor_parallel(layers: Sequence[nn.Module], tp_mesh: DeviceMesh, sequence_parallel: bool,
+                          experts_over_tp: bool = False) -> None:
     """Shards each decoder layer of `layers` (in order) over `tp_mesh`, in place.
 
     `layers` is a contiguous stack (all of a model's layers, or one pipeline stage's): with
     sequence parallel its first layer scatters the sequence and its last gathers it back, so
-    the stack's input and output stay full, replicated [B, T, D] tensors.
+    the stack's input and output stay full, replicated [B, T, D] tensors. experts_over_tp: the
+    sparse layers' experts are split over these ranks (ep == tp, sequence parallel), see above.
     """
     between = Shard(1) if sequence_parallel else Replicate()
     for layer in layers:
+        sparse = isinstance(layer.mlp, SparseMoeBlock)
         plan = {
             "self_attn.q_proj": ColwiseParallel(),
             "self_attn.k_proj": ColwiseParallel(),
@@ -47,10 +59,13 @@ def apply_tensor_parallel(layers: Sequence[nn.Module], tp_mesh: DeviceMesh, sequ
             # style that replicates a norm's weight over a sharded input dimension.
             "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
             "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=between),
         }
+        if not sparse:
+            plan.update({
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=between),
+            })
         if sequence_parallel:
             plan.update(
                 {
@@ -62,11 +77,18 @@ def apply_tensor_parallel(layers: Sequence[nn.Module], tp_mesh: DeviceMesh, sequ
                         desired_input_layouts=(Replicate(), None, None),
                         use_local_output=True,
                     ),
-                    "mlp": PrepareModuleInput(
-                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-                    ),
                 }
             )
+            if not sparse:
+                plan["mlp"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                )
+            elif not experts_over_tp:
+                # A replicated block: gather the sequence, run it on every rank, keep this rank's part.
+                plan["mlp"] = PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
+                )
         parallelize_module(layer, tp_mesh, plan)
     if sequence_parallel and layers:
         parallelize_module(
