@@ -47,6 +47,11 @@ class Sample:
     turns: list[dict[str, str]] | None = None
     """An episode's completion turn by turn (`{"role": "model" | "env", "text": ...}`, texts joined
     equal `completion`; see `titanrl.rollout.episode.Episode.transcript`); None for single-turn."""
+    routed_experts: Any = None
+    """Mixture-of-experts policies: the experts the generator routed each token of the sequence
+    through, a numpy int16 array [len(prompt_ids) + len(completion_ids), num_sparse_layers, k]
+    laid out as the trainer's forward sees the sequence; rows of -1 were not recorded (routed
+    live). `train.router_replay` routes the trainer through them; None: nothing recorded."""
 
     def __post_init__(self) -> None:
         if len(self.completion_ids) != len(self.gen_logprobs):
@@ -56,6 +61,12 @@ class Sample:
         if self.token_versions is not None and len(self.token_versions) != len(self.completion_ids):
             raise ValueError(
                 f"sample has {len(self.completion_ids)} completion tokens but {len(self.token_versions)} token versions"
+            )
+        seq_len = len(self.prompt_ids) + len(self.completion_ids)
+        if self.routed_experts is not None and (self.routed_experts.ndim != 3 or len(self.routed_experts) != seq_len):
+            raise ValueError(
+                f"sample has {seq_len} tokens but routed experts of shape {tuple(self.routed_experts.shape)} "
+                f"(expected [{seq_len}, num_sparse_layers, k])"
             )
         if self.loss_mask is not None and len(self.loss_mask) != len(self.completion_ids):
             raise ValueError(

@@ -24,6 +24,7 @@ from titanrl.config.schema import TrainConfig
 from titanrl.trainer.batch import PackedBatch
 from titanrl.trainer.chunked_logprobs import chunked_token_logprobs
 from titanrl.trainer.logprob_chunks import chunk_tokens_for
+from titanrl.trainer.moe import MicroBatchRouting, MoeStats, MoeTotals, moe_settings, real_tokens, update_expert_bias
 from titanrl.trainer.grpo import clipped_surrogate_loss, decoupled_surrogate_loss, token_logprobs
 from titanrl.trainer.parallel.mesh import all_reduce, coord, dp_rank_and_size, owns
 from titanrl.trainer.parallel.parallelize import ParallelModel
@@ -48,7 +49,7 @@ def _fit_length(batch: PackedBatch, T: int) -> PackedBatch:
     cur = batch.input_ids_BT.shape[1]
     if T <= cur:
         return batch.map(lambda t: t[:, :T], lambda t: t)
-    return batch.map(lambda t: torch.cat([t, t.new_zeros((t.shape[0], T - cur))], 1), lambda t: t)
+    return batch.map(lambda t: torch.cat([t, t.new_zeros((t.shape[0], T - cur, *t.shape[2:]))], 1), lambda t: t)
 
 
 def trimmed_len(mask_BT: torch.Tensor, multiple: int = 1) -> int:
@@ -79,6 +80,7 @@ class _Totals:
         self.loss = self.clipped = self.diff_sum = self.entropy = 0.0
         self.diff_max = float("-inf")
         self.parity = LogprobParity()
+        self.moe: MoeTotals | None = None
 
     def add(self, loss_sum: torch.Tensor, stats: dict[str, torch.Tensor], entropy_sum: torch.Tensor) -> None:
         self.loss += loss_sum.item()
@@ -118,6 +120,13 @@ class ParallelGRPOStep:
         for part in pm.parts:  # the whole model, or pipeline stages (their LM head included)
             part.set_batch_invariant(batch_invariant)
         self.batch_invariant = batch_invariant
+        # Mixture of experts (None: dense): replay, auxiliary loss, routing metrics, expert bias.
+        # Pipelined trainers run none of these (config validation refuses replay and balancing there).
+        self.moe = moe_settings(train_config, pm.config)
+        if self.moe is not None and pm.pipelined:
+            if self.moe.replay:
+                raise NotImplementedError("train.router_replay is not implemented for pipelined trainers")
+            self.moe = None
         # The unchunked reference of what `_head` computes (for callers that hold logits).
         self.token_logprobs = kernels.token_logprobs if batch_invariant else token_logprobs
 
@@ -159,7 +168,7 @@ class ParallelGRPOStep:
         if self.pm.mesh is not None:
             raise NotImplementedError("the parallel trainer has no decoupled loss (train.decoupled_loss)")
         out = torch.zeros_like(batch.old_logprobs_BT)
-        for lo, sub, logprobs, _ in self._logprobs_by_micro_batch(batch, backward=False):
+        for lo, sub, logprobs, _, _ in self._logprobs_by_micro_batch(batch, backward=False):
             out[lo:lo + sub.input_ids_BT.shape[0], :logprobs.shape[1]] = logprobs.to(out.device)
         return out
 
@@ -171,13 +180,21 @@ class ParallelGRPOStep:
         per_rank = -(-batch.input_ids_BT.shape[0] // dp_size)
         local = _pad_rows(batch, per_rank * dp_size).rows(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         totals = _Totals()
+        if self.moe is not None:
+            totals.moe = MoeTotals(len(self.moe.sparse_layers), self.moe.num_experts)
         if self.pm.pipelined:
             self._pipelined(local, total_tokens, totals, backward)
         else:
-            for _, sub, logprobs, entropy in self._logprobs_by_micro_batch(local, backward):
+            # The auxiliary loss weighs each micro-batch by its share of the whole batch's real tokens.
+            real_total = real_tokens(batch.loss_mask_BT).sum().clamp(min=1)
+            for _, sub, logprobs, entropy, aux in self._logprobs_by_micro_batch(local, backward, totals.moe,
+                                                                                 real_total):
                 loss_sum = self._loss(logprobs, entropy, sub, totals)
                 if backward:
-                    (loss_sum / total_tokens.to(loss_sum.device)).backward()
+                    loss = loss_sum / total_tokens.to(loss_sum.device)
+                    if aux is not None and self.moe.aux_loss_coef:
+                        loss = loss + self.moe.aux_loss_coef * aux.to(loss.device)
+                    loss.backward()
         return totals, total_tokens
 
     def _head(self, targets_BT: torch.Tensor):  # noqa: ANN202 (a models.qwen3.LMHead)
@@ -224,13 +241,20 @@ class ParallelGRPOStep:
         per_token = (lambda t: ctx.shard(t.to(dev), dim=1)) if ctx else (lambda t: t.to(dev))
         return sub.map(per_token, lambda t: t.to(dev))
 
-    def _logprobs_by_micro_batch(self, local: PackedBatch, backward: bool
-                                 ) -> Iterator[tuple[int, PackedBatch, torch.Tensor, torch.Tensor]]:
+    def _logprobs_by_micro_batch(self, local: PackedBatch, backward: bool, moe: MoeTotals | None = None,
+                                 real_total: torch.Tensor | None = None
+                                 ) -> Iterator[tuple[int, PackedBatch, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """For each micro-batch of `local`: its first row, its tensors on the device (trimmed to
-        its trained length), and the model's logprobs of its targets and entropies [B, T]."""
+        its trained length), the model's logprobs of its targets and entropies [B, T], and (MoE)
+        its weighted auxiliary loss, whose measurements go to `moe`. Router replay stays set
+        until the consumer asks for the next micro-batch, i.e. through its backward."""
         (model,) = self.pm.parts
         mb = self.cfg.micro_batch_size
         starts = list(range(0, local.input_ids_BT.shape[0], mb))
+        routing = MicroBatchRouting(model, self.moe) if self.moe is not None else None
+        if moe is None and routing is not None:
+            moe = MoeTotals(len(self.moe.sparse_layers), self.moe.num_experts)
+        real_total = local.loss_mask_BT.new_ones(()) if real_total is None else real_total
         for i, lo in enumerate(starts):
             sub = local.rows(lo, lo + mb)
             sub = self._to_device(_fit_length(sub, trimmed_len(sub.loss_mask_BT, self.seq_multiple)))
@@ -241,9 +265,18 @@ class ParallelGRPOStep:
             if backward and isinstance(model, FSDPModule):
                 # Reduce-scatter gradients once, after the last micro-batch.
                 model.set_requires_gradient_sync(i == len(starts) - 1)
-            # The head runs inside the model's forward: FSDP holds its weight unsharded there.
-            logprobs, entropy = model(sub.input_ids_BT, positions, head=self._head(sub.targets_BT))
-            yield lo, sub, logprobs, entropy
+            if routing is None:
+                # The head runs inside the model's forward: FSDP holds its weight unsharded there.
+                logprobs, entropy = model(sub.input_ids_BT, positions, head=self._head(sub.targets_BT))
+                yield lo, sub, logprobs, entropy, None
+                continue
+            routing.begin(sub.routed_experts_BTLK)
+            try:
+                logprobs, entropy = model(sub.input_ids_BT, positions, head=self._head(sub.targets_BT))
+                aux = routing.collect(sub.loss_mask_BT, sub.routed_experts_BTLK, real_total, moe)
+                yield lo, sub, logprobs, entropy, aux
+            finally:
+                routing.end()
 
     def _pipelined(self, local: PackedBatch, total_tokens: torch.Tensor, totals: _Totals, backward: bool) -> None:
         pm = self.pm
@@ -326,7 +359,22 @@ class ParallelGRPOStep:
         diff_max, p_max = top.tolist()
         parity = LogprobParity(p_sum, float("nan") if p_nan else max(p_max, 0.0), p_diff, p_checked)
         return GradStats(loss, total_tokens.item(), clipped, diff_sum, float("nan") if nan else diff_max, parity,
-                         entropy)
+                         entropy, self._global_moe_stats(totals.moe, counts))
+
+    def _global_moe_stats(self, moe: MoeTotals | None, counts: bool) -> MoeStats | None:
+        """The routing measurements summed over the world (TP ranks, identical, count once)."""
+        if moe is None:
+            return None
+        pm = self.pm
+        scalars = torch.tensor([moe.agree, moe.compared, moe.agree_used, moe.aux_loss] if counts else [0.0] * 4,
+                               dtype=torch.float64, device=pm.device)
+        load = (moe.load if counts else torch.zeros_like(moe.load)).to(pm.device)
+        all_reduce(scalars, pm.mesh)
+        all_reduce(load, pm.mesh)
+        agree, compared, agree_used, aux = scalars.tolist()
+        nan = float("nan")
+        return MoeStats(agree / compared if compared else nan, compared,
+                        agree_used / compared if compared else nan, aux, load.cpu())
 
     # ------------------------------------------------------------------------- optimizer
 
@@ -362,6 +410,9 @@ class ParallelGRPOStep:
                             p.grad.mul_(coef)
             for opt in self.optimizers:
                 opt.step()
+            if self.moe is not None and self.moe.bias_update_rate is not None and stats.moe is not None:
+                for part in self.pm.parts:
+                    update_expert_bias(part, self.moe, stats.moe.load)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return loss, norm, taken
