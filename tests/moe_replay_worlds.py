@@ -13,16 +13,20 @@ from titanrl.trainer.parallel import ParallelGRPOStep, build_mesh, parallelize
 from titanrl.trainer.parallel.gather import iter_full_gradients
 
 
-def fsdp_replay_step(rank: int, world_size: int, state: dict, batch: PackedBatch, train: TrainConfig) -> dict[str, Any]:
-    """One gradient pass of the tiny MoE policy (weights `state`) under dp_shard=world_size: rank
-    0 returns the full gradients and the routing stats."""
+def replay_steps(rank: int, world_size: int, state: dict, batch: PackedBatch,
+                 runs: dict[str, tuple[dict, TrainConfig]]) -> dict[str, Any]:
+    """For each named (layout, train config): one gradient pass of the tiny MoE policy (weights
+    `state`); rank 0 returns each run's full gradients and routing stats."""
     from moe_replay_cases import tiny_moe_model
 
-    model = tiny_moe_model()
-    model.load_state_dict(state)
-    parallel = ParallelConfig(dp_shard=world_size)
-    pm = parallelize(model, parallel, build_mesh(parallel, "cpu"))
-    step = ParallelGRPOStep(pm, build_optimizers(pm, train), train, 1.0)
-    stats = step.accumulate_gradients(batch)
-    grads = {name: g.clone() for bucket in iter_full_gradients(pm) for name, g in bucket}
-    return {"grads": grads, "moe": stats.moe} if dist.get_rank() == 0 else {}
+    out = {}
+    for name, (layout, train) in runs.items():
+        model = tiny_moe_model()
+        model.load_state_dict(state)
+        parallel = ParallelConfig(**layout)
+        pm = parallelize(model, parallel, build_mesh(parallel, "cpu"))
+        step = ParallelGRPOStep(pm, build_optimizers(pm, train), train, 1.0)
+        stats = step.accumulate_gradients(batch)
+        grads = {n: g.clone() for bucket in iter_full_gradients(pm) for n, g in bucket}
+        out[name] = {"grads": grads, "moe": stats.moe}
+    return out if dist.get_rank() == 0 else {}

@@ -134,6 +134,8 @@ def test_aux_loss_equals_transformers(case):
     assert abs(ours.item() - theirs.item()) <= 1e-6
     unmasked = load_balancing_loss(logits, [r.experts for r in routings], torch.ones(mask.numel()), 4)
     assert abs(unmasked.item() - load_balancing_loss_func(tuple(logits), 4, 2).item()) <= 1e-6
+    # A micro-batch of padding rows only (a data-parallel rank's filler) adds 0, not 0/0.
+    assert load_balancing_loss(logits, [r.experts for r in routings], torch.zeros(mask.numel()), 4).item() == 0.0
 
 
 def test_aux_loss_gradient_reaches_the_router(case):
@@ -242,25 +244,32 @@ def test_step_metrics_of_a_moe_policy(moe_checkpoint):
     assert metrics["moe/aux_loss"] > 0 and metrics["moe/load_max_over_mean"] >= 1.0
 
 
-def test_replay_works_under_fsdp(case):
+def test_replay_works_sharded(case):
+    """dp_shard=2 (FSDP) and cp=2 (each rank a half of every sequence) give the one-process replay."""
+    from moe_replay_worlds import replay_steps
+
     from titanrl.trainer.parallel.launch import run_local_world
 
     model, _, batch = case
     # 3 rows per micro-batch: the same micro-batches in one process and on each of 2 ranks (the
-    # auxiliary loss's load statistics are per micro-batch).
-    train = TrainConfig(router_replay=True, micro_batch_size=3, moe_load_balance="aux_loss")
-    step, pm = _step(model, router_replay=True, moe_load_balance="aux_loss", micro_batch_size=3)
-    want = step.accumulate_gradients(batch)
-    want_grads = _grads(pm)
-    from moe_replay_worlds import fsdp_replay_step
-
-    got = run_local_world(fsdp_replay_step, 2, model.state_dict(), batch, train, timeout_s=300)[0]
-    assert got["moe"].used_agreement == 1.0
-    assert got["moe"].tokens_compared == want.moe.tokens_compared
-    assert torch.equal(got["moe"].load, want.moe.load)
-    assert got["moe"].aux_loss == pytest.approx(want.moe.aux_loss, abs=1e-6)
-    for name, g in want_grads.items():
-        torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-6, msg=name)
+    # auxiliary loss's load statistics are per micro-batch; a CP rank's are over its chunks).
+    fsdp = TrainConfig(router_replay=True, micro_batch_size=3, moe_load_balance="aux_loss")
+    cp = TrainConfig(router_replay=True, micro_batch_size=3, moe_load_balance="none")
+    runs = {"fsdp": (dict(dp_shard=2), fsdp), "cp": (dict(cp=2), cp)}
+    got = run_local_world(replay_steps, 2, model.state_dict(), batch, runs, timeout_s=300)[0]
+    for name, (_, train) in runs.items():
+        step, pm = _step(model, **{f.name: getattr(train, f.name) for f in dataclasses.fields(train)
+                                   if f.name in ("router_replay", "micro_batch_size", "moe_load_balance")})
+        want = step.accumulate_gradients(batch).moe
+        moe = got[name]["moe"]
+        assert moe.used_agreement == 1.0, name
+        assert moe.tokens_compared == want.tokens_compared, name
+        assert moe.route_agreement == want.route_agreement, name
+        assert torch.equal(moe.load, want.load), name
+        if name == "fsdp":
+            assert moe.aux_loss == pytest.approx(want.aux_loss, abs=1e-6)
+        for param, g in _grads(pm).items():
+            torch.testing.assert_close(got[name]["grads"][param], g, rtol=1e-5, atol=1e-6, msg=f"{name} {param}")
 
 
 def _run_config(tmp_path, checkpoint, **train) -> RunConfig:
@@ -277,8 +286,24 @@ def test_validation(tmp_path, moe_checkpoint):
     with pytest.raises(ConfigError, match=r"train\.router_replay=true needs a mixture-of-experts policy"):
         validate(_run_config(tmp_path, dense, router_replay=True))
     validate(_run_config(tmp_path, moe_checkpoint, router_replay=True))
-    with pytest.raises(ConfigError, match=r"train\.router_replay=true runs in one process or under dp_replicate"):
-        validate(_run_config(tmp_path, moe_checkpoint, router_replay=True, parallel=ParallelConfig(cp=2)))
+    with pytest.raises(ConfigError, match=r"train\.router_replay=true runs in one process or under dp_replicate / dp_shard / cp only"):
+        validate(_run_config(tmp_path, moe_checkpoint, router_replay=True, parallel=ParallelConfig(pp=2)))
+    validate(_run_config(tmp_path, moe_checkpoint, router_replay=True, parallel=ParallelConfig(cp=2, dp_shard=2)))
     with pytest.raises(ConfigError, match=r"train\.moe_bias_update_rate"):
         validate(_run_config(tmp_path, moe_checkpoint, moe_bias_update_rate=0.0))
     validate(dataclasses.replace(_run_config(tmp_path, dense), train=TrainConfig(moe_load_balance="bias")))
+
+
+def test_routed_experts_survive_plain_run_state():
+    import numpy as np
+
+    from titanrl.rundir.plain import from_plain, to_plain
+    from titanrl.types import Sample
+
+    routed = np.arange(12, dtype=np.int16).reshape(3, 2, 2) % 4
+    routed[0] = -1
+    sample = Sample("", "", [5, 6], [7], [0.0], 1.0, 0, 0, routed_experts=routed)
+    back = from_plain(Sample, to_plain(sample))
+    assert back.routed_experts.dtype == np.int16 and np.array_equal(back.routed_experts, routed)
+    with pytest.raises(ValueError, match="routed experts of shape"):
+        Sample("", "", [5, 6], [7], [0.0], 1.0, 0, 0, routed_experts=routed[:2])

@@ -63,6 +63,11 @@ class Sample:
                 f"sample has {len(self.completion_ids)} completion tokens but {len(self.token_versions)} token versions"
             )
         seq_len = len(self.prompt_ids) + len(self.completion_ids)
+        if self.routed_experts is not None and type(self.routed_experts).__module__ != "numpy":
+            import numpy as np
+
+            # Nested lists: a sample rebuilt from plain run state (titanrl.rundir.plain).
+            self.routed_experts = np.asarray(self.routed_experts, dtype=np.int16)
         if self.routed_experts is not None and (self.routed_experts.ndim != 3 or len(self.routed_experts) != seq_len):
             raise ValueError(
                 f"sample has {seq_len} tokens but routed experts of shape {tuple(self.routed_experts.shape)} "

@@ -208,14 +208,19 @@ class TrainConfig:
     """Mixture-of-experts policies: route each trained token through the experts the generator
     chose for it (`Sample.routed_experts`; unrecorded tokens are routed live), while the combine
     weights still come from the trainer's own router scores, so the router keeps its gradient.
-    Removes routing disagreement from the train/inference mismatch. One process or
-    dp_replicate / dp_shard layouts only (tp, cp and pp re-lay tokens: refused)."""
+    Removes routing disagreement from the train/inference mismatch. One process, dp_replicate,
+    dp_shard and cp layouts (the recorded experts are sharded like the tokens); tp and pp are
+    refused."""
     moe_load_balance: MoeLoadBalance = "aux_loss"
     """Mixture-of-experts policies: 'aux_loss' adds HF's Switch-style load-balancing loss times
     moe_aux_loss_coef to the GRPO loss; 'bias' is auxiliary-loss-free balancing (DeepSeek-V3):
     a per-expert bias, added to the router scores for the top-k choice only, moves by
     moe_bias_update_rate towards balance after each optimizer step (saved in training
-    checkpoints, pushed to the generators); 'none' does neither. Dense policies ignore it."""
+    checkpoints, pushed to the generators); 'none' does neither. Dense policies ignore it.
+    The auxiliary loss is computed per micro-batch (its own load statistics, over the tokens up to
+    each row's last trained one, through the experts the forward used) and weighted by the
+    micro-batch's share of those tokens in the whole batch: HF's value on a batch that is one
+    micro-batch. It is reported as moe/aux_loss, not in `loss`."""
     moe_aux_loss_coef: float | None = None
     """Weight of the auxiliary loss with moe_load_balance='aux_loss'; None: the model's
     config.json router_aux_loss_coef."""

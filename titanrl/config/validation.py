@@ -212,11 +212,12 @@ def _validate_moe(config: RunConfig, model_config: Any) -> None:
         )
     if not moe:
         return
-    if t.router_replay and (p.tp > 1 or p.cp > 1 or p.pp > 1):
+    if t.router_replay and (p.tp > 1 or p.pp > 1):
         raise ConfigError(
-            f"train.router_replay=true runs in one process or under dp_replicate / dp_shard only, but "
-            f"train.parallel has tp={p.tp}, cp={p.cp}, pp={p.pp}: these re-lay or split the tokens a router "
-            f"sees, which the replayed experts are not laid out for. Set them to 1 or train.router_replay=false"
+            f"train.router_replay=true runs in one process or under dp_replicate / dp_shard / cp only, but "
+            f"train.parallel has tp={p.tp}, pp={p.pp}: pipeline micro-batches and tensor-parallel layouts "
+            f"hand the routers tokens the replayed experts are not laid out for. Set them to 1 or "
+            f"train.router_replay=false"
         )
     if p.pp > 1 and t.moe_load_balance != "none":
         raise ConfigError(

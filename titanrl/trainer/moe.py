@@ -14,7 +14,7 @@ compares completion tokens only (inputs whose previous position is a trained tar
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -74,37 +74,23 @@ def load_balancing_loss(logits: list[torch.Tensor], experts: list[torch.Tensor],
         k = experts_NK.shape[1]
         counts = counts.scatter_add(0, experts_NK.reshape(-1), w.repeat_interleave(k))
         prob_sum = prob_sum + (torch.softmax(logits_NE.float(), dim=-1) * w[:, None]).sum(0)
-    rows = w.sum() * len(logits)
+    rows = (w.sum() * len(logits)).clamp(min=1)  # no token (a row-padding micro-batch): 0, not 0/0
     return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
 
 
-@dataclass
 class MoeTotals:
-    """Per-rank sums of the routing measurements over micro-batches (reduced in the step's stats)."""
+    """Per-rank sums of the routing measurements over micro-batches, kept on the device (no
+    host sync per layer); the step's stats reduce them over the world."""
 
-    num_layers: int
-    num_experts: int
-    agree: float = 0.0
-    """Completion tokens (recorded ones, summed over sparse layers) whose live top-k set equals the generator's."""
-    compared: float = 0.0
-    """Completion tokens x sparse layers with a recorded routing."""
-    agree_used: float = 0.0
-    """Of those, the ones the forward routed through the generator's experts (all of them when replaying)."""
-    aux_loss: float = 0.0
-    """The batch's auxiliary loss: each micro-batch's, weighted by its share of the batch's real tokens."""
-    load: torch.Tensor = field(default=None)  # type: ignore[assignment]
-    """Real tokens' (token, slot) assignments per sparse layer and expert [L, E], float64."""
-
-    def __post_init__(self) -> None:
-        if self.load is None:
-            self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
-
-    def merge(self, other: MoeTotals) -> None:
-        self.agree += other.agree
-        self.compared += other.compared
-        self.agree_used += other.agree_used
-        self.aux_loss += other.aux_loss
-        self.load += other.load
+    def __init__(self, num_layers: int, num_experts: int, device: torch.device | str = "cpu") -> None:
+        self.num_experts = num_experts
+        self.agreement = torch.zeros(3, dtype=torch.float64, device=device)
+        """Recorded completion tokens (x sparse layers) whose live top-k set equals the generator's,
+        those the forward routed through the generator's experts (all when replaying), and all compared."""
+        self.load = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
+        """Real tokens' (token, slot) assignments per sparse layer and expert [L, E]."""
+        self.aux_loss = 0.0
+        """The batch's auxiliary loss: each micro-batch's, weighted by its share of the batch's real tokens."""
 
 
 @dataclass
@@ -146,12 +132,12 @@ class MicroBatchRouting:
             if self.settings.replay and routed_BTLK is not None:
                 router.replay = routed_BTLK[:, :, i].reshape(-1, routed_BTLK.shape[-1]).long() - 1
 
-    def collect(self, mask_BT: torch.Tensor, routed_BTLK: torch.Tensor | None, real_tokens_total: torch.Tensor,
-                totals: MoeTotals) -> torch.Tensor:
-        """After the forward: adds the micro-batch's measurements to `totals`; returns its auxiliary
-        loss weighted by its share of the batch's real tokens (with the graph to the routers)."""
-        real_N = real_tokens(mask_BT).reshape(-1)
-        completion_N = completion_inputs(mask_BT).reshape(-1)
+    def collect(self, real_BT: torch.Tensor, completion_BT: torch.Tensor, routed_BTLK: torch.Tensor | None,
+                real_tokens_total: torch.Tensor, totals: MoeTotals) -> torch.Tensor:
+        """After the forward: adds the micro-batch's measurements to `totals` (over its `real_tokens`,
+        the agreement over its `completion_inputs`, both laid out like its tokens); returns its
+        auxiliary loss weighted by its share of the batch's real tokens (with the graph to the routers)."""
+        real_N, completion_N = real_BT.reshape(-1), completion_BT.reshape(-1)
         logits, used = [], []
         for i, router in self.routers:
             routing = router.last_routing
@@ -161,20 +147,17 @@ class MicroBatchRouting:
             logits.append(routing.logits)
             used.append(routing.experts)
             with torch.no_grad():
-                totals.load[i] += torch.bincount(routing.experts[real_N].reshape(-1),
-                                                 minlength=totals.num_experts).double().cpu()
+                k = routing.experts.shape[1]
+                totals.load[i] += torch.bincount(routing.experts.reshape(-1), weights=real_N.double().repeat_interleave(k),
+                                                 minlength=totals.num_experts)
                 if routed_BTLK is not None:
-                    recorded_NK = routed_BTLK[:, :, i].reshape(-1, routed_BTLK.shape[-1]).long() - 1
+                    recorded_NK = routed_BTLK[:, :, i].reshape(-1, k).long() - 1
                     compare = completion_N & (recorded_NK >= 0).all(-1)
                     recorded_set = recorded_NK.sort(-1).values
                     same = (routing.live_experts.sort(-1).values == recorded_set).all(-1)
                     same_used = (routing.experts.sort(-1).values == recorded_set).all(-1)
-                    totals.agree += (same & compare).sum().item()
-                    totals.agree_used += (same_used & compare).sum().item()
-                    totals.compared += compare.sum().item()
-        if not real_N.any():
-            return torch.zeros((), device=mask_BT.device)
-        weight = real_N.sum() / real_tokens_total.to(mask_BT.device)
+                    totals.agreement += torch.stack([same & compare, same_used & compare, compare]).sum(1)
+        weight = real_N.sum() / real_tokens_total.to(real_N.device)
         aux = load_balancing_loss(logits, used, real_N, self.settings.num_experts) * weight
         totals.aux_loss += aux.item()
         return aux

@@ -24,7 +24,15 @@ from titanrl.config.schema import TrainConfig
 from titanrl.trainer.batch import PackedBatch
 from titanrl.trainer.chunked_logprobs import chunked_token_logprobs
 from titanrl.trainer.logprob_chunks import chunk_tokens_for
-from titanrl.trainer.moe import MicroBatchRouting, MoeStats, MoeTotals, moe_settings, real_tokens, update_expert_bias
+from titanrl.trainer.moe import (
+    MicroBatchRouting,
+    MoeStats,
+    MoeTotals,
+    completion_inputs,
+    moe_settings,
+    real_tokens,
+    update_expert_bias,
+)
 from titanrl.trainer.grpo import clipped_surrogate_loss, decoupled_surrogate_loss, token_logprobs
 from titanrl.trainer.parallel.mesh import all_reduce, coord, dp_rank_and_size, owns
 from titanrl.trainer.parallel.parallelize import ParallelModel
@@ -181,7 +189,7 @@ class ParallelGRPOStep:
         local = _pad_rows(batch, per_rank * dp_size).rows(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         totals = _Totals()
         if self.moe is not None:
-            totals.moe = MoeTotals(len(self.moe.sparse_layers), self.moe.num_experts)
+            totals.moe = MoeTotals(len(self.moe.sparse_layers), self.moe.num_experts, self.pm.device)
         if self.pm.pipelined:
             self._pipelined(local, total_tokens, totals, backward)
         else:
@@ -237,9 +245,12 @@ class ParallelGRPOStep:
 
     def _to_device(self, sub: PackedBatch) -> PackedBatch:
         """`sub` on this rank's device; its per-token fields sequence-sharded under CP."""
-        ctx, dev = self.pm.context, self.pm.device
-        per_token = (lambda t: ctx.shard(t.to(dev), dim=1)) if ctx else (lambda t: t.to(dev))
-        return sub.map(per_token, lambda t: t.to(dev))
+        return sub.map(self._per_token, lambda t: t.to(self.pm.device))
+
+    def _per_token(self, t_BT: torch.Tensor) -> torch.Tensor:
+        """A per-token tensor [B, T, ...] of whole rows on this rank's device, sequence-sharded under CP."""
+        t_BT = t_BT.to(self.pm.device)
+        return self.pm.context.shard(t_BT, dim=1) if self.pm.context else t_BT
 
     def _logprobs_by_micro_batch(self, local: PackedBatch, backward: bool, moe: MoeTotals | None = None,
                                  real_total: torch.Tensor | None = None
@@ -253,11 +264,12 @@ class ParallelGRPOStep:
         starts = list(range(0, local.input_ids_BT.shape[0], mb))
         routing = MicroBatchRouting(model, self.moe) if self.moe is not None else None
         if moe is None and routing is not None:
-            moe = MoeTotals(len(self.moe.sparse_layers), self.moe.num_experts)
+            moe = MoeTotals(len(self.moe.sparse_layers), self.moe.num_experts, self.pm.device)
         real_total = local.loss_mask_BT.new_ones(()) if real_total is None else real_total
         for i, lo in enumerate(starts):
-            sub = local.rows(lo, lo + mb)
-            sub = self._to_device(_fit_length(sub, trimmed_len(sub.loss_mask_BT, self.seq_multiple)))
+            whole = local.rows(lo, lo + mb)
+            whole = _fit_length(whole, trimmed_len(whole.loss_mask_BT, self.seq_multiple))
+            sub = self._to_device(whole)
             positions = None
             if self.pm.context:
                 ids = sub.input_ids_BT
@@ -270,10 +282,12 @@ class ParallelGRPOStep:
                 logprobs, entropy = model(sub.input_ids_BT, positions, head=self._head(sub.targets_BT))
                 yield lo, sub, logprobs, entropy, None
                 continue
+            # Which tokens count, decided on whole rows (a CP rank holds chunks of them).
+            real, completion = (self._per_token(m(whole.loss_mask_BT)) for m in (real_tokens, completion_inputs))
             routing.begin(sub.routed_experts_BTLK)
             try:
                 logprobs, entropy = model(sub.input_ids_BT, positions, head=self._head(sub.targets_BT))
-                aux = routing.collect(sub.loss_mask_BT, sub.routed_experts_BTLK, real_total, moe)
+                aux = routing.collect(real, completion, sub.routed_experts_BTLK, real_total, moe)
                 yield lo, sub, logprobs, entropy, aux
             finally:
                 routing.end()
@@ -366,12 +380,12 @@ class ParallelGRPOStep:
         if moe is None:
             return None
         pm = self.pm
-        scalars = torch.tensor([moe.agree, moe.compared, moe.agree_used, moe.aux_loss] if counts else [0.0] * 4,
-                               dtype=torch.float64, device=pm.device)
-        load = (moe.load if counts else torch.zeros_like(moe.load)).to(pm.device)
+        aux = torch.tensor([moe.aux_loss], dtype=torch.float64, device=pm.device)
+        scalars = torch.cat([moe.agreement.to(pm.device), aux]) * float(counts)
+        load = moe.load.to(pm.device) * float(counts)
         all_reduce(scalars, pm.mesh)
         all_reduce(load, pm.mesh)
-        agree, compared, agree_used, aux = scalars.tolist()
+        agree, agree_used, compared, aux = scalars.tolist()
         nan = float("nan")
         return MoeStats(agree / compared if compared else nan, compared,
                         agree_used / compared if compared else nan, aux, load.cpu())
