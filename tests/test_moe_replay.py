@@ -289,21 +289,24 @@ def test_validation(tmp_path, moe_checkpoint):
     with pytest.raises(ConfigError, match=r"train\.router_replay=true runs in one process or under dp_replicate / dp_shard / cp only"):
         validate(_run_config(tmp_path, moe_checkpoint, router_replay=True, parallel=ParallelConfig(pp=2)))
     validate(_run_config(tmp_path, moe_checkpoint, router_replay=True, parallel=ParallelConfig(cp=2, dp_shard=2)))
+    from titanrl.models.tiny import write_checkpoint
+
+    two_kv_heads = write_checkpoint(tmp_path / "moe_tp", tiny_moe_config(num_key_value_heads=2))  # tp=2 splits them
+    for layout in (dict(pp=2), dict(tp=2, sequence_parallel=True)):
+        with pytest.raises(ConfigError, match=r"train\.moe_load_balance='aux_loss' is not implemented for pipelined"):
+            validate(_run_config(tmp_path, two_kv_heads, parallel=ParallelConfig(**layout)))
+        validate(_run_config(tmp_path, two_kv_heads, moe_load_balance="none", parallel=ParallelConfig(**layout)))
     with pytest.raises(ConfigError, match=r"train\.moe_bias_update_rate"):
         validate(_run_config(tmp_path, moe_checkpoint, moe_bias_update_rate=0.0))
     validate(dataclasses.replace(_run_config(tmp_path, dense), train=TrainConfig(moe_load_balance="bias")))
 
 
-def test_routed_experts_survive_plain_run_state():
+def test_sample_checks_the_routing_shape():
     import numpy as np
 
-    from titanrl.rundir.plain import from_plain, to_plain
     from titanrl.types import Sample
 
-    routed = np.arange(12, dtype=np.int16).reshape(3, 2, 2) % 4
-    routed[0] = -1
-    sample = Sample("", "", [5, 6], [7], [0.0], 1.0, 0, 0, routed_experts=routed)
-    back = from_plain(Sample, to_plain(sample))
-    assert back.routed_experts.dtype == np.int16 and np.array_equal(back.routed_experts, routed)
-    with pytest.raises(ValueError, match="routed experts of shape"):
+    routed = np.zeros((3, 2, 2), dtype=np.int16)
+    Sample("", "", [5, 6], [7], [0.0], 1.0, 0, 0, routed_experts=routed)
+    with pytest.raises(ValueError, match="routed_experts of shape"):
         Sample("", "", [5, 6], [7], [0.0], 1.0, 0, 0, routed_experts=routed[:2])

@@ -219,8 +219,9 @@ def _validate_moe(config: RunConfig, model_config: Any) -> None:
             f"hand the routers tokens the replayed experts are not laid out for. Set them to 1 or "
             f"train.router_replay=false"
         )
-    if p.pp > 1 and t.moe_load_balance != "none":
+    if (p.pp > 1 or (p.tp > 1 and p.sequence_parallel)) and t.moe_load_balance != "none":
         raise ConfigError(
-            f"train.moe_load_balance={t.moe_load_balance!r} is not implemented for pipelined trainers "
-            f"(train.parallel.pp={p.pp}): set train.moe_load_balance='none' or train.parallel.pp=1"
+            f"train.moe_load_balance={t.moe_load_balance!r} is not implemented for pipelined or sequence-parallel "
+            f"trainers (train.parallel.pp={p.pp}, tp={p.tp}, sequence_parallel={p.sequence_parallel}): set "
+            f"train.moe_load_balance='none', or train.parallel.pp=1 and sequence_parallel=false"
         )

@@ -143,6 +143,11 @@ class MicroBatchRouting:
             routing = router.last_routing
             if routing is None:
                 raise RuntimeError(f"router of layer {router.layer_id} did not run in the forward")
+            if routing.logits.shape[0] != real_N.numel():
+                raise NotImplementedError(
+                    f"router of layer {router.layer_id} routed {routing.logits.shape[0]} tokens of a micro-batch of "
+                    f"{real_N.numel()}: a layout that splits a micro-batch's tokens inside the layer has no MoE "
+                    f"routing metrics, auxiliary loss or replay (set train.moe_load_balance='none')")
             router.keep_routing, router.last_routing = False, None
             logits.append(routing.logits)
             used.append(routing.experts)

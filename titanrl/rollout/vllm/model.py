@@ -21,7 +21,6 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from titanrl.models.qwen3 import HF_ARCHITECTURE, Qwen3Config, Qwen3ForCausalLM
-from titanrl.models.qwen3_moe import routing_buffers
 from titanrl.rollout.vllm.names import ARCHITECTURE, BATCH_INVARIANT_KEY
 from titanrl.rollout.vllm.paged_attention import paged_batch_invariant_attention
 
@@ -134,7 +133,6 @@ class TitanQwen3ForVLLM(Qwen3ForCausalLM):
         mismatches raise rather than being ignored.
         """
         params = dict(self.named_parameters())  # de-duplicated: a tied head appears once
-        params.update(routing_buffers(self))  # MoE routers' expert biases, pushed with train.moe_load_balance='bias'
         loaded: set[str] = set()
         with torch.no_grad():
             for name, tensor in weights:

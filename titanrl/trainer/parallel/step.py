@@ -129,11 +129,13 @@ class ParallelGRPOStep:
             part.set_batch_invariant(batch_invariant)
         self.batch_invariant = batch_invariant
         # Mixture of experts (None: dense): replay, auxiliary loss, routing metrics, expert bias.
-        # Pipelined trainers run none of these (config validation refuses replay and balancing there).
+        # Pipelined trainers, and sequence-parallel ones (a router may see a tp rank's share of the
+        # tokens), run none of these: config validation refuses replay and balancing there.
         self.moe = moe_settings(train_config, pm.config)
-        if self.moe is not None and pm.pipelined:
+        split_tokens = pm.parallel.tp > 1 and pm.parallel.sequence_parallel
+        if self.moe is not None and (pm.pipelined or split_tokens):
             if self.moe.replay:
-                raise NotImplementedError("train.router_replay is not implemented for pipelined trainers")
+                raise NotImplementedError("train.router_replay is not implemented with pp > 1 or sequence parallelism")
             self.moe = None
         # The unchunked reference of what `_head` computes (for callers that hold logits).
         self.token_logprobs = kernels.token_logprobs if batch_invariant else token_logprobs
