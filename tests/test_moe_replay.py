@@ -310,3 +310,14 @@ def test_sample_checks_the_routing_shape():
     Sample("", "", [5, 6], [7], [0.0], 1.0, 0, 0, routed_experts=routed)
     with pytest.raises(ValueError, match="routed_experts of shape"):
         Sample("", "", [5, 6], [7], [0.0], 1.0, 0, 0, routed_experts=routed[:2])
+
+
+def test_loaded_models_route_without_bias(moe_checkpoint):
+    """Every model built for loading (to_empty leaves buffers as found in memory; a dtype cast
+    rounds them) starts with float32 zero biases."""
+    from titanrl.models.hf_checkpoint import load_model
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model, _ = load_model(moe_checkpoint, dtype=dtype)
+        for name, b in routing_buffers(model).items():
+            assert b.dtype == torch.float32 and not b.any(), (dtype, name)

@@ -317,6 +317,14 @@ def routers(module: nn.Module) -> list[Router]:
     return [m for m in module.modules() if isinstance(m, Router)]
 
 
+def zero_routing_buffers(module: nn.Module, device: torch.device | str | None = None) -> None:
+    """Sets every router bias in `module` to float32 zeros (on `device`, default its router's
+    weight's): after `to_empty`, which leaves buffers uninitialised, or a dtype cast of the model."""
+    for router in routers(module):
+        where = router.weight.device if device is None else device
+        router.expert_bias = torch.zeros(router.expert_bias.shape[0], dtype=torch.float32, device=where)
+
+
 def routing_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """`module`'s router biases by full name (`model.layers.{i}.mlp.gate.expert_bias`): the
     non-parameter tensors training checkpoints save and weight pushes carry."""

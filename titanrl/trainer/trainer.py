@@ -38,7 +38,7 @@ from titanrl.trainer.parallel.sharded_load import build_sharded_policy
 from titanrl.trainer.parallel.step import ParallelGRPOStep
 from titanrl.trainer.stats import GradStats, LogprobParity
 from titanrl.types import Group, PolicyVersion
-from titanrl.models.qwen3_moe import routers, routing_buffers
+from titanrl.models.qwen3_moe import routing_buffers, zero_routing_buffers
 
 if TYPE_CHECKING:
     from titanrl.weight_sync import WeightAnnouncement, WeightSyncPlan
@@ -277,10 +277,9 @@ class GRPOTrainer:
 
     def _init_expert_bias(self) -> None:
         """Zero float32 router biases on the device (a dtype cast of the model must not round
-        their updates; sharded loading leaves buffers uninitialised)."""
+        their updates)."""
         for part in self.pm.parts:
-            for router in routers(part):
-                router.expert_bias = torch.zeros(router.expert_bias.shape[0], dtype=torch.float32, device=self.device)
+            zero_routing_buffers(part, self.device)
 
     def state_dict_for_push(self) -> dict[str, torch.Tensor] | None:
         """HF-named full CPU tensors for rollout workers in the generator's dtype (the compute
