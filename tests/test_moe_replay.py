@@ -294,8 +294,8 @@ def test_validation(tmp_path, moe_checkpoint):
     two_kv_heads = write_checkpoint(tmp_path / "moe_tp", tiny_moe_config(num_key_value_heads=2))  # tp=2 splits them
     for layout in (dict(pp=2), dict(tp=2, sequence_parallel=True)):
         with pytest.raises(ConfigError, match=r"train\.moe_load_balance='aux_loss' is not implemented for pipelined"):
-            validate(_run_config(tmp_path, two_kv_heads, parallel=ParallelConfig(**layout)))
-        validate(_run_config(tmp_path, two_kv_heads, moe_load_balance="none", parallel=ParallelConfig(**layout)))
+            validate(_run_config(tmp_path, two_kv_heads, moe_load_balance="aux_loss", parallel=ParallelConfig(**layout)))
+        validate(_run_config(tmp_path, two_kv_heads, parallel=ParallelConfig(**layout)))  # 'none', the default
     with pytest.raises(ConfigError, match=r"train\.moe_bias_update_rate"):
         validate(_run_config(tmp_path, moe_checkpoint, moe_bias_update_rate=0.0))
     validate(dataclasses.replace(_run_config(tmp_path, dense), train=TrainConfig(moe_load_balance="bias")))

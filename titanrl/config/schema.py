@@ -211,16 +211,19 @@ class TrainConfig:
     Removes routing disagreement from the train/inference mismatch. One process, dp_replicate,
     dp_shard and cp layouts (the recorded experts are sharded like the tokens); tp and pp are
     refused."""
-    moe_load_balance: MoeLoadBalance = "aux_loss"
+    moe_load_balance: MoeLoadBalance = "none"
     """Mixture-of-experts policies: 'aux_loss' adds HF's Switch-style load-balancing loss times
     moe_aux_loss_coef to the GRPO loss; 'bias' is auxiliary-loss-free balancing (DeepSeek-V3):
     a per-expert bias, added to the router scores for the top-k choice only, moves by
     moe_bias_update_rate towards balance after each optimizer step (saved in training
-    checkpoints, pushed to the generators); 'none' does neither. Dense policies ignore it.
+    checkpoints, pushed to the generators); 'none' (the default, as transformers trains Qwen3-MoE
+    unless config.json sets output_router_logits) does neither: the gradient is then the same
+    under every layout. Dense policies ignore it.
     The auxiliary loss is computed per micro-batch (its own load statistics, over the tokens up to
     each row's last trained one, through the experts the forward used) and weighted by the
     micro-batch's share of those tokens in the whole batch: HF's value on a batch that is one
-    micro-batch. It is reported as moe/aux_loss, not in `loss`."""
+    micro-batch, so it depends on how the batch is split into micro-batches and ranks. It is
+    reported as moe/aux_loss (whatever this setting), not in `loss`."""
     moe_aux_loss_coef: float | None = None
     """Weight of the auxiliary loss with moe_load_balance='aux_loss'; None: the model's
     config.json router_aux_loss_coef."""

@@ -163,7 +163,9 @@ class MicroBatchRouting:
                     same_used = (routing.experts.sort(-1).values == recorded_set).all(-1)
                     totals.agreement += torch.stack([same & compare, same_used & compare, compare]).sum(1)
         weight = real_N.sum() / real_tokens_total.to(real_N.device)
-        aux = load_balancing_loss(logits, used, real_N, self.settings.num_experts) * weight
+        # Only a loss that trains needs its graph (measured for moe/aux_loss either way).
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.settings.aux_loss_coef > 0):
+            aux = load_balancing_loss(logits, used, real_N, self.settings.num_experts) * weight
         totals.aux_loss += aux.item()
         return aux
 
