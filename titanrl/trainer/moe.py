@@ -4,8 +4,14 @@ routing metrics and the auxiliary-loss-free expert bias.
 Per micro-batch `MicroBatchRouting` sets each sparse layer's `Router.replay` to the generator's
 recorded experts (laid out like the micro-batch's tokens, [B*T, k], -1 where not recorded), reads
 every router's routing once right after the forward (the metrics and the auxiliary loss; no
-router keeps its [N, E] scores after that), and clears the replay only after the backward, so an
-activation-checkpointed block recomputes the same routing there.
+router keeps its [N, E] scores after that, only a training auxiliary loss's graph does), and
+clears the replay only after the backward, so an activation-checkpointed block recomputes the
+same routing there.
+
+The auxiliary loss of a micro-batch is HF's over its real tokens, weighted by their share of the
+whole batch's real tokens: summed over micro-batches and data-parallel ranks (FSDP sums
+gradients) it is a token-weighted mean, as the GRPO loss is. Its load statistics are the
+micro-batch's own (as HF computes them per forward), so its value depends on the split.
 
 Which tokens count: a row's *real* tokens are those up to its last trained target (trailing
 padding, and trailing tokens that no trained target depends on, excluded); the route agreement
