@@ -22,6 +22,8 @@ PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
 """Pipeline schedules (config/parallel.py knows how many stages each runs per rank)."""
 ActivationCheckpointing = Literal["none", "full", "every_nth"]
 """Which decoder blocks recompute their activations in backward instead of storing them."""
+MoeLoadBalance = Literal["aux_loss", "bias", "none"]
+"""How a mixture-of-experts policy's expert load is balanced (train.moe_load_balance)."""
 RewardFn = Callable[..., float]
 """A reward `(prompt, completion, **row_fields) -> float`."""
 
@@ -207,6 +209,32 @@ class TrainConfig:
     (float32 is faster there). Wider than model.dtype is refused; batch_invariant needs float32."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel layout of the trainer's processes (FSDP2, HSDP, TP/SP, PP, CP, EP)."""
+    router_replay: bool = False
+    """Mixture-of-experts policies: route each trained token through the experts the generator
+    chose for it (`Sample.routed_experts`; unrecorded tokens are routed live), while the combine
+    weights still come from the trainer's own router scores, so the router keeps its gradient.
+    Removes routing disagreement from the train/inference mismatch. One process, dp_replicate,
+    dp_shard and cp layouts (the recorded experts are sharded like the tokens); tp and pp are
+    refused."""
+    moe_load_balance: MoeLoadBalance = "none"
+    """Mixture-of-experts policies: 'aux_loss' adds HF's Switch-style load-balancing loss times
+    moe_aux_loss_coef to the GRPO loss; 'bias' is auxiliary-loss-free balancing (DeepSeek-V3):
+    a per-expert bias, added to the router scores for the top-k choice only, moves by
+    moe_bias_update_rate towards balance after each optimizer step (saved in training
+    checkpoints, pushed to the generators); 'none' (the default, as transformers trains Qwen3-MoE
+    unless config.json sets output_router_logits) does neither: the gradient is then the same
+    under every layout. Dense policies ignore it.
+    The auxiliary loss is computed per micro-batch (its own load statistics, over the tokens up to
+    each row's last trained one, through the experts the forward used) and weighted by the
+    micro-batch's share of those tokens in the whole batch: HF's value on a batch that is one
+    micro-batch, so it depends on how the batch is split into micro-batches and ranks. It is
+    reported as moe/aux_loss (whatever this setting), not in `loss`."""
+    moe_aux_loss_coef: float | None = None
+    """Weight of the auxiliary loss with moe_load_balance='aux_loss'; None: the model's
+    config.json router_aux_loss_coef."""
+    moe_bias_update_rate: float = 1e-3
+    """With moe_load_balance='bias': the step each expert's bias takes per optimizer step, up
+    for an expert below the mean load and down for one above it."""
 
 
 @dataclass

@@ -195,3 +195,37 @@ def _validate_trainer_layout(config: RunConfig, model_config: Any) -> None:
         )
     if config.train.behaviour_weight_cap <= 0:
         raise ConfigError(f"train.behaviour_weight_cap must be > 0, got {config.train.behaviour_weight_cap}")
+    _validate_moe(config, model_config)
+
+
+def _validate_moe(config: RunConfig, model_config: Any) -> None:
+    """Router replay and load balancing against the model (dense or MoE) and the layout."""
+    t, p = config.train, config.train.parallel
+    if t.moe_load_balance not in ("aux_loss", "bias", "none"):
+        raise ConfigError(f"train.moe_load_balance must be 'aux_loss', 'bias' or 'none', got {t.moe_load_balance!r}")
+    if t.moe_aux_loss_coef is not None and not (math.isfinite(t.moe_aux_loss_coef) and t.moe_aux_loss_coef >= 0):
+        raise ConfigError(f"train.moe_aux_loss_coef must be a finite number >= 0 (or None: the model's "
+                          f"router_aux_loss_coef), got {t.moe_aux_loss_coef}")
+    if not (math.isfinite(t.moe_bias_update_rate) and t.moe_bias_update_rate > 0):
+        raise ConfigError(f"train.moe_bias_update_rate must be a finite number > 0, got {t.moe_bias_update_rate}")
+    moe = getattr(model_config, "num_experts", None) is not None
+    if t.router_replay and not moe:
+        raise ConfigError(
+            f"train.router_replay=true needs a mixture-of-experts policy, but model.checkpoint holds a dense "
+            f"{type(model_config).__name__} (no routers to replay): set train.router_replay=false"
+        )
+    if not moe:
+        return
+    if t.router_replay and (p.tp > 1 or p.pp > 1):
+        raise ConfigError(
+            f"train.router_replay=true runs in one process or under dp_replicate / dp_shard / cp only, but "
+            f"train.parallel has tp={p.tp}, pp={p.pp}: pipeline micro-batches and tensor-parallel layouts "
+            f"hand the routers tokens the replayed experts are not laid out for. Set them to 1 or "
+            f"train.router_replay=false"
+        )
+    if (p.pp > 1 or (p.tp > 1 and p.sequence_parallel)) and t.moe_load_balance != "none":
+        raise ConfigError(
+            f"train.moe_load_balance={t.moe_load_balance!r} is not implemented for pipelined or sequence-parallel "
+            f"trainers (train.parallel.pp={p.pp}, tp={p.tp}, sequence_parallel={p.sequence_parallel}): set "
+            f"train.moe_load_balance='none', or train.parallel.pp=1 and sequence_parallel=false"
+        )

@@ -24,7 +24,12 @@ from torch import nn
 from titanrl.atomic_io import replacing_directory
 from titanrl.models.architectures import build_model, config_from_hf_dict
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from titanrl.models.qwen3_moe import expert_checkpoint_name, parse_expert_checkpoint_name, stacked_expert_name
+from titanrl.models.qwen3_moe import (
+    expert_checkpoint_name,
+    parse_expert_checkpoint_name,
+    stacked_expert_name,
+    zero_routing_buffers,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -272,6 +277,7 @@ def empty_model(config: Qwen3Config, dtype: torch.dtype = torch.float32,
     """An uninitialised model of `config` in `dtype` on `device` (weights are loaded next)."""
     model = empty_meta_model(config, dtype).to_empty(device=device)
     tie_head(model)
+    zero_routing_buffers(model)  # the only buffers, which to_empty leaves uninitialised
     return model
 
 

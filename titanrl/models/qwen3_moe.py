@@ -160,6 +160,9 @@ class Routing:
     weights: torch.Tensor
     """Combine weights [N, k], float32: the chosen experts' softmax probabilities (renormalised
     with norm_topk_prob); they carry the router's gradient, replayed or not."""
+    live_experts: torch.Tensor | None = None
+    """The experts this router itself chose [N, k] (equal to `experts` unless replayed): what
+    the trainer compares with the generator's routing (moe/route_agreement)."""
 
 
 class Router(nn.Module):
@@ -170,6 +173,13 @@ class Router(nn.Module):
     still come from this router's own probabilities, so the router keeps its gradient; `capture` (the generator's recorder)
     is called with each forward's chosen experts. `last_routing` keeps the latest forward's
     routing for the auxiliary loss and the metrics when `keep_routing` is set.
+
+    `expert_bias` [E] (float32, zeros unless the trainer balances load without an auxiliary
+    loss, `train.moe_load_balance='bias'`) is added to the probabilities for the top-k choice
+    only, never to the combine weights (DeepSeek-V3's auxiliary-loss-free balancing). It is a
+    non-persistent buffer: HF checkpoints have no such tensor, so state_dict (HF files, shape
+    checks, exports) leaves it out; training checkpoints and weight pushes carry it by name
+    (`routing_buffers`).
     """
 
     def __init__(self, config: Qwen3MoeConfig, layer_id: int) -> None:
@@ -183,13 +193,17 @@ class Router(nn.Module):
         self.capture: Callable[[int, torch.Tensor], None] | None = None
         self.keep_routing = False
         self.last_routing: Routing | None = None
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32), persistent=False)
 
     def forward(self, x_ND: torch.Tensor) -> Routing:
         x32, w32 = x_ND.float(), self.weight.float()
         # Batch-invariant mode decides top-k on identical bits in trainer and generator.
         logits = kernels.linear(x32, w32) if self.batch_invariant else F.linear(x32, w32)
         probs = torch.softmax(logits, dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        # A zero bias leaves the choice (and the weights' bits) as plain top-k of the probabilities.
+        experts = torch.topk(probs + self.expert_bias.float(), self.top_k, dim=-1).indices
+        live_experts = experts
+        weights = probs.gather(1, experts)
         if self.replay is not None:
             if self.replay.shape != (x_ND.shape[0], self.top_k):
                 raise ValueError(f"router replay for layer {self.layer_id}: expected experts of shape "
@@ -202,7 +216,7 @@ class Router(nn.Module):
             weights = probs.gather(1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        routing = Routing(logits=logits, experts=experts, weights=weights)
+        routing = Routing(logits=logits, experts=experts, weights=weights, live_experts=live_experts)
         if self.capture is not None:
             self.capture(self.layer_id, experts)
         if self.keep_routing:
@@ -324,4 +338,27 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     def routers(self) -> list[Router]:
         """Every sparse layer's router, in layer order."""
-        return [m for m in self.modules() if isinstance(m, Router)]
+        return routers(self)
+
+
+EXPERT_BIAS = "expert_bias"
+"""Name of the routers' load-balancing bias buffer (`Router.expert_bias`)."""
+
+
+def routers(module: nn.Module) -> list[Router]:
+    """The routers inside `module` (a whole model or a pipeline stage), in layer order."""
+    return [m for m in module.modules() if isinstance(m, Router)]
+
+
+def zero_routing_buffers(module: nn.Module, device: torch.device | str | None = None) -> None:
+    """Sets every router bias in `module` to float32 zeros (on `device`, default its router's
+    weight's): after `to_empty`, which leaves buffers uninitialised, or a dtype cast of the model."""
+    for router in routers(module):
+        where = router.weight.device if device is None else device
+        router.expert_bias = torch.zeros(router.expert_bias.shape[0], dtype=torch.float32, device=where)
+
+
+def routing_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s router biases by full name (`model.layers.{i}.mlp.gate.expert_bias`): the
+    non-parameter tensors training checkpoints save and weight pushes carry."""
+    return {name: buf for name, buf in module.named_buffers() if name.rpartition(".")[2] == EXPERT_BIAS}

@@ -32,14 +32,19 @@ class PackedBatch:
     proximal_BT: torch.Tensor | None = None
     """`train.decoupled_loss`: the logprobs of the weights before this step's first update (the
     proximal policy); None when the loss does not use them or the forward is at those weights."""
+    routed_experts_BTLK: torch.Tensor | None = None
+    """Mixture-of-experts policies: the generator's routing of each input token, [B, T,
+    num_sparse_layers, k] int16 holding expert id + 1, so that 0 (what every pad and trim
+    writes) means not recorded; None when no sample carries `routed_experts`."""
 
     def map(self, per_token: Callable[[torch.Tensor], torch.Tensor],
             per_row: Callable[[torch.Tensor], torch.Tensor]) -> PackedBatch:
-        """`per_token` applied to the [B, T] fields, `per_row` to the [B] ones (absent fields stay None)."""
+        """`per_token` applied to the [B, T, ...] fields, `per_row` to the [B] ones (absent fields stay None)."""
         out = {}
         for f in dataclasses.fields(self):
             t = getattr(self, f.name)
-            out[f.name] = None if t is None else (per_token if f.name.endswith("_BT") else per_row)(t)
+            per_token_field = f.name.rpartition("_")[2].startswith("BT")
+            out[f.name] = None if t is None else (per_token if per_token_field else per_row)(t)
         return PackedBatch(**out)
 
     def rows(self, lo: int, hi: int) -> PackedBatch:
@@ -74,7 +79,26 @@ def pack(groups: list[Group], pad_id: int, scale_by_std: bool = True, current_ve
         mask[i, p - 1 : p - 1 + c] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
         old[i, p - 1 : p - 1 + c] = torch.tensor(s.gen_logprobs, dtype=torch.float32)
     current = torch.tensor([s.policy_version == current_version for s in rows], dtype=torch.bool)
-    return PackedBatch(input_ids, targets, mask, old, torch.tensor(advantages, dtype=torch.float32), current)
+    return PackedBatch(input_ids, targets, mask, old, torch.tensor(advantages, dtype=torch.float32), current,
+                       routed_experts_BTLK=_pack_routed_experts(rows, T))
+
+
+def _pack_routed_experts(rows: list, T: int) -> torch.Tensor | None:
+    """The samples' `routed_experts` at their input positions (expert + 1; 0: not recorded)."""
+    recorded = [s.routed_experts for s in rows if s.routed_experts is not None]
+    if not recorded:
+        return None
+    L, K = recorded[0].shape[1:]
+    out = torch.zeros((len(rows), T, L, K), dtype=torch.int16)
+    for i, s in enumerate(rows):
+        if s.routed_experts is None:
+            continue
+        if tuple(s.routed_experts.shape[1:]) != (L, K):
+            raise ValueError(f"samples record routing of different shapes: {(L, K)} and "
+                             f"{tuple(s.routed_experts.shape[1:])} (layers, k)")
+        # The inputs are the sequence minus its last token.
+        out[i, :len(s.routed_experts) - 1] = torch.as_tensor(s.routed_experts[:-1].astype("int16")) + 1
+    return out
 
 
 def minibatch_row_ranges(group_sizes: list[int], minibatches: int) -> list[tuple[int, int]]:

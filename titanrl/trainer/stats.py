@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from titanrl.trainer.moe import MoeStats
+
 
 def nan_max(a: float, b: float) -> float:
     """max(a, b) where a NaN wins: a non-finite logprob must show in the metrics, not vanish."""
@@ -34,6 +36,8 @@ class GradStats:
     entropy_sum: float = 0.0
     """Sum over masked tokens of the entropy of the trainer's sampling distribution
     softmax(logits / temperature), from the same chunks as the logprobs."""
+    moe: MoeStats | None = None
+    """Routing measurements of a mixture-of-experts policy (None: dense, or pipelined)."""
 
 
 @dataclass

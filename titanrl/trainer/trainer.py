@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ from titanrl.trainer.parallel.sharded_load import build_sharded_policy
 from titanrl.trainer.parallel.step import ParallelGRPOStep
 from titanrl.trainer.stats import GradStats, LogprobParity
 from titanrl.types import Group, PolicyVersion
+from titanrl.models.qwen3_moe import routing_buffers, zero_routing_buffers
 
 if TYPE_CHECKING:
     from titanrl.weight_sync import WeightAnnouncement, WeightSyncPlan
@@ -100,6 +102,7 @@ class GRPOTrainer:
         self.optimizers = build_optimizers(self.pm, train_config)
         self.schedulers = [build_scheduler(opt, train_config) for opt in self.optimizers]
         self.grpo = ParallelGRPOStep(self.pm, self.optimizers, train_config, temperature, batch_invariant)
+        self._init_expert_bias()
         self.version: PolicyVersion = 0
         self.skipped_steps = 0
         """`step` calls whose every optimizer step was skipped (non-finite loss or grad norm)."""
@@ -192,6 +195,16 @@ class GRPOTrainer:
           train/skipped: 1.0 when the call was skipped; train/skipped_steps: skipped calls so far;
           train/consecutive_skipped: skipped calls since the last update; policy_version: after it.
           memory/trainer_peak_gib: peak resident memory of this (rank 0's) process so far.
+          Mixture-of-experts policies (not pipelined) add (titanrl.trainer.moe):
+          moe/route_agreement: fraction of the generator-recorded completion tokens (x sparse
+            layers) whose trainer top-k set, from its live scores (also when replaying), equals the
+            generator's, on the first minibatch of the first pass (at the generator's weights); NaN
+            when nothing was recorded; moe/route_tokens_compared: how many were compared;
+            moe/route_agreement_used: the same for the experts the forward used (1.0 when replaying).
+          moe/load_max_over_mean: max over experts of the tokens routed to it over their mean, per
+            sparse layer, averaged over the layers, over every forward of the call.
+          moe/aux_loss: HF's load-balancing loss (unscaled by its coefficient), mean over the
+            call's gradient passes (measured whatever train.moe_load_balance).
         In a parallel layout every rank must call it; rank 0 returns the metrics, the others None.
         """
         if not groups:
@@ -207,6 +220,7 @@ class GRPOTrainer:
         taken_loss, taken_norm, skipped_loss, skipped_norm = [], [], [], []
         clipped = seen_tokens = entropy = 0.0
         first: GradStats | None = None
+        moe_passes: list = []
         lr = self.scheduler.get_last_lr()[0]
         for _ in range(self.cfg.ppo_epochs):
             for lo, hi in ranges:
@@ -216,6 +230,8 @@ class GRPOTrainer:
                     first = stats
                 clipped += stats.clipped_tokens
                 entropy += stats.entropy_sum
+                if stats.moe is not None:
+                    moe_passes.append(stats.moe)
                 seen_tokens += stats.tokens
                 loss, norm, taken = self.optimizer_step(stats)
                 (taken_loss if taken else skipped_loss).append(loss)
@@ -234,6 +250,7 @@ class GRPOTrainer:
             return None  # every rank computed the same numbers; rank 0 reports them
         return {
             **parity.metrics(),
+            **_moe_metrics(moe_passes),
             "loss": sum(losses) / len(losses),
             "grad_norm": sum(norms) / len(norms),
             "lr": lr,
@@ -258,11 +275,21 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------- weights out
 
+    def _init_expert_bias(self) -> None:
+        """Zero float32 router biases on the device (a dtype cast of the model must not round
+        their updates)."""
+        for part in self.pm.parts:
+            zero_routing_buffers(part, self.device)
+
     def state_dict_for_push(self) -> dict[str, torch.Tensor] | None:
         """HF-named full CPU tensors for rollout workers in the generator's dtype (the compute
         dtype; tied head omitted, as in HF files), gathered bucket by bucket in a parallel layout:
-        rank 0 gets them, the others None."""
-        return self._full_state_dict(self.compute_dtype)
+        rank 0 gets them, the others None. With train.moe_load_balance='bias' the routers'
+        float32 expert biases come too (`_pushed_buffers`)."""
+        out = self._full_state_dict(self.compute_dtype)
+        if out is not None:
+            out.update({k: v.detach().to("cpu", copy=True) for k, v in self._pushed_buffers().items()})
+        return out
 
     def _full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
         out: dict[str, torch.Tensor] = {}
@@ -280,6 +307,12 @@ class GRPOTrainer:
         by rank 0 (which returns its path; the others None), in the storage dtype (model.dtype)."""
         weights = self._full_state_dict(self.dtype)
         path = None
+        if self.rank == 0 and any(bool(b.any()) for b in self._pushed_buffers().values()):
+            # An HF Qwen3-MoE checkpoint has no tensor for it: the export routes without it.
+            warnings.warn("the HF export leaves out the routers' expert biases (train.moe_load_balance='bias'): "
+                          "Qwen3-MoE checkpoints have no such tensor, so the exported model chooses experts "
+                          "without them; resume from a training checkpoint (save_state) to keep them",
+                          stacklevel=2)
         if self.rank == 0:
             model = ckpt_io.empty_model(self.model_config, self.dtype)
             load_state_dict_into(model, weights, source="the trainer's policy")
@@ -389,4 +422,29 @@ class GRPOTrainer:
         """The weights as the senders read them: views of the live parameters in one process,
         full tensors gathered to rank 0 bucket by bucket in a parallel layout (no full copy first);
         in the generator's dtype (casts of the master weights under mixed precision)."""
-        return GatheredWeights(self.pm, self.compute_dtype, PUSH_BUCKET_BYTES)
+        return GatheredWeights(self.pm, self.compute_dtype, PUSH_BUCKET_BYTES, self._pushed_buffers())
+
+    def _pushed_buffers(self) -> dict[str, torch.Tensor]:
+        """Non-parameter tensors the generators need: with train.moe_load_balance='bias', the
+        routers' expert biases (float32; the generator's routers choose experts with them too)."""
+        if self.cfg.moe_load_balance != "bias":
+            return {}
+        return {name: buf for part in self.pm.parts for name, buf in routing_buffers(part).items()}
+
+
+def _moe_metrics(passes: list) -> dict[str, float]:
+    """The moe/* metrics of a step's gradient passes (titanrl.trainer.moe.MoeStats); none for a dense policy."""
+    if not passes:
+        return {}
+    first = passes[0]
+    total = passes[0].load.clone()
+    for p in passes[1:]:
+        total += p.load
+    load = dataclasses.replace(first, load=total)
+    return {
+        "moe/route_agreement": first.route_agreement,
+        "moe/route_tokens_compared": first.tokens_compared,
+        "moe/route_agreement_used": first.used_agreement,
+        "moe/load_max_over_mean": load.load_max_over_mean,
+        "moe/aux_loss": sum(p.aux_loss for p in passes) / len(passes),
+    }

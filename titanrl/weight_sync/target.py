@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from titanrl.models.qwen3_moe import routing_buffers
 from titanrl.weight_sync.layout import TensorSpec, WeightLayout, WeightSyncError
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -21,6 +22,8 @@ class ParameterTarget:
 
     def __init__(self, model: nn.Module) -> None:
         self.params = dict(model.named_parameters())  # a tied LM head appears once, as the embedding
+        # Router expert biases (mixture of experts): written when announced, never required.
+        self.optional = routing_buffers(model)
         self.tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
 
     def check(self, layout: WeightLayout, allow_partial: bool = False) -> list[torch.Tensor | None]:
@@ -45,7 +48,7 @@ class ParameterTarget:
     def _dest(self, spec: TensorSpec, problems: list[str]) -> torch.Tensor | None:
         if (spec.name == "lm_head.weight" and self.tied) or spec.name.endswith(SKIPPED_SUFFIXES):
             return None
-        param = self.params.get(spec.name)
+        param = self.params.get(spec.name, self.optional.get(spec.name))
         if param is None:
             problems.append(f"{spec.name!r} matches no parameter")
             return None

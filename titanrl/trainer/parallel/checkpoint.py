@@ -5,7 +5,9 @@ Same directory layout as `GRPOTrainer.save_state` (see titanrl.trainer.checkpoin
 `titanrl.trainer.checkpoint.export_hf` reads a checkpoint from any layout. The optimizer state
 is saved flattened (`state.<name>.<key>`, `param_groups.<name>.<key>`): every entry is keyed
 by one parameter, so pipeline stages, which each hold some parameters and their own optimizer,
-save and load their part. GRPOTrainer writes the same flattened form
+save and load their part. `router_bias` holds mixture-of-experts routers' `expert_bias` buffers
+(not in the model's state dict, as HF files have no such tensor; replicated on every rank, so
+DCP writes each once); a checkpoint without them loads with the biases untouched. GRPOTrainer writes the same flattened form
 (`titanrl.trainer.checkpoint.STATE_DICT_OPTIONS`). Each parameter's entry names its param
 group (`param_groups.<name>.name`: 'decay' or 'no_decay', see titanrl.trainer.optimizer), so
 its group settings (weight decay) load with it in any layout. Older checkpoints, in the nested
@@ -31,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from titanrl.models.qwen3_moe import routing_buffers
 from titanrl.trainer import checkpoint as ckpt_io
 # A module, not its names: optimizer.py imports this package (the names are read at call time).
 from titanrl.trainer import optimizer as param_groups
@@ -80,6 +83,9 @@ def save_model_optim(pm: ParallelModel, optimizers: list[torch.optim.Optimizer],
         # The head copy's optimizer state equals the embedding's, which the first stage saves.
         optim.update({k: v for k, v in o.items() if _saved_key(k, head) == k})
     state = {"model": {k: v for m, _ in parts for k, v in m.items()}, "optim": optim}
+    biases = _router_biases(pm)
+    if biases:
+        state[ROUTER_BIAS] = biases
     ckpt_io.dcp_save(state, Path(path))
     for opt, was in zip(optimizers, stepped, strict=True):
         if not was:
@@ -109,6 +115,9 @@ def load_model_optim(pm: ParallelModel, optimizers: list[torch.optim.Optimizer],
         request["model"].update({_saved_key(k, head): v for k, v in m.items()})
         request["optim"].update({_saved_key(k, head): v for k, v in o.items()
                                  if not (keep_groups and k.startswith("param_groups."))})
+    biases = {k: v for k, v in _router_biases(pm).items() if f"{ROUTER_BIAS}.{k}" in saved_keys}
+    if biases:
+        request[ROUTER_BIAS] = biases  # loaded in place into the buffers
     ckpt_io.dcp_load(request, Path(path))
     for part, opt, head, (model_sd, optim_sd) in zip(pm.parts, optimizers, renames, parts, strict=True):
         model_sd = {k: request["model"][_saved_key(k, head)] for k in model_sd}
@@ -117,6 +126,14 @@ def load_model_optim(pm: ParallelModel, optimizers: list[torch.optim.Optimizer],
         set_state_dict(part, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_OPTIONS)
         if not optimizer_stepped:
             opt.state.clear()
+
+
+ROUTER_BIAS = "router_bias"
+"""The DCP state's key of the routers' expert biases."""
+
+
+def _router_biases(pm: ParallelModel) -> dict[str, torch.Tensor]:
+    return {name: buf for part in pm.parts for name, buf in routing_buffers(part).items()}
 
 
 def _current_group_settings(current: dict[str, Any], loaded: dict[str, Any], path: Any) -> dict[str, Any]:

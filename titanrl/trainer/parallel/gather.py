@@ -109,14 +109,23 @@ class GatheredWeights:
 
     On a GPU they are device tensors; each sender copies a tensor off the device once (or, for
     an NCCL broadcast, sends it from there).
+
+    `extra` are tensors that are not parameters, sent after them as they are (the routers'
+    float32 expert biases with train.moe_load_balance='bias'; replicated, so rank 0 holds them).
     """
 
-    def __init__(self, pm: ParallelModel, dtype: torch.dtype, gather_bucket_bytes: int = 64 << 20) -> None:
+    def __init__(self, pm: ParallelModel, dtype: torch.dtype, gather_bucket_bytes: int = 64 << 20,
+                 extra: dict[str, torch.Tensor] | None = None) -> None:
         self.pm, self.dtype, self.gather_bucket_bytes = pm, dtype, gather_bucket_bytes
+        self.extra = extra or {}
 
     def layout(self) -> WeightLayout:
-        return build_layout((name, shape, self.dtype) for name, shape in hf_parameter_shapes(self.pm))
+        specs = [(name, shape, self.dtype) for name, shape in hf_parameter_shapes(self.pm)]
+        specs += [(name, t.shape, t.dtype) for name, t in self.extra.items()]
+        return build_layout(specs)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket in iter_full_weights(self.pm, self.gather_bucket_bytes, self.dtype):
             yield from bucket
+        if global_rank() == 0:
+            yield from self.extra.items()

@@ -20,6 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from titanrl.config.schema import ParallelConfig
 from titanrl.models.hf_checkpoint import CheckpointTensors, empty_meta_model, read_parameter, tie_head
+from titanrl.models.qwen3_moe import routing_buffers, zero_routing_buffers
 from titanrl.trainer.checkpoint import InitialPolicy
 from titanrl.trainer.parallel.checkpoint import load_model_weights
 from titanrl.trainer.parallel.parallelize import ParallelModel, parallelize
@@ -40,10 +41,12 @@ def local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
 def materialize(pm: ParallelModel) -> None:
     """Allocates (uninitialised) storage for this rank's shards of a meta-built ParallelModel."""
     for part in pm.parts:
-        if any(True for _ in part.buffers()):
+        biases = routing_buffers(part)
+        if any(True for name, _ in part.named_buffers() if name not in biases):
             raise RuntimeError("sharded loading fills parameters only; this model has buffers, which to_empty "
                                "would leave uninitialised")
         part.to_empty(device=pm.device)
+        zero_routing_buffers(part, pm.device)  # the routers' expert biases start at zero (HF files have none)
         tie_head(part)
 
 

@@ -24,6 +24,15 @@ from titanrl.config.schema import TrainConfig
 from titanrl.trainer.batch import PackedBatch
 from titanrl.trainer.chunked_logprobs import chunked_token_logprobs
 from titanrl.trainer.logprob_chunks import chunk_tokens_for
+from titanrl.trainer.moe import (
+    MicroBatchRouting,
+    MoeStats,
+    MoeTotals,
+    completion_inputs,
+    moe_settings,
+    real_tokens,
+    update_expert_bias,
+)
 from titanrl.trainer.grpo import clipped_surrogate_loss, decoupled_surrogate_loss, token_logprobs
 from titanrl.trainer.parallel.expert_parallel import sum_router_grads
 from titanrl.trainer.parallel.mesh import all_reduce, coord, dp_rank_and_size, owns
@@ -49,7 +58,7 @@ def _fit_length(batch: PackedBatch, T: int) -> PackedBatch:
     cur = batch.input_ids_BT.shape[1]
     if T <= cur:
         return batch.map(lambda t: t[:, :T], lambda t: t)
-    return batch.map(lambda t: torch.cat([t, t.new_zeros((t.shape[0], T - cur))], 1), lambda t: t)
+    return batch.map(lambda t: torch.cat([t, t.new_zeros((t.shape[0], T - cur, *t.shape[2:]))], 1), lambda t: t)
 
 
 def trimmed_len(mask_BT: torch.Tensor, multiple: int = 1) -> int:
@@ -80,6 +89,7 @@ class _Totals:
         self.loss = self.clipped = self.diff_sum = self.entropy = 0.0
         self.diff_max = float("-inf")
         self.parity = LogprobParity()
+        self.moe: MoeTotals | None = None
 
     def add(self, loss_sum: torch.Tensor, stats: dict[str, torch.Tensor], entropy_sum: torch.Tensor) -> None:
         self.loss += loss_sum.item()
@@ -119,6 +129,15 @@ class ParallelGRPOStep:
         for part in pm.parts:  # the whole model, or pipeline stages (their LM head included)
             part.set_batch_invariant(batch_invariant)
         self.batch_invariant = batch_invariant
+        # Mixture of experts (None: dense): replay, auxiliary loss, routing metrics, expert bias.
+        # Pipelined trainers, and sequence-parallel ones (a router may see a tp rank's share of the
+        # tokens), run none of these: config validation refuses replay and balancing there.
+        self.moe = moe_settings(train_config, pm.config)
+        split_tokens = pm.parallel.tp > 1 and pm.parallel.sequence_parallel
+        if self.moe is not None and (pm.pipelined or split_tokens):
+            if self.moe.replay:
+                raise NotImplementedError("train.router_replay is not implemented with pp > 1 or sequence parallelism")
+            self.moe = None
         # The unchunked reference of what `_head` computes (for callers that hold logits).
         self.token_logprobs = kernels.token_logprobs if batch_invariant else token_logprobs
 
@@ -161,7 +180,7 @@ class ParallelGRPOStep:
         if self.pm.mesh is not None:
             raise NotImplementedError("the parallel trainer has no decoupled loss (train.decoupled_loss)")
         out = torch.zeros_like(batch.old_logprobs_BT)
-        for lo, sub, logprobs, _ in self._logprobs_by_micro_batch(batch, backward=False):
+        for lo, sub, logprobs, _, _ in self._logprobs_by_micro_batch(batch, backward=False):
             out[lo:lo + sub.input_ids_BT.shape[0], :logprobs.shape[1]] = logprobs.to(out.device)
         return out
 
@@ -173,13 +192,21 @@ class ParallelGRPOStep:
         per_rank = -(-batch.input_ids_BT.shape[0] // dp_size)
         local = _pad_rows(batch, per_rank * dp_size).rows(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         totals = _Totals()
+        if self.moe is not None:
+            totals.moe = MoeTotals(len(self.moe.sparse_layers), self.moe.num_experts, self.pm.device)
         if self.pm.pipelined:
             self._pipelined(local, total_tokens, totals, backward)
         else:
-            for _, sub, logprobs, entropy in self._logprobs_by_micro_batch(local, backward):
+            # The auxiliary loss weighs each micro-batch by its share of the whole batch's real tokens.
+            real_total = real_tokens(batch.loss_mask_BT).sum().clamp(min=1)
+            for _, sub, logprobs, entropy, aux in self._logprobs_by_micro_batch(local, backward, totals.moe,
+                                                                                 real_total):
                 loss_sum = self._loss(logprobs, entropy, sub, totals)
                 if backward:
-                    (loss_sum / total_tokens.to(loss_sum.device)).backward()
+                    loss = loss_sum / total_tokens.to(loss_sum.device)
+                    if aux is not None and self.moe.aux_loss_coef:
+                        loss = loss + self.moe.aux_loss_coef * aux.to(loss.device)
+                    loss.backward()
         return totals, total_tokens
 
     def _head(self, targets_BT: torch.Tensor):  # noqa: ANN202 (a models.qwen3.LMHead)
@@ -222,20 +249,31 @@ class ParallelGRPOStep:
 
     def _to_device(self, sub: PackedBatch) -> PackedBatch:
         """`sub` on this rank's device; its per-token fields sequence-sharded under CP."""
-        ctx, dev = self.pm.context, self.pm.device
-        per_token = (lambda t: ctx.shard(t.to(dev), dim=1)) if ctx else (lambda t: t.to(dev))
-        return sub.map(per_token, lambda t: t.to(dev))
+        return sub.map(self._per_token, lambda t: t.to(self.pm.device))
 
-    def _logprobs_by_micro_batch(self, local: PackedBatch, backward: bool
-                                 ) -> Iterator[tuple[int, PackedBatch, torch.Tensor, torch.Tensor]]:
+    def _per_token(self, t_BT: torch.Tensor) -> torch.Tensor:
+        """A per-token tensor [B, T, ...] of whole rows on this rank's device, sequence-sharded under CP."""
+        t_BT = t_BT.to(self.pm.device)
+        return self.pm.context.shard(t_BT, dim=1) if self.pm.context else t_BT
+
+    def _logprobs_by_micro_batch(self, local: PackedBatch, backward: bool, moe: MoeTotals | None = None,
+                                 real_total: torch.Tensor | None = None
+                                 ) -> Iterator[tuple[int, PackedBatch, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """For each micro-batch of `local`: its first row, its tensors on the device (trimmed to
-        its trained length), and the model's logprobs of its targets and entropies [B, T]."""
+        its trained length), the model's logprobs of its targets and entropies [B, T], and (MoE)
+        its weighted auxiliary loss, whose measurements go to `moe`. Router replay stays set
+        until the consumer asks for the next micro-batch, i.e. through its backward."""
         (model,) = self.pm.parts
         mb = self.cfg.micro_batch_size
         starts = list(range(0, local.input_ids_BT.shape[0], mb))
+        routing = MicroBatchRouting(model, self.moe) if self.moe is not None else None
+        if moe is None and routing is not None:
+            moe = MoeTotals(len(self.moe.sparse_layers), self.moe.num_experts, self.pm.device)
+        real_total = local.loss_mask_BT.new_ones(()) if real_total is None else real_total
         for i, lo in enumerate(starts):
-            sub = local.rows(lo, lo + mb)
-            sub = self._to_device(_fit_length(sub, trimmed_len(sub.loss_mask_BT, self.seq_multiple)))
+            whole = local.rows(lo, lo + mb)
+            whole = _fit_length(whole, trimmed_len(whole.loss_mask_BT, self.seq_multiple))
+            sub = self._to_device(whole)
             positions = None
             if self.pm.context:
                 ids = sub.input_ids_BT
@@ -243,9 +281,20 @@ class ParallelGRPOStep:
             if backward and isinstance(model, FSDPModule):
                 # Reduce-scatter gradients once, after the last micro-batch.
                 model.set_requires_gradient_sync(i == len(starts) - 1)
-            # The head runs inside the model's forward: FSDP holds its weight unsharded there.
-            logprobs, entropy = model(sub.input_ids_BT, positions, head=self._head(sub.targets_BT))
-            yield lo, sub, logprobs, entropy
+            if routing is None:
+                # The head runs inside the model's forward: FSDP holds its weight unsharded there.
+                logprobs, entropy = model(sub.input_ids_BT, positions, head=self._head(sub.targets_BT))
+                yield lo, sub, logprobs, entropy, None
+                continue
+            # Which tokens count, decided on whole rows (a CP rank holds chunks of them).
+            real, completion = (self._per_token(m(whole.loss_mask_BT)) for m in (real_tokens, completion_inputs))
+            routing.begin(sub.routed_experts_BTLK)
+            try:
+                logprobs, entropy = model(sub.input_ids_BT, positions, head=self._head(sub.targets_BT))
+                aux = routing.collect(real, completion, sub.routed_experts_BTLK, real_total, moe)
+                yield lo, sub, logprobs, entropy, aux
+            finally:
+                routing.end()
 
     def _pipelined(self, local: PackedBatch, total_tokens: torch.Tensor, totals: _Totals, backward: bool) -> None:
         pm = self.pm
@@ -328,7 +377,22 @@ class ParallelGRPOStep:
         diff_max, p_max = top.tolist()
         parity = LogprobParity(p_sum, float("nan") if p_nan else max(p_max, 0.0), p_diff, p_checked)
         return GradStats(loss, total_tokens.item(), clipped, diff_sum, float("nan") if nan else diff_max, parity,
-                         entropy)
+                         entropy, self._global_moe_stats(totals.moe, counts))
+
+    def _global_moe_stats(self, moe: MoeTotals | None, counts: bool) -> MoeStats | None:
+        """The routing measurements summed over the world (TP ranks, identical, count once)."""
+        if moe is None:
+            return None
+        pm = self.pm
+        aux = torch.tensor([moe.aux_loss], dtype=torch.float64, device=pm.device)
+        scalars = torch.cat([moe.agreement.to(pm.device), aux]) * float(counts)
+        load = moe.load.to(pm.device) * float(counts)
+        all_reduce(scalars, pm.mesh)
+        all_reduce(load, pm.mesh)
+        agree, agree_used, compared, aux = scalars.tolist()
+        nan = float("nan")
+        return MoeStats(agree / compared if compared else nan, compared,
+                        agree_used / compared if compared else nan, aux, load.cpu())
 
     # ------------------------------------------------------------------------- optimizer
 
@@ -364,6 +428,9 @@ class ParallelGRPOStep:
                             p.grad.mul_(coef)
             for opt in self.optimizers:
                 opt.step()
+            if self.moe is not None and self.moe.bias_update_rate is not None and stats.moe is not None:
+                for part in self.pm.parts:
+                    update_expert_bias(part, self.moe, stats.moe.load)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return loss, norm, taken
