@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 PolicyVersion = int
 """Number of optimizer steps behind a set of weights; 0 is the initial checkpoint."""
 
@@ -47,6 +49,11 @@ class Sample:
     turns: list[dict[str, str]] | None = None
     """An episode's completion turn by turn (`{"role": "model" | "env", "text": ...}`, texts joined
     equal `completion`; see `titanrl.rollout.episode.Episode.transcript`); None for single-turn."""
+    routed_experts: np.ndarray | None = None
+    """Mixture-of-experts policies (`rollout.record_routed_experts`): the experts the generator
+    routed each token of prompt + completion through, int16 [len(prompt_ids) + len(completion_ids),
+    sparse layers, k]; rows of -1 were not recorded (prefix-cache hits, the last token) and are
+    routed live by router replay. None: not recorded."""
 
     def __post_init__(self) -> None:
         if len(self.completion_ids) != len(self.gen_logprobs):
@@ -61,6 +68,10 @@ class Sample:
             raise ValueError(
                 f"sample has {len(self.completion_ids)} completion tokens but a loss mask of {len(self.loss_mask)}"
             )
+        tokens = len(self.prompt_ids) + len(self.completion_ids)
+        if self.routed_experts is not None and (self.routed_experts.ndim != 3 or len(self.routed_experts) != tokens):
+            raise ValueError(f"sample has {tokens} tokens but routed_experts of shape {self.routed_experts.shape} "
+                             "(expected [tokens, sparse layers, k])")
 
     @property
     def policy_version_max(self) -> PolicyVersion:
