@@ -77,8 +77,9 @@ def test_moe_generator_matches_trainer_logprobs_and_routing(vllm_moe_engine, vll
 
 def test_moe_weight_push_stacked_and_per_expert_names(vllm_moe_engine, vllm_moe_checkpoint):
     """Pushes with the trainer's names (stacked experts [E, out, in]) and with the checkpoint's
-    (one tensor per expert) both land in the stacked parameters: logprobs then equal our
-    forward on the new weights, and pushing the checkpoint back restores them exactly."""
+    (one tensor per expert), and a shared-memory push of stacked experts, all land in the stacked
+    parameters: logprobs then equal our forward on the new weights, and pushing the checkpoint
+    back restores them exactly."""
     model, _ = load_model(vllm_moe_checkpoint)
     original = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     gen = torch.Generator().manual_seed(1)
@@ -100,8 +101,25 @@ def test_moe_weight_push_stacked_and_per_expert_names(vllm_moe_engine, vllm_moe_
         after = _prompt_logprobs(vllm_moe_engine, fixed)
         assert (after - _trainer_view(new_model, fixed)[0]).abs().max().item() <= TOL
         assert (after - before).abs().max().item() > 1e-3
+        # The trainer's transports write parameters by name too: a shared-memory push of stacked experts.
+        from titanrl.rollout.weight_receiver import WeightReceiver
+        from titanrl.weight_sync import TensorsWeights, make_plan, make_sender
+
+        doubled = {k: 2 * v for k, v in pushed.items()}
+        plan = make_plan("shared_memory", 1)
+        sender, receiver = make_sender(plan), WeightReceiver(vllm_moe_engine)
+        try:
+            receiver.open(plan, 1)
+            announcement = sender.publish(version + 2, TensorsWeights(doubled))
+            sender.send(version + 2, TensorsWeights(doubled))
+            receiver.receive(announcement, version + 2)
+        finally:
+            receiver.close()
+            sender.close()
+        running = vllm_moe_engine.worker_state_dict()
+        assert all(torch.equal(running[k], doubled[k]) for k in doubled)
     finally:
-        vllm_moe_engine.update_weights(hf_state_dict(model), version=version + 2)  # per-expert names
+        vllm_moe_engine.update_weights(hf_state_dict(model), version=version + 3)  # per-expert names
     assert torch.equal(_prompt_logprobs(vllm_moe_engine, fixed), before)
 
 
