@@ -306,3 +306,23 @@ def _flips_under_gate_perturbation(model, seq: list[int], routing: np.ndarray, s
             for r, w in zip(model.routers(), saved):
                 r.weight.copy_(w)
     return int((perturbed != routing).any(axis=(1, 2)).sum())
+
+
+def test_run_config_refuses_recording_for_a_dense_policy(tmp_path, vllm_tiny_checkpoint, vllm_moe_checkpoint):
+    """rollout.record_routed_experts=True with a dense model.checkpoint is a ConfigError naming the
+    field; None (the default) and True with a MoE checkpoint validate."""
+    import dataclasses
+
+    from titanrl.config import DataConfig, ModelConfig, RolloutConfig, RunConfig
+    from titanrl.config.validation import validate
+    from titanrl.errors import ConfigError
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "1+1="}\n')
+    config = RunConfig(model=ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), data=DataConfig(train_file=str(train)),
+                       rewards=[lambda prompt, completion, **fields: 0.0])
+    validate(config)
+    config.rollout = RolloutConfig(record_routed_experts=True)
+    with pytest.raises(ConfigError, match=r"rollout\.record_routed_experts"):
+        validate(config)
+    validate(dataclasses.replace(config, model=ModelConfig(checkpoint=str(vllm_moe_checkpoint))))
