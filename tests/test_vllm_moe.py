@@ -326,3 +326,20 @@ def test_run_config_refuses_recording_for_a_dense_policy(tmp_path, vllm_tiny_che
     with pytest.raises(ConfigError, match=r"rollout\.record_routed_experts"):
         validate(config)
     validate(dataclasses.replace(config, model=ModelConfig(checkpoint=str(vllm_moe_checkpoint))))
+
+
+@pytest.mark.slow
+def test_multiprocess_engine_records_routing(vllm_moe_checkpoint):
+    """The multiprocess engine (engine core in a spawned process, which finds our MoE class through
+    the plugin entry point) records routing there and returns it as plain bytes, equal to the trainer's."""
+    from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
+
+    config = VllmEngineConfig(checkpoint=str(vllm_moe_checkpoint), max_model_len=128, max_num_seqs=8,
+                              multiprocess=True, record_routed_experts=True)
+    with VllmEngine(config) as engine:
+        group = engine.generate(["mp moe"], n=2, temperature=1.0, max_tokens=8, seed=0)[0]
+    model, _ = load_model(vllm_moe_checkpoint)
+    for c in group:
+        recorded = _check_routing_layout(c)
+        _, routing = _trainer_view(model, c.prompt_token_ids + c.token_ids)
+        assert recorded[:-1].all() and np.array_equal(c.routed_experts[recorded], routing[recorded])
