@@ -155,10 +155,11 @@ class VllmEngine:
         from vllm import LLM
 
         from titanrl.models.hf_checkpoint import read_config
+        from titanrl.models.qwen3_moe import Qwen3MoeConfig
 
         self.config = config
         self.model_config = read_config(config.checkpoint)
-        if config.record_routed_experts and not hasattr(self.model_config, "num_experts"):
+        if config.record_routed_experts and not isinstance(self.model_config, Qwen3MoeConfig):
             raise ValueError(f"VllmEngineConfig.record_routed_experts=True needs a mixture-of-experts checkpoint; "
                              f"{config.checkpoint!r} is {self.model_config.HF_ARCHITECTURE}")
         self.policy_version = 0
