@@ -40,6 +40,36 @@ def vllm_engine(vllm_tiny_checkpoint):
     engine.close()
 
 
+VLLM_TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+"""The tiny Qwen3-MoE of the vLLM tests: 4 experts, top-2, both layers sparse, the dense tiny model's
+attention (head_dim 32) and byte tokenizer. init std 0.1 gives router scores of std ~1, so tokens
+spread over all experts and top-2 differs from token to token."""
+
+
+@pytest.fixture(scope="session")
+def vllm_moe_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-MoE checkpoint directory (per-expert tensor names, as the Hub's) for the vLLM tests."""
+    import dataclasses
+
+    from titanrl.models.qwen3_moe import Qwen3MoeConfig
+    from titanrl.models.tiny import tiny_config, write_checkpoint
+
+    config = Qwen3MoeConfig(**{**dataclasses.asdict(tiny_config()), **VLLM_TINY_MOE})
+    return write_checkpoint(tmp_path_factory.mktemp("vllm_moe_ckpt") / "ckpt", config, seed=3, std=0.1)
+
+
+@pytest.fixture(scope="session")
+def vllm_moe_engine(vllm_moe_checkpoint):
+    """One in-process VllmEngine on `vllm_moe_checkpoint`, recording routing, started by the first
+    test that asks for it. Tests that push weights must push the checkpoint's weights back."""
+    from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
+
+    engine = VllmEngine(VllmEngineConfig(checkpoint=str(vllm_moe_checkpoint), max_model_len=512, max_num_seqs=32,
+                                         record_routed_experts=True))
+    yield engine
+    engine.close()
+
+
 # --- the tiny arithmetic run the end-to-end tests train ---------------------------------
 def digit_share(prompt: str, completion: str, **fields: Any) -> float:
     """Fraction of completion characters that are digits: varies across samples of a random model."""

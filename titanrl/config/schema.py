@@ -82,6 +82,10 @@ class RolloutConfig:
     """KV-cache memory per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     vllm_multiprocess: bool = False
     """Run vLLM's engine core in its own process (slower start on CPU, isolates crashes)."""
+    record_routed_experts: bool | None = None
+    """Record the experts the generator routed every token through (Sample.routed_experts, which
+    router replay trains on); None: on for mixture-of-experts checkpoints, off for dense ones.
+    True needs a mixture-of-experts model.checkpoint."""
     threads_per_worker: int = 1
     """Intra-op threads of each worker; 1 is robust on a busy 2-core machine."""
     reward_concurrency: int = 16

@@ -127,6 +127,7 @@ def validate(config: RunConfig) -> None:
     if not config.model.checkpoint:
         raise ConfigError("model.checkpoint is empty: set it to an HF checkpoint directory")
     from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, checked_tensors, read_config
+    from titanrl.models.qwen3_moe import Qwen3MoeConfig
 
     try:
         model_config = read_config(config.model.checkpoint)
@@ -141,6 +142,11 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"model.checkpoint: {e}") from e
     if not (ckpt / "tokenizer.json").is_file() and not (ckpt / "tokenizer_config.json").is_file():
         raise ConfigError(f"model.checkpoint: {str(ckpt)!r} has no tokenizer files (tokenizer.json)")
+    if config.rollout.record_routed_experts and not isinstance(model_config, Qwen3MoeConfig):
+        raise ConfigError(
+            f"rollout.record_routed_experts=True needs a mixture-of-experts checkpoint, but model.checkpoint is "
+            f"{model_config.HF_ARCHITECTURE}: set rollout.record_routed_experts=None (or False)"
+        )
     for name in ("train_file", "eval_file"):
         path = getattr(config.data, name)
         if name == "train_file" and not path:

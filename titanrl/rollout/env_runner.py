@@ -171,6 +171,7 @@ class EnvRunner:
                 reward_error=error,
                 token_versions=ep.token_versions,
                 turns=ep.transcript,
+                routed_experts=ep.routed_experts,
             )
             for ep, (reward, error) in episodes
         ])

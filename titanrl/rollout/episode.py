@@ -12,9 +12,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from titanrl.envs.base import Environment, StepResult
 from titanrl.rewards.scoring import as_reward
 from titanrl.rollout.vllm.async_engine import AsyncGenerator
+from titanrl.rollout.vllm.routing_record import fit_routing, merge_routing
 
 
 @dataclass
@@ -68,6 +71,10 @@ class Episode:
     exactly as generated, `{"role": "env", "text": ...}` for an observation exactly as inserted.
     When a step fails, the last entry is the error note (role "env", text `"\\n[<error>]"`, no
     tokens behind it; `error` says the same). (Not named `turns`: that is the model-turn count.)"""
+    routed_experts: np.ndarray | None = None
+    """When the engine records routing: int16 [len(prompt_ids) + len(completion_ids), sparse
+    layers, k], each turn's recorded routing (a later turn's where both computed a position);
+    -1 where no turn computed it (prefix-cache hits, a turn's last token, a final observation)."""
 
 
 _COUNTERS = ("tool_calls", "errors", "sandbox_s", "tests_passed", "tests_total")
@@ -136,6 +143,7 @@ async def run_episode(
     logprobs: list[float] = []
     versions: list[int] = []
     transcript: list[dict[str, str]] = []
+    routing: np.ndarray | None = None
     reward, turns, finished = 0.0, 0, False
     try:
         while turns < budget.max_turns:
@@ -156,6 +164,8 @@ async def run_episode(
                 stop_token_ids=stop_token_ids,
             )
             turns += 1
+            if turn.routed_experts is not None:  # turn t's request covers context + its tokens
+                routing = merge_routing(routing, turn.routed_experts)
             versions += turn.token_versions or [turn.policy_version] * len(turn.token_ids)
             context += turn.token_ids
             completion_ids += turn.token_ids
@@ -202,6 +212,8 @@ async def run_episode(
     if close_error:
         errors.append(close_error)
     stats["errors"] += len(errors)
+    if routing is not None:  # observations after the last turn were never computed
+        routing = fit_routing(routing, len(prompt_ids) + len(completion_ids), *routing.shape[1:])
     return Episode(
         prompt=prompt,
         prompt_ids=list(prompt_ids),
@@ -217,6 +229,7 @@ async def run_episode(
         error="; ".join(errors) or None,
         token_versions=versions,
         transcript=transcript,
+        routed_experts=routing,
     )
 
 

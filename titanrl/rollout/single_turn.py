@@ -71,6 +71,7 @@ class SingleTurn:
             finished=c.finish_reason == "stop",
             reward_error=error,
             token_versions=c.token_versions,
+            routed_experts=c.routed_experts,
         )
 
 

@@ -56,8 +56,13 @@ class RolloutWorker:
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(
             lambda record: "set_num_threads" not in record.getMessage()
         )
+        from titanrl.models.hf_checkpoint import read_config
+        from titanrl.models.qwen3_moe import Qwen3MoeConfig
         from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
+        record_routing = rc.record_routed_experts
+        if record_routing is None:  # on for mixture-of-experts policies (router replay reads it)
+            record_routing = isinstance(read_config(model_config.checkpoint), Qwen3MoeConfig)
         self.worker_id, self.cfg, self.prompt_field = worker_id, rc, prompt_field
         self.rewards = [resolve_reward(r, i) for i, r in enumerate(rewards)]
         # Helper threads start on first use, so an episode worker (EnvRunner scores) pays nothing.
@@ -73,6 +78,7 @@ class RolloutWorker:
                 seed=seed + 1000 * worker_id,
                 multiprocess=rc.vllm_multiprocess,
                 batch_invariant=batch_invariant,
+                record_routed_experts=record_routing,
             )
         )
         self.eos_id = self.engine.model_config.eos_token_id

@@ -5,6 +5,8 @@ None and tensors: what `torch.load(weights_only=True)` reads, and what stays rea
 the classes move or gain fields. `from_plain(cls, data)` rebuilds it from the field types
 (`list[Group]`, `tuple[Request, list[RolloutBatch]]`, `Group | None`, ...); fields typed `Any`
 (dataset rows, stream positions) are taken as they are, after `to_plain` checked they are plain.
+A field typed `np.ndarray` (`Sample.routed_experts`) is stored as a tensor of its dtype (compact,
+where a list would cost a Python object per element) and comes back as an array.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import types
 import typing
 from typing import Any
 
+import numpy as np
 import torch
 
 _LEAVES = (str, int, float, bool, type(None), torch.Tensor)
@@ -24,7 +27,9 @@ def to_plain(value: Any, where: str = "state") -> Any:
     """`value` as plain data; a dataclass becomes a dict of its fields. `where` names the value
     in the error raised for anything that cannot be stored plainly (a Ray object ref, a lock...)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_plain(getattr(value, f.name), f"{where}.{f.name}") for f in dataclasses.fields(value)}
+        arrays = _array_fields(type(value))
+        return {f.name: _array_to_plain(getattr(value, f.name)) if f.name in arrays
+                else to_plain(getattr(value, f.name), f"{where}.{f.name}") for f in dataclasses.fields(value)}
     if isinstance(value, bool) or value is None or type(value) in (str, int, float) or isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (list, tuple)):
@@ -53,6 +58,8 @@ def from_plain(cls: Any, data: Any, where: str = "state") -> Any:
     """
     if cls is Any or cls in _LEAVES or cls is object:
         return data
+    if cls is np.ndarray:
+        return data.numpy() if isinstance(data, torch.Tensor) else np.asarray(_expect(data, (list, tuple), where))
     origin, args = typing.get_origin(cls), typing.get_args(cls)
     if origin in (typing.Union, types.UnionType):
         if data is None and type(None) in args:
@@ -82,6 +89,17 @@ def from_plain(cls: Any, data: Any, where: str = "state") -> Any:
             raise ValueError(f"{where}: {cls.__qualname__} has no field(s) {sorted(unknown)}")
         return cls(**{name: from_plain(hints[name], v, f"{where}.{name}") for name, v in data.items()})
     return data
+
+
+def _array_to_plain(value: Any) -> Any:
+    return torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
+
+
+@functools.cache
+def _array_fields(cls: type) -> frozenset[str]:
+    """The fields of dataclass `cls` typed `np.ndarray` (or `np.ndarray | None`)."""
+    return frozenset(name for name, tp in _field_types(cls).items()
+                     if tp is np.ndarray or np.ndarray in typing.get_args(tp))
 
 
 @functools.cache

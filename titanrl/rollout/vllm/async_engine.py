@@ -29,6 +29,8 @@ class AsyncGenerator:
         self._pending: dict[str, asyncio.Future[Completion]] = {}
         self._versions: dict[str, list[int]] = {}
         """Per running request, the policy version of each token generated so far."""
+        self._routing_keys: dict[str, str] = {}
+        """Per running request, its routing record's key (when the engine records routing)."""
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
         self._version_changed = asyncio.Condition()
@@ -46,9 +48,7 @@ class AsyncGenerator:
             pass
         finally:
             if self._pending:  # an episode failed mid-turn: free the engine for the next batch
-                self.engine.llm.llm_engine.abort_request(list(self._pending))
-                self._pending.clear()
-                self._versions.clear()
+                self._abort()
 
     async def generate(
         self,
@@ -66,9 +66,15 @@ class AsyncGenerator:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        from titanrl.rollout.vllm.routing_record import ROUTING_KEY
+
         if self._pump is None or self._pump.done():
             raise RuntimeError("AsyncGenerator.generate needs `async with AsyncGenerator(engine):`")
         request_id = f"titanrl-{next(self._ids)}"
+        extra_args = None
+        if self.engine.routing_layers:
+            self._routing_keys[request_id] = self.engine.routing_key()
+            extra_args = {ROUTING_KEY: self._routing_keys[request_id]}
         params = SamplingParams(
             n=1,
             temperature=temperature,
@@ -79,6 +85,7 @@ class AsyncGenerator:
             include_stop_str_in_output=True,
             stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
             logprobs=0,
+            extra_args=extra_args,
         )
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
@@ -109,17 +116,27 @@ class AsyncGenerator:
                 await self._wake.wait()
                 continue
             version = self.engine.policy_version  # weights change only between steps (update_weights)
+            finished = []
             for output in llm_engine.step():
                 versions = self._versions.get(output.request_id)
                 if versions is None:
                     continue  # aborted meanwhile
                 versions += [version] * (len(output.outputs[0].token_ids) - len(versions))
-                if not output.finished:
-                    continue
+                if output.finished:
+                    finished.append((output, versions))
+            # One fetch of the step's finished records (an RPC to the multiprocess engine core).
+            keys = {o.request_id: self._routing_keys.pop(o.request_id) for o, _ in finished
+                    if o.request_id in self._routing_keys}
+            records = self.engine.take_routed_experts(list(keys.values())) if keys else {}
+            for output, versions in finished:
                 future = self._pending.pop(output.request_id, None)
                 self._versions.pop(output.request_id, None)
                 if future is not None and not future.done():
-                    future.set_result(self._completion(output, versions))
+                    completion = self._completion(output, versions)
+                    if output.request_id in keys:
+                        completion.routed_experts = self.engine.fit_routing(
+                            records.get(keys[output.request_id]), completion)
+                    future.set_result(completion)
             # Let episodes whose tools finished queue their next turn before the next step.
             await asyncio.sleep(0)
 
@@ -138,12 +155,11 @@ class AsyncGenerator:
         """`update_weights` for any loader: `load()` must install `version` in the engine with
         `recompute_running=True` (e.g. a `titanrl.rollout.weight_receiver.WeightReceiver.receive` call)."""
         if regenerate and self._pending:
-            self.engine.llm.llm_engine.abort_request(list(self._pending))
-            for future in self._pending.values():
+            futures = list(self._pending.values())
+            self._abort()
+            for future in futures:
                 if not future.done():
                     future.set_exception(WeightsChanged(f"weights changed to version {version}"))
-            self._pending.clear()
-            self._versions.clear()
         load()
         if self.engine.policy_version != version:
             raise RuntimeError(f"loading version {version} left the engine at version {self.engine.policy_version}")
@@ -154,6 +170,15 @@ class AsyncGenerator:
         """Returns once the engine holds weights of `version` or newer."""
         async with self._version_changed:
             await self._version_changed.wait_for(lambda: self.engine.policy_version >= version)
+
+    def _abort(self) -> None:
+        """Aborts every pending request and drops what the engine recorded for them."""
+        self.engine.llm.llm_engine.abort_request(list(self._pending))
+        self._pending.clear()
+        self._versions.clear()
+        if self._routing_keys:
+            self.engine.take_routed_experts(list(self._routing_keys.values()))
+            self._routing_keys.clear()
 
     def _completion(self, output, versions: list[int]) -> Completion:
         c = output.outputs[0]

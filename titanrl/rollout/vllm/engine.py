@@ -15,6 +15,7 @@ differ from the trainer's. Greedy requests (temperature 0) report `log_softmax(l
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -22,10 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from titanrl.rollout.vllm.names import ARCHITECTURE, BATCH_INVARIANT_KEY
+from titanrl.rollout.vllm.names import BATCH_INVARIANT_KEY, VLLM_ARCHITECTURES
 from titanrl.rollout.vllm.plugin import register
+from titanrl.rollout.vllm.routing_record import ROUTING_KEY, fit_routing
 from titanrl.rollout.vllm.worker_extension import EXTENSION_QUALNAME
 
 if TYPE_CHECKING:
@@ -66,6 +69,9 @@ class VllmEngineConfig:
     batch_invariant: bool = False
     """Run our model through `titanrl.kernels` (including attention over the paged cache), so
     its logprobs equal the trainer's bit for bit; see `titanrl.rollout.vllm.paged_attention`."""
+    record_routed_experts: bool = False
+    """Record the experts each token was routed through (mixture-of-experts checkpoints only):
+    every Completion then carries `routed_experts`; see `titanrl.rollout.vllm.routing_record`."""
     extra_llm_kwargs: dict = field(default_factory=dict)
     """Passed to `vllm.LLM(...)` last, for options not surfaced here."""
 
@@ -97,6 +103,10 @@ class Completion:
     token_versions: list[int] = field(default_factory=list)
     """Per generated token, the policy version whose weights sampled it; they differ only when
     new weights arrived while it was running (`AsyncGenerator.update_weights`)."""
+    routed_experts: np.ndarray | None = None
+    """With `record_routed_experts`: int16 [len(prompt) + len(tokens), sparse layers, k], the
+    experts each position was routed through; -1 where not computed (prefix-cache hits, the
+    last token). None when not recording."""
 
 
 def _has_entry_point() -> bool:
@@ -131,7 +141,8 @@ _original_set_num_threads = torch.set_num_threads
 
 
 class VllmEngine:
-    """A vLLM `LLM` running `TitanQwen3ForVLLM`, with `generate` and in-place `update_weights`."""
+    """A vLLM `LLM` running our model (`TitanQwen3ForVLLM`, or `TitanQwen3MoeForVLLM` for a
+    Qwen3-MoE checkpoint), with `generate` and in-place `update_weights`."""
 
     def __init__(self, config: VllmEngineConfig) -> None:
         if config.multiprocess and not _has_entry_point():
@@ -144,9 +155,13 @@ class VllmEngine:
         from vllm import LLM
 
         from titanrl.models.hf_checkpoint import read_config
+        from titanrl.models.qwen3_moe import Qwen3MoeConfig
 
         self.config = config
         self.model_config = read_config(config.checkpoint)
+        if config.record_routed_experts and not isinstance(self.model_config, Qwen3MoeConfig):
+            raise ValueError(f"VllmEngineConfig.record_routed_experts=True needs a mixture-of-experts checkpoint; "
+                             f"{config.checkpoint!r} is {self.model_config.HF_ARCHITECTURE}")
         self.policy_version = 0
         self.last_push_seconds: float | None = None
         t0 = time.perf_counter()
@@ -154,7 +169,8 @@ class VllmEngine:
             kwargs = dict(
                 model=str(config.checkpoint),
                 tokenizer=str(config.checkpoint),
-                hf_overrides={"architectures": [ARCHITECTURE], BATCH_INVARIANT_KEY: config.batch_invariant},
+                hf_overrides={"architectures": [VLLM_ARCHITECTURES[self.model_config.HF_ARCHITECTURE]],
+                              BATCH_INVARIANT_KEY: config.batch_invariant},
                 dtype=config.dtype,
                 max_model_len=config.max_model_len,
                 max_num_seqs=config.max_num_seqs,
@@ -171,6 +187,11 @@ class VllmEngine:
                 # Whole prompts only, so one step must fit the longest one.
                 kwargs["max_num_batched_tokens"] = max(config.max_model_len, 4096)  # vLLM's CPU default
             self.llm = LLM(**{**kwargs, **config.extra_llm_kwargs})
+        self.routing_layers = 0
+        """Sparse layers whose routing is recorded (0: not recording)."""
+        if config.record_routed_experts:
+            self.routing_layers = self.llm.collective_rpc("titanrl_record_routing", args=(True,))[0]
+        self._routing_keys = itertools.count()
         self.start_seconds = time.perf_counter() - t0
         self._local_sender: SharedMemorySender | None = None
         """Multiprocess engine: the segments `update_weights` hands to the engine core (made on first use)."""
@@ -192,9 +213,10 @@ class VllmEngine:
     ) -> list[list[Completion]]:
         """Samples `n` completions per prompt; returns one list of `n` Completions per prompt.
 
-        Prompts are all strings or all token-id lists. With `seed`, prompt j's request uses
-        seed `seed + j * n` (vLLM gives its i-th sample `+ i`), so every sample in the call
-        has its own stream and the call is reproducible.
+        Prompts are all strings or all token-id lists. With `seed`, sample i of prompt j uses
+        seed `seed + j * n + i`, so every sample in the call has its own stream and the call is
+        reproducible. Each sample is its own vLLM request (what vLLM makes of `n` > 1 anyway),
+        so its routing can be recorded under its own key.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -203,56 +225,80 @@ class VllmEngine:
         if not prompts:
             return []
         inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        keys = [self.routing_key() for _ in range(len(inputs) * n)] if self.routing_layers else None
         params = [
             SamplingParams(
-                n=n,
+                n=1,
                 temperature=temperature,
                 top_p=top_p,
                 max_tokens=max_tokens,
-                seed=None if seed is None else seed + j * n,
+                seed=None if seed is None else seed + r,
                 stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
                 logprobs=0,
+                extra_args=None if keys is None else {ROUTING_KEY: keys[r]},
             )
-            for j in range(len(inputs))
+            for r in range(len(inputs) * n)
         ]
         version = self.policy_version
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        outputs = self.llm.generate([x for x in inputs for _ in range(n)], params, use_tqdm=False)
+        records = self.take_routed_experts(keys) if keys is not None else {}
         results: list[list[Completion]] = []
-        for out in outputs:
-            prompt_ids = list(out.prompt_token_ids or [])
-            group = []
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                ids = list(c.token_ids)
-                lps = [float(pos[t].logprob) for pos, t in zip(c.logprobs or [], ids)]
-                group.append(
-                    Completion(
-                        prompt_token_ids=prompt_ids,
-                        token_ids=ids,
-                        text=c.text,
-                        logprobs=lps,
-                        finish_reason=c.finish_reason,
-                        policy_version=version,
-                        token_versions=[version] * len(ids),
-                    )
-                )
-            results.append(group)
+        for r, out in enumerate(outputs):
+            if r % n == 0:
+                results.append([])
+            (c,) = out.outputs
+            ids = list(c.token_ids)
+            completion = Completion(
+                prompt_token_ids=list(out.prompt_token_ids or []),
+                token_ids=ids,
+                text=c.text,
+                logprobs=[float(pos[t].logprob) for pos, t in zip(c.logprobs or [], ids)],
+                finish_reason=c.finish_reason,
+                policy_version=version,
+                token_versions=[version] * len(ids),
+            )
+            if keys is not None:
+                completion.routed_experts = self.fit_routing(records.get(keys[r]), completion)
+            results[-1].append(completion)
         return results
+
+    # --- routing capture (MoE) --------------------------------------------------------
+    def routing_key(self) -> str:
+        """A fresh record key for one request (`SamplingParams.extra_args[ROUTING_KEY]`)."""
+        return f"r{next(self._routing_keys)}"
+
+    def take_routed_experts(self, keys: Sequence[str]) -> dict[str, np.ndarray]:
+        """The records of finished (or aborted) requests, removed from the worker: int16
+        [positions, sparse layers, k]; a key whose request computed nothing is absent."""
+        self._check_open()
+        if not keys:
+            return {}
+        wire = self.llm.collective_rpc("titanrl_take_routed_experts", args=(list(keys),))[0]
+        return {k: np.frombuffer(data, dtype=np.int16).reshape(shape).copy() for k, (shape, data) in wire.items()}
+
+    def fit_routing(self, record: np.ndarray | None, completion: Completion) -> np.ndarray:
+        """A record sized to the completion's sequence (prompt + tokens), -1 where not recorded."""
+        length = len(completion.prompt_token_ids) + len(completion.token_ids)
+        return fit_routing(record, length, self.routing_layers, self.model_config.num_experts_per_tok)
 
     # --- weights ----------------------------------------------------------------------
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, allow_partial: bool = False,
                        recompute_running: bool = False) -> None:
         """Copies new weights into the running engine in place and invalidates the prefix cache.
 
-        `state_dict` uses HF names (our model's `state_dict()`); a tied `lm_head.weight` is
+        `state_dict` uses our model's `state_dict()` names (stacked experts `[E, out, in]`), or
+        an HF checkpoint's (one tensor per expert, stacked here); a tied `lm_head.weight` is
         dropped (the LM head follows the embedding). Every parameter must be present unless
         `allow_partial`. Must not be called while a `generate` call is running; between two
         engine steps with requests unfinished (`AsyncGenerator`), pass `recompute_running`: those
         requests keep their tokens and vLLM recomputes their KV cache with the new weights.
         """
         self._check_open()
+        from titanrl.models.hf_checkpoint import from_checkpoint_tensors
+
         t0 = time.perf_counter()
         tensors = {}
-        for name, t in state_dict.items():
+        for name, t in from_checkpoint_tensors(dict(state_dict)).items():
             if name == "lm_head.weight" and self.model_config.tie_word_embeddings:
                 continue
             tensors[name] = t.detach().to("cpu").contiguous()

@@ -1,29 +1,34 @@
-"""Our Qwen3 modules inside vLLM: the class vLLM's model registry builds.
+"""Our Qwen3 and Qwen3-MoE modules inside vLLM: the classes vLLM's model registry builds.
 
 vLLM flattens a scheduled batch into one sequence of `num_tokens` tokens with explicit
 positions; its `Attention` layer finds each token's request, writes K/V into the paged
 cache and attends over that request's cached keys. `TitanQwen3ForVLLM` *is* our
-`Qwen3ForCausalLM` (same modules, same HF parameter names) built with one attention
+`Qwen3ForCausalLM` (same modules, same parameter names) built with one attention
 backend per layer that hands q/k/v to vLLM's `Attention`; the whole flattened batch runs
-as a batch of one, `[1, num_tokens]`.
+as a batch of one, `[1, num_tokens]`. `TitanQwen3MoeForVLLM` is our `Qwen3MoeForCausalLM`
+the same way: its router and experts are our modules (not vLLM's FusedMoE), so the generator
+routes and computes exactly as the trainer does. Both get the vLLM side from one mixin,
+`VllmModelBoundary`.
 
-Registered under `ARCHITECTURE` (`names.py`) by `plugin.py`; an engine opts in with
-`hf_overrides={"architectures": [ARCHITECTURE]}`, so vLLM's built-in Qwen3 stays as is.
+Registered under `ARCHITECTURE` / `MOE_ARCHITECTURE` (`names.py`) by `plugin.py`; an engine opts
+in with `hf_overrides={"architectures": [...]}`, so vLLM's built-in models stay as they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
-from titanrl.models.qwen3 import HF_ARCHITECTURE, Qwen3Config, Qwen3ForCausalLM
-from titanrl.rollout.vllm.names import ARCHITECTURE, BATCH_INVARIANT_KEY
+from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from titanrl.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM, parse_expert_checkpoint_name, routing_buffers
+from titanrl.rollout.vllm.names import ARCHITECTURE, BATCH_INVARIANT_KEY, MOE_ARCHITECTURE
 from titanrl.rollout.vllm.paged_attention import paged_batch_invariant_attention
-
+from titanrl.rollout.vllm.routing_record import RoutingRecorder
 
 
 def _join(prefix: str, name: str) -> str:
@@ -64,30 +69,41 @@ class VllmPagedAttention(nn.Module):
         return out_NHD.view(B, T, H, D)
 
 
-def config_from_vllm(vllm_config: VllmConfig) -> Qwen3Config:
-    """Our Qwen3Config from the HF config vLLM loaded (architectures overridden to ours)."""
-    hf = vllm_config.model_config.hf_config.to_dict()
-    hf["architectures"] = [HF_ARCHITECTURE]
-    return Qwen3Config.from_hf_dict(hf)
+def config_from_vllm(vllm_config: VllmConfig, config_class: type[Qwen3Config] = Qwen3Config) -> Qwen3Config:
+    """Our config from the HF config vLLM loaded (its architectures overridden to ours)."""
+    hf_config = vllm_config.model_config.hf_config
+    hf = hf_config.to_dict()
+    # transformers renames some config.json keys in memory (Qwen3-MoE's num_experts is
+    # num_local_experts); its attribute_map gives the config.json name back.
+    for json_name, attr_name in getattr(hf_config, "attribute_map", {}).items():
+        if attr_name in hf and json_name not in hf:
+            hf[json_name] = hf[attr_name]
+    hf["architectures"] = [config_class.HF_ARCHITECTURE]
+    return config_class.from_hf_dict(hf)
 
 
-class TitanQwen3ForVLLM(Qwen3ForCausalLM):
-    """vLLM's model interface around our Qwen3ForCausalLM.
+class VllmModelBoundary:
+    """vLLM's model interface around one of our causal LMs; mixed in before the model class.
 
-    Differences from the parent, all at the boundary: `forward` takes vLLM's flattened
+    Differences from the model, all at the boundary: `forward` takes vLLM's flattened
     `input_ids [N]` / `positions [N]` and returns final-norm hidden states `[N, hidden]`
     (vLLM computes logits only for the rows it samples from, via `compute_logits`).
-    Parameters keep HF names, so vLLM's loader, `load_weights` and in-place pushes all use
-    checkpoint names directly; with tied embeddings `lm_head.weight` *is* the embedding
-    Parameter, so a push to `model.embed_tokens.weight` moves the LM head too.
+    Parameters keep the model's names, so `load_weights` and in-place pushes use them directly;
+    with tied embeddings `lm_head.weight` *is* the embedding Parameter, so a push to
+    `model.embed_tokens.weight` moves the LM head too.
     """
 
+    vllm_architecture: ClassVar[str]
+    """The name this class is registered under in vLLM."""
+    titan_config_class: ClassVar[type[Qwen3Config]]
+    """The config our model is built from."""
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        config = config_from_vllm(vllm_config)
+        config = config_from_vllm(vllm_config, self.titan_config_class)
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
             raise ValueError(
-                f"{ARCHITECTURE} runs unsharded inside vLLM: set tensor_parallel_size=1 and "
+                f"{self.vllm_architecture} runs unsharded inside vLLM: set tensor_parallel_size=1 and "
                 "pipeline_parallel_size=1 (scale rollouts with more engines instead)"
             )
 
@@ -101,14 +117,83 @@ class TitanQwen3ForVLLM(Qwen3ForCausalLM):
                 prefix=_join(prefix, f"model.layers.{layer_idx}.self_attn.backend.attn"),
             )
 
-        super().__init__(config, attention_backend=attention_backend)
+        super().__init__(config, attention_backend=attention_backend)  # type: ignore[call-arg]
         self.vllm_config = vllm_config
         hf = vllm_config.model_config.hf_config
-        self.set_batch_invariant(bool(getattr(hf, BATCH_INVARIANT_KEY, False)))
+        self.set_batch_invariant(bool(getattr(hf, BATCH_INVARIANT_KEY, False)))  # type: ignore[attr-defined]
 
     # --- vLLM model interface -------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        return self.model.embed_tokens(input_ids)  # type: ignore[attr-defined]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: object | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        if intermediate_tensors is not None:
+            raise NotImplementedError(f"{self.vllm_architecture} does not support pipeline parallelism in vLLM")
+        if inputs_embeds is not None:
+            raise NotImplementedError(f"{self.vllm_architecture} does not accept prompt embeddings (inputs_embeds)")
+        assert input_ids is not None
+        return self.hidden_states(input_ids[None, :], positions[None, :])[0]  # type: ignore[attr-defined]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies named tensors into the parameters in place; returns the parameter names loaded.
+
+        Used by vLLM's loader at start-up (checkpoint names: one tensor per expert,
+        `...mlp.experts.{e}.gate_proj.weight`, goes into row e of the stacked parameter) and by
+        the TitanRL worker extension for pushes (the model's own names, stacked experts whole).
+        A tied `lm_head.weight` is skipped (it is the embedding). Unknown names and shape
+        mismatches raise rather than being ignored.
+        """
+        params = dict(self.named_parameters())  # type: ignore[attr-defined]  # a tied head appears once
+        params.update(routing_buffers(self))  # the router biases a 'bias' load-balancing push carries
+        tied = self.config.tie_word_embeddings  # type: ignore[attr-defined]
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name == "lm_head.weight" and tied:
+                    continue
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # some HF checkpoints carry this buffer; we recompute it
+                expert = parse_expert_checkpoint_name(name)
+                param_name = name if expert is None else expert[0]
+                param = params.get(param_name)
+                if param is None:
+                    raise KeyError(f"{self.vllm_architecture}: weight {name!r} matches no parameter of the model")
+                if expert is not None and expert[1] >= param.shape[0]:
+                    raise KeyError(f"{self.vllm_architecture}: weight {name!r} names expert {expert[1]}, "
+                                   f"the model has {param.shape[0]}")
+                dest = param if expert is None else param[expert[1]]
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise ValueError(
+                        f"{self.vllm_architecture}: weight {name!r} has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(dest.shape)}"
+                    )
+                dest.copy_(tensor)
+                loaded.add(param_name)
+        return loaded
+
+
+class TitanQwen3ForVLLM(VllmModelBoundary, Qwen3ForCausalLM):
+    """Our dense Qwen3 as a vLLM model."""
+
+    vllm_architecture = ARCHITECTURE
+    titan_config_class = Qwen3Config
+
+
+class TitanQwen3MoeForVLLM(VllmModelBoundary, Qwen3MoeForCausalLM):
+    """Our Qwen3-MoE as a vLLM model: our router (float32 scores, batch-invariant linear in that
+    mode) and our stacked experts. With `routing_recorder` set (the worker extension's
+    `titanrl_record_routing`), every forward records each request's routing."""
+
+    vllm_architecture = MOE_ARCHITECTURE
+    titan_config_class = Qwen3MoeConfig
+    routing_recorder: RoutingRecorder | None = None
 
     def forward(  # type: ignore[override]
         self,
@@ -118,36 +203,24 @@ class TitanQwen3ForVLLM(Qwen3ForCausalLM):
         inputs_embeds: torch.Tensor | None = None,
         **kwargs: object,
     ) -> torch.Tensor:
-        if intermediate_tensors is not None:
-            raise NotImplementedError(f"{ARCHITECTURE} does not support pipeline parallelism in vLLM")
-        if inputs_embeds is not None:
-            raise NotImplementedError(f"{ARCHITECTURE} does not accept prompt embeddings (inputs_embeds)")
-        assert input_ids is not None
-        return self.hidden_states(input_ids[None, :], positions[None, :])[0]
+        recorder = self.routing_recorder
+        query_start_loc = _query_start_loc() if recorder is not None else None
+        if query_start_loc is None:  # not recording, or vLLM's warm-up run (no metadata)
+            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        recorder.begin(int(query_start_loc[-1]))
+        hidden = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        recorder.end(positions, query_start_loc)
+        return hidden
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies HF-named tensors into the parameters in place; returns the names loaded.
 
-        Used by vLLM's loader at start-up and by the TitanRL worker extension for pushes.
-        A tied `lm_head.weight` is skipped (it is the embedding). Unknown names and shape
-        mismatches raise rather than being ignored.
-        """
-        params = dict(self.named_parameters())  # de-duplicated: a tied head appears once
-        loaded: set[str] = set()
-        with torch.no_grad():
-            for name, tensor in weights:
-                if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                    continue
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue  # some HF checkpoints carry this buffer; we recompute it
-                param = params.get(name)
-                if param is None:
-                    raise KeyError(f"{ARCHITECTURE}: weight {name!r} matches no parameter of the model")
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"{ARCHITECTURE}: weight {name!r} has shape {tuple(tensor.shape)}, "
-                        f"the model expects {tuple(param.shape)}"
-                    )
-                param.copy_(tensor)
-                loaded.add(name)
-        return loaded
+def _query_start_loc() -> torch.Tensor | None:
+    """This step's request boundaries in the flattened batch (int32 [R + 1]); None when vLLM
+    runs the model without attention metadata (warm-up, profiling)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, dict):
+        metadata = next(iter(metadata.values()), None)
+    return None if metadata is None else metadata.query_start_loc

@@ -19,14 +19,14 @@ EXTENSION_QUALNAME = "titanrl.rollout.vllm.worker_extension.TitanRLWorkerExtensi
 
 
 def _find_titan_model(root: torch.nn.Module) -> torch.nn.Module:
-    from titanrl.rollout.vllm.model import TitanQwen3ForVLLM
+    from titanrl.rollout.vllm.model import VllmModelBoundary
 
     for module in root.modules():  # the runner may wrap the model
-        if isinstance(module, TitanQwen3ForVLLM):
+        if isinstance(module, VllmModelBoundary):
             return module
     raise TypeError(
         f"the vLLM model is {type(root).__name__}, not TitanRL's: create the engine with "
-        "hf_overrides={'architectures': ['TitanRLQwen3ForCausalLM']}"
+        "hf_overrides={'architectures': [one of titanrl.rollout.vllm.names.VLLM_ARCHITECTURES]}"
     )
 
 
@@ -63,6 +63,34 @@ class TitanRLWorkerExtension:
 
         model = _find_titan_model(self.get_model())  # type: ignore[attr-defined]
         return save({name: p.detach().contiguous() for name, p in model.named_parameters()})
+
+    # --- routing capture (MoE): see titanrl.rollout.vllm.routing_record ------------------------
+
+    def titanrl_record_routing(self, enabled: bool) -> int:
+        """Starts (or stops) recording the routing of keyed requests; returns the sparse layer count."""
+        from titanrl.rollout.vllm.model import TitanQwen3MoeForVLLM
+        from titanrl.rollout.vllm.routing_record import RoutingRecorder
+
+        model = _find_titan_model(self.get_model())  # type: ignore[attr-defined]
+        if not isinstance(model, TitanQwen3MoeForVLLM):
+            raise TypeError(f"routing capture needs a mixture-of-experts model, the engine runs {type(model).__name__}")
+        if model.routing_recorder is not None:
+            model.routing_recorder.detach()
+            model.routing_recorder = None
+        if enabled:
+            runner = self.model_runner  # type: ignore[attr-defined]
+            model.routing_recorder = RoutingRecorder(
+                model.routers(), lambda: (runner.input_batch.req_ids, runner.requests))
+        return len(model.routers())
+
+    def titanrl_take_routed_experts(self, keys: list[str]) -> dict[str, tuple[list[int], bytes]]:
+        """Removes and returns the records of `keys` as (shape, int16 bytes): plain data crosses
+        the multiprocess engine's serialisation, tensors and arrays need not."""
+        model = _find_titan_model(self.get_model())  # type: ignore[attr-defined]
+        recorder = getattr(model, "routing_recorder", None)
+        if recorder is None:
+            return {}
+        return {k: (list(v.shape), v.tobytes()) for k, v in recorder.take(keys).items()}
 
     # --- weight transports (titanrl.weight_sync): the bytes land in this process ---------------
 
