@@ -196,3 +196,20 @@ def test_plot_run_adds_an_env_panel_for_episodes(tmp_path):
         logger.close()
     heights = [Image.open(plot_run(run_dir)).size[1] for run_dir in (single, env)]
     assert heights[1] > heights[0]
+
+
+def test_plot_run_adds_a_moe_panel_for_routing_metrics(tmp_path):
+    """An MoE run (moe/route_agreement logged) gets a routing panel: the PNG is taller than the same
+    run's without routing metrics, with and without the environment panel."""
+    from PIL import Image
+
+    moe = {"moe/route_agreement": 0.98, "moe/route_agreement_used": 1.0, "moe/load_max_over_mean": 2.5}
+    env = {"env/tool_calls": 3.0, "env/errors": 1.0, "env/turns_mean": 1.5}
+    heights = {}
+    for name, extra in (("plain", {}), ("moe", moe), ("env", env), ("env_moe", {**env, **moe})):
+        logger = MetricsLogger(tmp_path / name, tensorboard=False)
+        for step in range(1, 4):
+            logger.log({"step": step, "reward/mean": step / 10, **extra})
+        logger.close()
+        heights[name] = Image.open(plot_run(tmp_path / name)).size[1]
+    assert heights["moe"] > heights["plain"] and heights["env_moe"] > heights["env"]

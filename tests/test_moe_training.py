@@ -204,3 +204,16 @@ def test_exported_moe_runs_in_vllm_builtin_qwen3_moe(exported, monkeypatch):
         for _ in range(8):
             greedy.append(int(model(torch.tensor([greedy]))[0, -1].argmax()))
     assert greedy[len(prompt):] == tokens
+
+
+def test_trainer_save_writes_the_trained_moe_policy(moe_checkpoint, tmp_path):
+    """`GRPOTrainer.save` (the run's final export) of an MoE policy writes one HF tensor per expert
+    holding exactly the trained stacked weights: the trainer gathers model-named (stacked) tensors."""
+    trainer = GRPOTrainer(ModelConfig(checkpoint=str(moe_checkpoint)), TRAIN, temperature=1.0, seed=0)
+    _step_moves_moe_weights(trainer, _groups(moe_checkpoint))
+    out = trainer.save(str(tmp_path / "export"))
+    saved = read_state_dict(out)
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in saved
+    reloaded, _ = load_model(out)
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(dict(reloaded.named_parameters())[name], p.detach()), name

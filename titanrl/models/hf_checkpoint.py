@@ -247,12 +247,13 @@ class CheckpointTensors:
 
 
 def load_state_dict_into(model: Qwen3ForCausalLM, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
-    """Copies HF-named tensors into `model`, checking names and shapes first."""
+    """Copies tensors into `model`, checking names and shapes first: HF-named ones (experts one
+    tensor each) or model-named ones (stacked experts, as the trainer gathers them)."""
     params = model.state_dict()  # tensors share storage with the parameters
     if model.config.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != HEAD}
-    check_shapes(expected_shapes(model, model.config), {k: v.shape for k, v in state.items()}, source)
     state = from_checkpoint_tensors(state)
+    check_shapes(parameter_shapes(model, model.config), {k: v.shape for k, v in state.items()}, source)
     with torch.no_grad():
         for name, tensor in state.items():
             params[name].copy_(tensor)

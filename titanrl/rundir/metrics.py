@@ -56,7 +56,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 def plot_run(run_dir: str | Path) -> Path:
     """Draws reward mean and eval accuracy against step into `run_dir/progress.png`; for
-    environment runs a second panel shows tool calls, errors (per step) and turns per episode."""
+    environment runs a panel shows tool calls, errors (per step) and turns per episode, and for
+    mixture-of-experts policies one shows trainer/generator route agreement and expert load."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,8 +69,9 @@ def plot_run(run_dir: str | Path) -> Path:
         return [(r["step"], r[key]) for r in records if r.get(key) is not None]
 
     has_env = bool(series("env/turns_mean"))
-    fig, axes = plt.subplots(2 if has_env else 1, 1, figsize=(7, 6.5 if has_env else 4), dpi=110, sharex=True,
-                             squeeze=False)
+    has_moe = bool(series("moe/route_agreement"))
+    panels = 1 + has_env + has_moe
+    fig, axes = plt.subplots(panels, 1, figsize=(7, 4 + 2.5 * (panels - 1)), dpi=110, sharex=True, squeeze=False)
     ax = axes[0][0]
     train, evals = series("reward/mean"), series("eval/accuracy")
     if train:
@@ -93,6 +95,22 @@ def plot_run(run_dir: str | Path) -> Path:
         turns_ax.set_ylabel("turns / episode")
         lines = env_ax.get_legend_handles_labels()[0] + turns_ax.get_legend_handles_labels()[0]
         env_ax.legend(lines, [line.get_label() for line in lines], loc="center right")
+    if has_moe:
+        moe_ax = axes[-1][0]
+        for key, label, color in (("moe/route_agreement", "route agreement (live top-k)", "tab:blue"),
+                                  ("moe/route_agreement_used", "route agreement (experts used)", "tab:cyan")):
+            if series(key):
+                moe_ax.plot(*zip(*series(key)), label=label, color=color, alpha=0.8)
+        moe_ax.set_ylim(-0.02, 1.02)
+        moe_ax.set_ylabel("trainer vs generator")
+        moe_ax.grid(alpha=0.3)
+        load_ax = moe_ax.twinx()
+        if series("moe/load_max_over_mean"):
+            load_ax.plot(*zip(*series("moe/load_max_over_mean")), label="expert load max / mean",
+                         color="tab:red", linestyle="--")
+        load_ax.set_ylabel("load max / mean")
+        lines = moe_ax.get_legend_handles_labels()[0] + load_ax.get_legend_handles_labels()[0]
+        moe_ax.legend(lines, [line.get_label() for line in lines], loc="lower left")
     axes[-1][0].set_xlabel("step")
     out = Path(run_dir) / "progress.png"
     fig.tight_layout()
