@@ -1,8 +1,8 @@
-"""GRPO on the arithmetic task with a small Qwen3-MoE policy (8 experts, top-2, ~0.92M parameters).
+"""GRPO on the arithmetic task with a small Qwen3-MoE policy (8 experts, top-2, 1.71M parameters).
 
     titanrl train examples/moe/config.py --out runs/moe
 
-Starts from `warm_start/` (made by `make_warm_start.py`, 30 % held-out greedy accuracy) and
+Starts from `warm_start/` (made by `make_warm_start.py`, 19 % held-out greedy accuracy) and
 trains with the arithmetic example's exact-match reward. The policy runs inside vLLM as our
 own MoE module, and the trainer replays the experts the generator routed each token through
 (`train.router_replay`), so a top-k flip between the two cannot move a token to other experts.
@@ -33,13 +33,19 @@ config = titanrl.RunConfig(
         max_num_seqs=512,
     ),
     train=titanrl.TrainConfig(
-        steps=400,
+        steps=600,
         lr=1e-3,
         warmup_steps=5,
         lr_decay="cosine",
         min_lr_ratio=0.1,
         max_staleness=1,
         micro_batch_size=512,
+        # Train each token through the experts the generator routed it through (recorded by
+        # vLLM's copy of our router): the routing of a sample is the one it was sampled under.
+        router_replay=True,
+        # HF's load-balancing loss, 10x config.json's coefficient: spread tokens over the experts.
+        moe_load_balance="aux_loss",
+        moe_aux_loss_coef=0.01,
     ),
     eval=titanrl.EvalConfig(every_steps=25),
     rewards=[reward],

@@ -4,7 +4,7 @@
 
 Writes `warm_start/` next to this file (an HF Qwen3MoeForCausalLM checkpoint with the byte
 tokenizer) and the arithmetic example's `data/` (the same task and files). The model is the
-arithmetic model with every MLP replaced by 8 SwiGLU experts routed top-2 (about 1M
+arithmetic model with every MLP replaced by 8 SwiGLU experts of width 256 routed top-2 (1.71M
 parameters), trained with next-token cross-entropy on correct sums by the arithmetic
 example's loop and stopped at the same dev-accuracy mark. Deterministic for a seed
 (single-threaded CPU).
@@ -25,8 +25,8 @@ import task  # noqa: E402
 from titanrl.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 from titanrl.models.tiny import tiny_config  # noqa: E402
 
-MOE_FIELDS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
-"""The experts: 8 per layer, top-2, each a SwiGLU of width 128 (a quarter of the dense MLP's 512)."""
+MOE_FIELDS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True)
+"""The experts: 8 per layer, top-2, each a SwiGLU of width 256: a token's two experts are as wide as the dense model's 512-wide MLP."""
 
 
 def moe_config() -> Qwen3MoeConfig:
