@@ -202,8 +202,14 @@ def test_expert_bias_update_resume_and_push(moe_checkpoint, tmp_path):
         delta = rate * torch.sign(load.mean() - load)
         assert torch.equal(router.expert_bias, delta - delta.mean()), i
         assert router.expert_bias.abs().sum() > 0
+    # Every layer counts the same assignments (k per real token); the load metric is, per layer,
+    # the busiest expert's count over the mean count, averaged over layers (computed here by hand).
+    totals = stats.moe.load.sum(1)
+    assert torch.all(totals == totals[0]) and totals[0] > 0
+    by_hand = sum(layer.max().item() / layer.mean().item() for layer in stats.moe.load) / len(stats.moe.load)
+    assert stats.moe.load_max_over_mean == pytest.approx(by_hand, rel=1e-12) and by_hand > 1.0
     metrics = trainer.step(groups)  # a second update through the whole step
-    assert 1.0 <= metrics["moe/load_max_over_mean"] <= 4.0 and "moe/aux_loss" in metrics
+    assert metrics["moe/load_max_over_mean"] > 1.0 and "moe/aux_loss" in metrics
     biases = {k: v.clone() for k, v in routing_buffers(trainer.model).items()}
     assert len(biases) == 2
 
