@@ -281,7 +281,7 @@ class GroupedExperts(nn.Module):
         return torch.cat(outputs) if outputs else x_MD.new_zeros(0, x_MD.shape[-1])
 
 
-def local_expert_counts(experts_NK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_by_expert(experts_NK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, counts): the stable permutation that sorts the N*k token slots by expert, and the
     slot count of each expert [E]."""
     flat = experts_NK.reshape(-1)
@@ -308,7 +308,7 @@ class SparseMoeBlock(nn.Module):
         x_ND = x_BTD.reshape(-1, D)
         routing = self.gate(x_ND)
         k = routing.experts.shape[1]
-        order, counts = local_expert_counts(routing.experts, self.num_experts)
+        order, counts = sort_by_expert(routing.experts, self.num_experts)
         x_sorted = x_ND[order // k]
         run = self.experts if self.dispatch is None else self.dispatch
         y_sorted = run(x_sorted, counts)
