@@ -24,6 +24,12 @@ ActivationCheckpointing = Literal["none", "full", "every_nth"]
 """Which decoder blocks recompute their activations in backward instead of storing them."""
 MoeLoadBalance = Literal["aux_loss", "bias", "none"]
 """How a mixture-of-experts policy's expert load is balanced (train.moe_load_balance)."""
+PolicyLoss = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
+"""Policy-gradient objectives (train.loss; titanrl/trainer/losses)."""
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+"""How per-token losses are averaged over a (mini)batch (train.loss_aggregation)."""
+OffPolicyCorrection = Literal["none", "tis_token", "tis_sequence", "mis_token", "mis_sequence", "mis_geometric"]
+"""Importance corrections for the generator-vs-trainer mismatch (train.off_policy_correction)."""
 RewardFn = Callable[..., float]
 """A reward `(prompt, completion, **row_fields) -> float`."""
 
@@ -175,8 +181,9 @@ class TrainConfig:
     with minibatches or ppo_epochs > 1."""
     behaviour_weight_cap: float = 2.0
     """Truncation of the decoupled loss's importance weight pi_prox / pi_generator."""
-    scale_advantages_by_std: bool = True
-    """Divide group-centered rewards by the group std (GRPO); False gives Dr.GRPO-style centering."""
+    scale_advantages_by_std: bool | None = None
+    """Divide group-centered rewards by the group std (GRPO); False gives Dr.GRPO-style centering.
+    None: True, except with train.loss='dr_grpo' (which never scales by the std)."""
     micro_batch_size: int = 64
     """Sequences per forward/backward; gradients accumulate to one step per batch."""
     logprob_chunk_tokens: int | None = None
@@ -239,6 +246,49 @@ class TrainConfig:
     moe_bias_update_rate: float = 1e-3
     """With moe_load_balance='bias': the step each expert's bias takes per optimizer step, up
     for an expert below the mean load and down for one above it."""
+    loss: PolicyLoss = "grpo"
+    """Policy objective. 'grpo': PPO-clip per token on group-normalised advantages (DeepSeekMath,
+    Shao et al. 2024). 'dr_grpo': the same clip with no std scaling of advantages and no length
+    normalisation: per-token losses summed and divided by (sequences x loss_length_norm), a
+    constant (Dr. GRPO, "Understanding R1-Zero-Like Training", Liu et al. 2025). 'dapo': the clip
+    with clip-higher (clip_eps_high defaults to 0.28) and token-mean aggregation (DAPO, Yu et al.
+    2025; its dynamic sampling and overlong shaping are rollout-side settings). 'gspo': one ratio
+    per sequence, exp(mean of its tokens' log-ratios), clipped by gspo_clip_eps (GSPO, "Group
+    Sequence Policy Optimization", Zheng et al. 2025). 'cispo': no token is clipped out; each
+    token's gradient A * grad log p is weighted by its ratio truncated at 1 + clip_eps_high
+    (default 0.28), a stop-gradient constant (CISPO, MiniMax-M1, 2025)."""
+    loss_aggregation: LossAggregation | None = None
+    """How per-token losses average over the (mini)batch: 'token-mean' (every trained token alike),
+    'seq-mean-token-mean' (mean over each sequence's tokens, then over sequences),
+    'seq-mean-token-sum-norm' (each sequence's token sum divided by loss_length_norm, then mean over
+    sequences). None: the loss's own (token-mean; seq-mean-token-mean for gspo;
+    seq-mean-token-sum-norm for dr_grpo, the only one dr_grpo accepts). Weights come from the whole
+    batch, so micro-batching and parallel layouts do not change the result."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss minus this times the (aggregated) entropy of the trainer's sampling
+    distribution on the trained tokens; 0 disables it."""
+    gspo_clip_eps: tuple[float, float] = (3e-4, 4e-4)
+    """loss='gspo': clip range (below, above) 1 of the sequence ratio; GSPO's paper uses 3e-4 and
+    4e-4 (sequence ratios sit much closer to 1 than token ratios)."""
+    loss_length_norm: int | None = None
+    """The constant of 'seq-mean-token-sum-norm' (dr_grpo): a sequence's token sum is divided by it.
+    None: rollout.max_new_tokens (env.max_total_tokens for environment runs)."""
+    off_policy_correction: OffPolicyCorrection = "none"
+    """Correction for generator-vs-trainer mismatch by the ratio w = pi_trainer / pi_generator of
+    the trainer's weights at the start of the batch (no gradient); the policy ratio is then taken
+    around those weights, as decoupled_loss does. 'tis_token' / 'tis_sequence': truncated
+    importance sampling, each token's loss times min(w, off_policy_cap), w per token or the
+    product over the sequence ("Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training", Yao et al. 2025). 'mis_token' / 'mis_sequence': masked importance sampling, the
+    weight w where it lies in [off_policy_low, off_policy_cap] and 0 (token or sequence dropped)
+    outside; 'mis_geometric': sequences whose geometric-mean ratio lies outside are dropped, the
+    others kept with weight 1 ("When Speed Kills Stability", Liu et al. 2025). Not with
+    decoupled_loss (which is 'tis_token' at behaviour_weight_cap)."""
+    off_policy_cap: float = 2.0
+    """Upper bound of the off-policy ratio: the truncation of 'tis_*', the mask bound of 'mis_*'."""
+    off_policy_low: float | None = None
+    """Lower bound of the off-policy ratio for 'mis_*' (below it a token or sequence is dropped);
+    None: 1 / off_policy_cap."""
 
 
 @dataclass

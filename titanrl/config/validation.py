@@ -88,7 +88,7 @@ def validate(config: RunConfig) -> None:
         )
     if not 0 < config.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p}")
-    for name in ("clip_eps", "clip_eps_high"):
+    for name in ("clip_eps", "clip_eps_high") if config.train.loss != "cispo" else ("clip_eps",):
         value = getattr(config.train, name)
         if value is not None and not 0 < value < 1:
             raise ConfigError(f"train.{name} must be in (0, 1), got {value}")
@@ -202,6 +202,56 @@ def _validate_trainer_layout(config: RunConfig, model_config: Any) -> None:
     if config.train.behaviour_weight_cap <= 0:
         raise ConfigError(f"train.behaviour_weight_cap must be > 0, got {config.train.behaviour_weight_cap}")
     _validate_moe(config, model_config)
+    _validate_loss(config)
+
+
+def _validate_loss(config: RunConfig) -> None:
+    """train.loss, its aggregation, entropy bonus and off-policy correction against each other
+    and the layout (titanrl/trainer/losses)."""
+    t, p = config.train, config.train.parallel
+    if t.loss == "dr_grpo":
+        if t.scale_advantages_by_std:
+            raise ConfigError("train.loss='dr_grpo' never divides advantages by the group std: set "
+                              "train.scale_advantages_by_std=None (or false), or train.loss='grpo'")
+        if t.loss_aggregation not in (None, "seq-mean-token-sum-norm"):
+            raise ConfigError(f"train.loss='dr_grpo' is defined by its constant normaliser "
+                              f"(seq-mean-token-sum-norm), but train.loss_aggregation={t.loss_aggregation!r}: "
+                              f"set train.loss_aggregation=None, or train.loss='grpo' with that aggregation")
+    if t.loss == "gspo" and t.clip_eps_high is not None:
+        raise ConfigError("train.clip_eps_high does not apply to train.loss='gspo' (a sequence ratio): set "
+                          "train.gspo_clip_eps=(below, above) instead and train.clip_eps_high=None")
+    if t.loss == "cispo" and t.clip_eps_high is not None and not (math.isfinite(t.clip_eps_high) and t.clip_eps_high > 0):
+        raise ConfigError(f"train.clip_eps_high (CISPO's weight truncation 1 + clip_eps_high) must be a finite "
+                          f"number > 0, got {t.clip_eps_high}")
+    if not all(0 < e < 1 for e in t.gspo_clip_eps):
+        raise ConfigError(f"train.gspo_clip_eps must be two numbers in (0, 1), got {t.gspo_clip_eps}")
+    if not math.isfinite(t.entropy_coef):
+        raise ConfigError(f"train.entropy_coef must be a finite number, got {t.entropy_coef}")
+    if t.loss_length_norm is not None and t.loss_length_norm <= 0:
+        raise ConfigError(f"train.loss_length_norm must be > 0 (or None: rollout.max_new_tokens), "
+                          f"got {t.loss_length_norm}")
+    if not (math.isfinite(t.off_policy_cap) and t.off_policy_cap > 0):
+        raise ConfigError(f"train.off_policy_cap must be a finite number > 0, got {t.off_policy_cap}")
+    if t.off_policy_low is not None and not 0 <= t.off_policy_low < t.off_policy_cap:
+        raise ConfigError(f"train.off_policy_low must be in [0, train.off_policy_cap={t.off_policy_cap}), "
+                          f"got {t.off_policy_low}")
+    corrected = t.off_policy_correction != "none"
+    if corrected and t.decoupled_loss:
+        raise ConfigError(f"train.off_policy_correction={t.off_policy_correction!r} with train.decoupled_loss=true: "
+                          f"both take the ratio around the trainer's weights and weigh pi_trainer / pi_generator "
+                          f"(decoupled_loss is 'tis_token' at behaviour_weight_cap); set train.decoupled_loss=false")
+    several_updates = t.minibatches > 1 or t.ppo_epochs > 1
+    if corrected and p.world_size > 1 and several_updates:
+        raise ConfigError(
+            f"train.off_policy_correction={t.off_policy_correction!r} with train.minibatches={t.minibatches} / "
+            f"ppo_epochs={t.ppo_epochs} needs the batch-start logprobs before the first update, which only the "
+            f"single-process trainer computes; train.parallel has world size {p.world_size}: set "
+            f"train.minibatches=1 and train.ppo_epochs=1, or use one trainer process")
+    sequence_level = t.loss == "gspo" or t.off_policy_correction in ("tis_sequence", "mis_sequence", "mis_geometric")
+    if sequence_level and p.pp > 1 and p.cp > 1:
+        field = "train.loss='gspo'" if t.loss == "gspo" else f"train.off_policy_correction={t.off_policy_correction!r}"
+        raise ConfigError(f"{field} sums over whole sequences, which is not implemented with train.parallel pp={p.pp} "
+                          f"and cp={p.cp} together: set pp=1 or cp=1")
 
 
 def _validate_moe(config: RunConfig, model_config: Any) -> None:

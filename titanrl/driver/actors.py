@@ -25,7 +25,9 @@ def start_trainer(config: RunConfig, placement: Placement) -> Any:
     from titanrl.trainer.trainer import GRPOTrainer
     from titanrl.trainer.trainer_group import TrainerGroup
 
-    tc = config.train
+    from titanrl.trainer.losses.settings import with_length_norm
+
+    tc = with_length_norm(config)
     trainer_cls = TrainerGroup if tc.parallel.world_size > 1 else GRPOTrainer
     return ray.remote(trainer_cls).options(**placement.trainer_options()).remote(
         config.model, tc, config.rollout.temperature, config.seed, batch_invariant=config.batch_invariant,

@@ -36,6 +36,9 @@ class PackedBatch:
     """Mixture-of-experts policies: the generator's routing of each input token, [B, T,
     num_sparse_layers, k] int16 holding expert id + 1, so that 0 (what every pad and trim
     writes) means not recorded; None when no sample carries `routed_experts`."""
+    row_tokens_B: torch.Tensor | None = None
+    """Trained tokens of each whole row: the loss's per-sequence normaliser, set by the step from
+    the whole batch before rows split over ranks and context-parallel chunks."""
 
     def map(self, per_token: Callable[[torch.Tensor], torch.Tensor],
             per_row: Callable[[torch.Tensor], torch.Tensor]) -> PackedBatch:

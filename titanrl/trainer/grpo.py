@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from titanrl.trainer.losses.off_policy import truncated_token_weights
+
 
 def group_advantages(rewards_G: torch.Tensor, eps: float = 1e-6, scale_by_std: bool = True) -> torch.Tensor:
     """(r - mean) / (std + eps) within one prompt's group; all-equal rewards give zeros.
@@ -54,9 +56,13 @@ def clipped_surrogate_loss(
         per_token = per_token * token_weights_BT
     loss_sum = (per_token * mask_BT).sum()
     with torch.no_grad():
-        was_clipped = ((unclipped != clipped) & (mask_BT > 0)).float().sum()
+        was = (unclipped != clipped) & (mask_BT > 0)
+        low = (was & (ratio < 1.0 - clip_eps)).float().sum()
+        was_clipped = was.float().sum()
         stats = {
             "clipped_tokens": was_clipped,
+            "clip_low_tokens": low,
+            "clip_high_tokens": was_clipped - low,
             "abs_logprob_diff_sum": ((logprobs_BT - old_logprobs_BT).abs() * mask_BT).sum(),
             "max_abs_logprob_diff": ((logprobs_BT - old_logprobs_BT).abs() * mask_BT).max(),
         }
@@ -80,7 +86,6 @@ def decoupled_surrogate_loss(
     versions older; the behaviour policy enters as the importance weight pi_prox / pi_behav,
     truncated at `weight_cap`. For on-policy tokens the weight is 1 and this is plain PPO-clip.
     """
-    with torch.no_grad():
-        weights = torch.exp((proximal_logprobs_BT - behaviour_logprobs_BT) * mask_BT).clamp(max=weight_cap)
+    weights = truncated_token_weights(proximal_logprobs_BT, behaviour_logprobs_BT, mask_BT, weight_cap)
     return clipped_surrogate_loss(logprobs_BT, proximal_logprobs_BT, advantages_B, mask_BT, clip_eps, clip_eps_high,
                                   token_weights_BT=weights)

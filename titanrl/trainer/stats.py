@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,9 @@ class GradStats:
     softmax(logits / temperature), from the same chunks as the logprobs."""
     moe: MoeStats | None = None
     """Routing measurements of a mixture-of-experts policy (None: dense, or pipelined)."""
+    loss_measures: dict[str, float] = field(default_factory=dict)
+    """What the loss clipped, masked or truncated: named sums and maxima over the batch
+    (titanrl.trainer.losses.measures)."""
 
 
 @dataclass

@@ -28,6 +28,7 @@ from titanrl.memory import peak_rss_gib
 from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.batch import PackedBatch, minibatch_row_ranges, pack
+from titanrl.trainer.losses.measures import combine_passes, loss_metrics
 from titanrl.trainer.lr_schedule import build_scheduler, load_scheduler_state
 from titanrl.trainer.optimizer import build_optimizers
 from titanrl.trainer.parallel.checkpoint import load_model_optim, save_training_checkpoint
@@ -186,6 +187,8 @@ class GRPOTrainer:
             (non-finite, which is why they were skipped).
           lr: learning rate of the call's last optimizer step (the one it would have used, if skipped).
           train/clip_fraction: clipped / tokens over every forward of the call (all passes).
+          loss/*, offpolicy/*: what the loss clipped, masked or truncated, over the same forwards
+            (titanrl.trainer.losses.measures.loss_metrics says which appear for which loss).
           train/entropy: token-mean entropy of the trainer's sampling distribution softmax(logits /
             temperature) over the trained tokens of every forward of the call (all passes).
           train/mismatch_mean_abs, train/mismatch_max_abs: |trainer - generator| logprob on the
@@ -210,17 +213,19 @@ class GRPOTrainer:
         if not groups:
             raise ValueError("GRPOTrainer.step needs at least one group")
         start = time.perf_counter()
-        batch = pack(groups, self.pad_id, self.cfg.scale_advantages_by_std, current_version=self.version)
+        batch = pack(groups, self.pad_id, self.grpo.loss.scale_by_std, current_version=self.version)
         ranges = minibatch_row_ranges([len(g.samples) for g in groups], self.cfg.minibatches)
         # With one minibatch the first forward sees every row at the generator's weights;
         # with several, later minibatches run after an update, so measure parity up front.
         parity = self.measure_parity(batch) if len(ranges) > 1 else None
         several_updates = len(ranges) > 1 or self.cfg.ppo_epochs > 1
-        proximal = self.proximal_logprobs(batch) if self.cfg.decoupled_loss and several_updates else None
+        # The batch-start weights' logprobs, when the loss takes its ratio around them.
+        proximal = self.proximal_logprobs(batch) if self.grpo.loss.at_proximal and several_updates else None
         taken_loss, taken_norm, skipped_loss, skipped_norm = [], [], [], []
         clipped = seen_tokens = entropy = 0.0
         first: GradStats | None = None
         moe_passes: list = []
+        loss_passes: list[dict[str, float]] = []
         lr = self.scheduler.get_last_lr()[0]
         for _ in range(self.cfg.ppo_epochs):
             for lo, hi in ranges:
@@ -232,6 +237,7 @@ class GRPOTrainer:
                 entropy += stats.entropy_sum
                 if stats.moe is not None:
                     moe_passes.append(stats.moe)
+                loss_passes.append(stats.loss_measures)
                 seen_tokens += stats.tokens
                 loss, norm, taken = self.optimizer_step(stats)
                 (taken_loss if taken else skipped_loss).append(loss)
@@ -251,6 +257,7 @@ class GRPOTrainer:
         return {
             **parity.metrics(),
             **_moe_metrics(moe_passes),
+            **loss_metrics(self.grpo.loss, combine_passes(loss_passes), seen_tokens),
             "loss": sum(losses) / len(losses),
             "grad_norm": sum(norms) / len(norms),
             "lr": lr,

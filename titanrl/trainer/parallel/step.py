@@ -11,11 +11,14 @@ None: one data-parallel rank holding every row, and no collective.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -33,7 +36,12 @@ from titanrl.trainer.moe import (
     real_tokens,
     update_expert_bias,
 )
-from titanrl.trainer.grpo import clipped_surrogate_loss, decoupled_surrogate_loss, token_logprobs
+from titanrl.trainer.grpo import token_logprobs
+from titanrl.trainer.losses.aggregation import batch_sequences, row_weights
+from titanrl.trainer.losses.measures import LossMeasures
+from titanrl.trainer.losses.off_policy import correction_weights
+from titanrl.trainer.losses.policy import policy_loss
+from titanrl.trainer.losses.settings import LossSettings, loss_settings
 from titanrl.trainer.parallel.expert_parallel import sum_router_grads
 from titanrl.trainer.parallel.mesh import all_reduce, coord, dp_rank_and_size, owns
 from titanrl.trainer.parallel.parallelize import ParallelModel
@@ -85,11 +93,12 @@ def _squared_sum(t: torch.Tensor) -> torch.Tensor:
 class _Totals:
     """Per-rank sums of what GradStats reports, reduced over the world at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, loss: LossSettings) -> None:
         self.loss = self.clipped = self.diff_sum = self.entropy = 0.0
         self.diff_max = float("-inf")
         self.parity = LogprobParity()
         self.moe: MoeTotals | None = None
+        self.measures = LossMeasures(loss)
 
     def add(self, loss_sum: torch.Tensor, stats: dict[str, torch.Tensor], entropy_sum: torch.Tensor) -> None:
         self.loss += loss_sum.item()
@@ -97,6 +106,7 @@ class _Totals:
         self.clipped += stats["clipped_tokens"].item()
         self.diff_sum += stats["abs_logprob_diff_sum"].item()
         self.diff_max = nan_max(self.diff_max, stats["max_abs_logprob_diff"].item())
+        self.measures.add(stats)
 
     def merge(self, other: _Totals) -> None:
         self.loss += other.loss
@@ -105,6 +115,16 @@ class _Totals:
         self.diff_sum += other.diff_sum
         self.diff_max = nan_max(self.diff_max, other.diff_max)
         self.parity.merge(other.parity)
+        self.measures.merge(other.measures)
+
+
+class _BatchScale(NamedTuple):
+    """Totals of the whole (mini)batch that every micro-batch's loss is normalised by."""
+
+    tokens: torch.Tensor
+    """Trained tokens (clamped to >= 1): each backward divides its loss sum by it."""
+    sequences: torch.Tensor
+    """Rows holding a trained token (the seq-mean aggregations' S)."""
 
 
 class ParallelGRPOStep:
@@ -140,6 +160,12 @@ class ParallelGRPOStep:
             self.moe = None
         # The unchunked reference of what `_head` computes (for callers that hold logits).
         self.token_logprobs = kernels.token_logprobs if batch_invariant else token_logprobs
+        self.loss = loss_settings(train_config)
+        if self.loss.sequence_level and pm.pipelined and pm.context:
+            raise NotImplementedError("sequence-level losses and corrections (train.loss='gspo', "
+                                      "train.off_policy_correction='*_sequence'/'mis_geometric') with pp > 1 and cp > 1")
+        # A sequence's sum spans its chunks on every cp rank.
+        self.cp_group = pm.mesh["cp"].get_group() if pm.context else None
 
     # ------------------------------------------------------------------------- gradients
 
@@ -153,13 +179,13 @@ class ParallelGRPOStep:
         """
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        totals, total_tokens = self._forward(batch, backward=True)
+        totals, scale = self._forward(batch, backward=True)
         self._reduce_partial_grads()
         sum_router_grads(self.pm.parts)  # ep == tp: each tp rank routed its own tokens
         if self.pm.tied_group is not None:
             # Before any norm or step: both copies of a split tied matrix need its full gradient.
             sum_tied_grads(self.pm.parts, self.pm.tied_group)
-        return self._global_stats(totals, total_tokens)
+        return self._global_stats(totals, scale.tokens)
 
     @torch.no_grad()
     def measure_parity(self, batch: PackedBatch) -> LogprobParity:
@@ -169,8 +195,8 @@ class ParallelGRPOStep:
         (pipelines run their schedule's forward-only `eval`), so the numbers are the same bits;
         no gradient is computed or touched and no optimizer state changes.
         """
-        totals, total_tokens = self._forward(batch, backward=False)
-        return self._global_stats(totals, total_tokens).parity
+        totals, scale = self._forward(batch, backward=False)
+        return self._global_stats(totals, scale.tokens).parity
 
     @torch.no_grad()
     def proximal_logprobs(self, batch: PackedBatch) -> torch.Tensor:
@@ -184,30 +210,33 @@ class ParallelGRPOStep:
             out[lo:lo + sub.input_ids_BT.shape[0], :logprobs.shape[1]] = logprobs.to(out.device)
         return out
 
-    def _forward(self, batch: PackedBatch, backward: bool) -> tuple[_Totals, torch.Tensor]:
+    def _forward(self, batch: PackedBatch, backward: bool) -> tuple[_Totals, _BatchScale]:
         """Runs this rank's share of the batch (with backward, or forward only): its totals and
-        the whole batch's token count."""
+        the whole batch's token and sequence counts."""
         total_tokens = batch.loss_mask_BT.sum().clamp(min=1.0)
+        # Whole-row token counts, before rows split over ranks and cp chunks (the loss's normalisers).
+        batch = dataclasses.replace(batch, row_tokens_B=batch.loss_mask_BT.sum(1))
+        scale = _BatchScale(total_tokens, batch_sequences(batch.row_tokens_B))
         dp_rank, dp_size = dp_rank_and_size(self.pm.mesh)
         per_rank = -(-batch.input_ids_BT.shape[0] // dp_size)
         local = _pad_rows(batch, per_rank * dp_size).rows(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-        totals = _Totals()
+        totals = _Totals(self.loss)
         if self.moe is not None:
             totals.moe = MoeTotals(len(self.moe.sparse_layers), self.moe.num_experts, self.pm.device)
         if self.pm.pipelined:
-            self._pipelined(local, total_tokens, totals, backward)
+            self._pipelined(local, scale, totals, backward)
         else:
             # The auxiliary loss weighs each micro-batch by its share of the whole batch's real tokens.
             real_total = real_tokens(batch.loss_mask_BT).sum().clamp(min=1)
             for _, sub, logprobs, entropy, aux in self._logprobs_by_micro_batch(local, backward, totals.moe,
                                                                                  real_total):
-                loss_sum = self._loss(logprobs, entropy, sub, totals)
+                loss_sum = self._loss(logprobs, entropy, sub, totals, scale)
                 if backward:
                     loss = loss_sum / total_tokens.to(loss_sum.device)
                     if aux is not None and self.moe.aux_loss_coef:
                         loss = loss + self.moe.aux_loss_coef * aux.to(loss.device)
                     loss.backward()
-        return totals, total_tokens
+        return totals, scale
 
     def _head(self, targets_BT: torch.Tensor):  # noqa: ANN202 (a models.qwen3.LMHead)
         """The LM head for one micro-batch: (final-norm hidden [B, T, D], head weight [V, D]) ->
@@ -229,23 +258,39 @@ class ParallelGRPOStep:
 
         return head
 
-    def _loss(self, logprobs: torch.Tensor, entropy: torch.Tensor, sub: PackedBatch, totals: _Totals
-              ) -> torch.Tensor:
-        """Summed surrogate loss of one micro-batch (its tensors on the device); records its stats."""
-        mask, old, adv = sub.loss_mask_BT, sub.old_logprobs_BT, sub.advantages_B
-        cfg = self.cfg
-        if cfg.decoupled_loss:
-            proximal = logprobs.detach() if sub.proximal_BT is None else sub.proximal_BT
-            loss_sum, stats = decoupled_surrogate_loss(logprobs, proximal, old, adv, mask, cfg.clip_eps,
-                                                       cfg.clip_eps_high, cfg.behaviour_weight_cap)
-            with torch.no_grad():  # the mismatch stats stay trainer vs generator
-                gap = (logprobs - old).abs() * mask
-                stats["abs_logprob_diff_sum"], stats["max_abs_logprob_diff"] = gap.sum(), gap.max()
-        else:
-            loss_sum, stats = clipped_surrogate_loss(logprobs, old, adv, mask, cfg.clip_eps, cfg.clip_eps_high)
+    def _loss(self, logprobs: torch.Tensor, entropy: torch.Tensor, sub: PackedBatch, totals: _Totals,
+              scale: _BatchScale) -> torch.Tensor:
+        """Summed loss of one micro-batch (its tensors on the device), weighted so that dividing
+        by `scale.tokens` gives the train.loss_aggregation average; records its stats."""
+        mask, old, adv, s = sub.loss_mask_BT, sub.old_logprobs_BT, sub.advantages_B, self.loss
+        anchor, weights, stats = old, None, {}
+        if s.at_proximal:
+            # The ratio around the batch-start weights; the correction weighs pi_prox / pi_generator.
+            anchor = logprobs.detach() if sub.proximal_BT is None else sub.proximal_BT
+            weights, stats = correction_weights(s.correction, anchor, old, mask, s.cap, s.low, self._row_sum,
+                                                sub.row_tokens_B)
+        rows = row_weights(s.aggregation, sub.row_tokens_B, scale.tokens.to(mask.device),
+                           scale.sequences.to(mask.device), s.length_norm)
+        rows_B1 = None if rows is None else rows[:, None]
+        if rows_B1 is not None:
+            weights = rows_B1 if weights is None else weights * rows_B1
+        loss_sum, policy_stats = policy_loss(s, logprobs, anchor, adv, mask, weights, self._row_sum, sub.row_tokens_B)
+        stats.update(policy_stats)
+        if s.entropy_coef:
+            per_token = entropy * mask if rows_B1 is None else entropy * mask * rows_B1
+            loss_sum = loss_sum - s.entropy_coef * per_token.sum()
+        # Further terms (a KL to a reference) add here, weighted per token by `rows_B1` as above.
+        with torch.no_grad():  # the mismatch stats stay trainer vs generator
+            gap = (logprobs - old).abs() * mask
+            stats["abs_logprob_diff_sum"], stats["max_abs_logprob_diff"] = gap.sum(), gap.max()
         totals.add(loss_sum.detach(), stats, (entropy.detach() * mask).sum())
         totals.parity.add(logprobs, old, mask * sub.current_B.float()[:, None])
         return loss_sum
+
+    def _row_sum(self, x_BT: torch.Tensor) -> torch.Tensor:
+        """[B, T] -> [B]: sums over each whole row, the other cp ranks' chunks included (with autograd)."""
+        s_B = x_BT.sum(1)
+        return s_B if self.cp_group is None else dist_nn.all_reduce(s_B, group=self.cp_group)
 
     def _to_device(self, sub: PackedBatch) -> PackedBatch:
         """`sub` on this rank's device; its per-token fields sequence-sharded under CP."""
@@ -296,7 +341,7 @@ class ParallelGRPOStep:
             finally:
                 routing.end()
 
-    def _pipelined(self, local: PackedBatch, total_tokens: torch.Tensor, totals: _Totals, backward: bool) -> None:
+    def _pipelined(self, local: PackedBatch, scale: _BatchScale, totals: _Totals, backward: bool) -> None:
         pm = self.pm
         if local.proximal_BT is not None:
             raise NotImplementedError("the pipelined trainer has no decoupled loss (train.decoupled_loss)")
@@ -310,26 +355,27 @@ class ParallelGRPOStep:
         mask = local.loss_mask_BT
         per_row = lambda t: t[:, None].double().expand_as(mask)  # noqa: E731
         packed = torch.stack([local.targets_BT.double(), mask.double(), local.old_logprobs_BT.double(),
-                              per_row(local.advantages_B), per_row(local.current_B)], -1)
+                              per_row(local.advantages_B), per_row(local.current_B), per_row(local.row_tokens_B)], -1)
         calls: list[_Totals] = []
         last = next((p for p in pm.parts if p.is_last), None)
 
         def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             # The last stage returns final-norm hidden states; its LM head runs here, chunked.
-            t, m, o, a, c = target.unbind(-1)
+            t, m, o, a, c, n = target.unbind(-1)
             if not self.pm.context:
                 # Trim this micro-batch's trailing padding as the unpipelined step does: the
                 # loss sums the same [rows, T] tensor, so with batch-invariant logprobs and the
                 # same rows per micro-batch it has the same bits (zero-mask columns add no gradient).
                 T = trimmed_len(m)
                 hidden, t, m, o = hidden[:, :T], t[:, :T], m[:, :T], o[:, :T]
-            calls.append(_Totals())
+            calls.append(_Totals(self.loss))
             # The loss reads no input ids: the targets stand in for them.
-            sub = PackedBatch(t.long(), t.long(), m.float(), o.float(), a[:, 0].float(), c[:, 0] > 0)
+            sub = PackedBatch(t.long(), t.long(), m.float(), o.float(), a[:, 0].float(), c[:, 0] > 0,
+                              row_tokens_B=n[:, 0].float())
             # Through the stage module: FSDP gathers the head's weight, mixed precision casts it.
             logprobs, entropy = last(hidden, head=self._head(t.long()))
-            loss_sum = self._loss(logprobs, entropy, sub, calls[-1])
-            return loss_sum / total_tokens.to(loss_sum.device)
+            loss_sum = self._loss(logprobs, entropy, sub, calls[-1], scale)
+            return loss_sum / scale.tokens.to(loss_sum.device)
 
         schedule = build_schedule(pm.parts, pm.parallel, pm.mesh, pm.device, n_micro, loss_fn)
         has_first = any(p.is_first for p in pm.parts)
@@ -377,7 +423,23 @@ class ParallelGRPOStep:
         diff_max, p_max = top.tolist()
         parity = LogprobParity(p_sum, float("nan") if p_nan else max(p_max, 0.0), p_diff, p_checked)
         return GradStats(loss, total_tokens.item(), clipped, diff_sum, float("nan") if nan else diff_max, parity,
-                         entropy, self._global_moe_stats(totals.moe, counts))
+                         entropy, self._global_moe_stats(totals.moe, counts),
+                         self._global_loss_measures(totals.measures, counts))
+
+    def _global_loss_measures(self, m: LossMeasures, counts: bool) -> dict[str, float]:
+        """The loss's measures summed (maxima maxed) over the world; a NaN maximum stays NaN."""
+        pm, out = self.pm, {}
+        if m.sums:
+            sums = torch.tensor([v if counts else 0.0 for v in m.sums.values()], dtype=torch.float64, device=pm.device)
+            all_reduce(sums, pm.mesh)
+            out.update(zip(m.sums, sums.tolist(), strict=True))
+        if m.maxima:
+            vals = [v if counts else float("-inf") for v in m.maxima.values()]
+            top = torch.tensor([[float(math.isnan(v)), -math.inf if math.isnan(v) else v] for v in vals],
+                               dtype=torch.float64, device=pm.device)
+            all_reduce(top, pm.mesh, op=dist.ReduceOp.MAX)
+            out.update((k, math.nan if nan else v) for k, (nan, v) in zip(m.maxima, top.tolist(), strict=True))
+        return out
 
     def _global_moe_stats(self, moe: MoeTotals | None, counts: bool) -> MoeStats | None:
         """The routing measurements summed over the world (TP ranks, identical, count once)."""
