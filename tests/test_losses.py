@@ -352,3 +352,65 @@ def test_step_metrics_and_batch_start_ratio_with_minibatches(ckpt):
     assert metrics["loss/clip_low_fraction"] + metrics["loss/clip_high_fraction"] == pytest.approx(
         metrics["train/clip_fraction"])
     assert metrics["train/optimizer_steps"] == 2.0
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.fixture
+def run_config(tmp_path, ckpt):
+    from titanrl.config import DataConfig, RunConfig
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "1+1="}\n')
+    return RunConfig(model=ModelConfig(checkpoint=str(ckpt)), data=DataConfig(train_file=str(train)),
+                     rewards=[lambda prompt, completion, **_: 0.0])
+
+
+@pytest.mark.parametrize("train, parallel, field", [
+    (dict(loss="dr_grpo", scale_advantages_by_std=True), {}, "train.scale_advantages_by_std"),
+    (dict(loss="dr_grpo", loss_aggregation="token-mean"), {}, "train.loss_aggregation"),
+    (dict(loss="gspo", clip_eps_high=0.3), {}, "train.gspo_clip_eps"),
+    (dict(gspo_clip_eps=(0.0, 0.1)), {}, "train.gspo_clip_eps"),
+    (dict(loss="cispo", clip_eps_high=-1.0), {}, "train.clip_eps_high"),
+    (dict(entropy_coef=math.inf), {}, "train.entropy_coef"),
+    (dict(loss_length_norm=0), {}, "train.loss_length_norm"),
+    (dict(off_policy_cap=0.0), {}, "train.off_policy_cap"),
+    (dict(off_policy_low=3.0), {}, "train.off_policy_low"),
+    (dict(off_policy_correction="tis_token", decoupled_loss=True), {}, "train.decoupled_loss=false"),
+    (dict(off_policy_correction="mis_token", minibatches=2), dict(dp_shard=2), "train.minibatches=1"),
+    (dict(loss="gspo"), dict(pp=2, cp=2), "train.loss='gspo'"),
+    (dict(off_policy_correction="mis_geometric"), dict(pp=2, cp=2), "train.off_policy_correction='mis_geometric'"),
+])
+def test_validation_names_the_field(run_config, train, parallel, field):
+    """Inconsistent loss settings fail validation with an error naming the field to change."""
+    from titanrl.config import ParallelConfig
+    from titanrl.config.validation import validate
+    from titanrl.errors import ConfigError
+
+    run_config.rollout.prompts_per_step = 2
+    run_config.train = TrainConfig(**train, parallel=ParallelConfig(**parallel))
+    with pytest.raises(ConfigError) as info:
+        validate(run_config)
+    assert field in str(info.value), str(info.value)
+
+
+def test_validation_accepts_the_variants(run_config):
+    """Each loss, aggregation and correction on its own validates (with one trainer process)."""
+    from titanrl.config.validation import validate
+
+    for kw in [dict(loss="dr_grpo"), dict(loss="dapo"), dict(loss="gspo"), dict(loss="cispo", clip_eps_high=3.0),
+               dict(loss_aggregation="seq-mean-token-mean", entropy_coef=0.01),
+               dict(off_policy_correction="mis_sequence", off_policy_low=0.1, ppo_epochs=2)]:
+        run_config.train = TrainConfig(**kw)
+        validate(run_config)
+
+
+def test_driver_resolves_the_length_norm(run_config):
+    """loss_length_norm None becomes rollout.max_new_tokens for the trainer the driver starts."""
+    from titanrl.trainer.losses.settings import with_length_norm
+
+    run_config.rollout.max_new_tokens = 24
+    assert with_length_norm(run_config).loss_length_norm == 24
+    run_config.train.loss_length_norm = 7
+    assert with_length_norm(run_config).loss_length_norm == 7

@@ -3,6 +3,8 @@
 One spawned world of 2 processes runs all checks (process start + import torch is ~10 s).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -25,6 +27,12 @@ INVARIANT = {**INVARIANT_DP, **INVARIANT_PP}
 FORWARD_PARITY = ["fsdp", "ddp", "tp_sp", "cp", "pp", "pp_gpipe", "pp_interleaved"]
 """Layouts whose forward-only parity (ParallelGRPOStep.measure_parity) is checked, tied policy."""
 
+LOSS_VARIANT = dict(loss="gspo", gspo_clip_eps=(0.02, 0.03), off_policy_correction="tis_sequence",
+                    off_policy_cap=1.1, entropy_coef=0.01)
+"""A loss with every sequence-level part (GSPO's ratio, seq-mean-token-mean weights, a sequence
+correction) and the entropy bonus: checked under dp_shard and under cp, which splits each row."""
+LOSS_VARIANT_LAYOUTS = ["fsdp", "cp"]
+
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
@@ -36,6 +44,7 @@ def world(tmp_path_factory):
     from parallel_worlds import run_jobs, with_invariant_logprobs
 
     invariant = with_invariant_logprobs(tied)
+    variant = dataclasses.replace(untied, train=dataclasses.replace(untied.train, **LOSS_VARIANT))
     single = GRPOTrainer(ModelConfig(checkpoint=invariant.checkpoint), invariant.train, invariant.temperature,
                          seed=0, batch_invariant=True).accumulate_gradients(invariant.batch)
     jobs = [
@@ -46,10 +55,12 @@ def world(tmp_path_factory):
         ("forward_parity", (tied, {name: LAYOUTS[name] for name in FORWARD_PARITY})),
         ("vocab_parallel_logprobs", ()),
         ("vocab_shards", ([untied, tied], LAYOUTS["tp"])),
+        ("layouts", (LOSS_VARIANT_LAYOUTS, variant, reference(variant))),
     ]
     results = run_local_world(run_jobs, 2, jobs, timeout_s=600)[0]
     return {"untied": results[0], "tied": results[1], "ring": results[2], "invariant": results[3],
             "forward_parity": results[4], "vocab_parallel": results[5], "vocab_shards": results[6],
+            "loss_variant": results[7],
             "invariant_single": single.parity, "invariant_single_loss": single.loss_sum / single.tokens}
 
 
@@ -157,3 +168,11 @@ def test_tp_shards_embedding_and_head_over_the_vocabulary(world):
         assert report["vocab"] == 259, report
         assert [r[:2] for r in report["rows"]] == [[130, 130], [129, 129]], report
         assert all(r[2] == float(report["tied"]) for r in report["rows"]), report
+
+
+@pytest.mark.parametrize("layout", LOSS_VARIANT_LAYOUTS)
+def test_loss_variant_equals_single_process(world, layout):
+    """train.loss='gspo' with a sequence-level off-policy correction and an entropy bonus: loss,
+    gradient, norm, update and clip count under `layout` (fsdp: rows over 2 ranks; cp: each row's
+    tokens over 2 ranks, the sequence sums all-reduced) equal GRPOTrainer's in one process."""
+    _assert_matches(world["loss_variant"][layout])

@@ -18,7 +18,6 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -46,6 +45,7 @@ from titanrl.trainer.parallel.expert_parallel import sum_router_grads
 from titanrl.trainer.parallel.mesh import all_reduce, coord, dp_rank_and_size, owns
 from titanrl.trainer.parallel.parallelize import ParallelModel
 from titanrl.trainer.parallel.pipeline import build_schedule
+from titanrl.trainer.parallel.row_sum import row_sums
 from titanrl.trainer.parallel.tied import sum_tied_grads
 from titanrl.config.parallel import check_batch_invariant, sequence_multiple
 from titanrl.trainer.stats import GradStats, LogprobParity, nan_max
@@ -289,8 +289,7 @@ class ParallelGRPOStep:
 
     def _row_sum(self, x_BT: torch.Tensor) -> torch.Tensor:
         """[B, T] -> [B]: sums over each whole row, the other cp ranks' chunks included (with autograd)."""
-        s_B = x_BT.sum(1)
-        return s_B if self.cp_group is None else dist_nn.all_reduce(s_B, group=self.cp_group)
+        return row_sums(x_BT, self.cp_group)
 
     def _to_device(self, sub: PackedBatch) -> PackedBatch:
         """`sub` on this rank's device; its per-token fields sequence-sharded under CP."""
