@@ -61,7 +61,8 @@ def test_grpo_clip_by_hand():
     log_r, mask = _ratios([[1.5, 1.1], [0.5, 1.0]], 2)
     loss, stats, lp = _policy("grpo", log_r, mask, [1.0, -1.0])
     assert loss.item() == pytest.approx(-0.5, abs=1e-12)
-    assert (stats["clip_low_tokens"].item(), stats["clip_high_tokens"].item(), stats["clipped_tokens"].item()) == (1, 1, 2)
+    counts = [stats[k].item() for k in ("clip_low_tokens", "clip_high_tokens", "clipped_tokens")]
+    assert counts == [1, 1, 2]
     loss.backward()
     assert _close(lp.grad, [[0.0, -1.1], [0.0, 1.0]])
 
@@ -251,7 +252,8 @@ def _reference_loss(model, batch, cfg: TrainConfig) -> torch.Tensor:
         keep = batch.loss_mask_BT[i] > 0
         if not keep.any():
             continue
-        lp, old, ent, A = lp_BT[i][keep], batch.old_logprobs_BT[i][keep].double(), ent_BT[i][keep], batch.advantages_B[i].item()
+        lp, old, ent = lp_BT[i][keep], batch.old_logprobs_BT[i][keep].double(), ent_BT[i][keep]
+        A = batch.advantages_B[i].item()
         anchor = lp.detach() if s.at_proximal else old
         r = torch.exp(lp - anchor)
         if s.loss == "gspo":
@@ -263,7 +265,8 @@ def _reference_loss(model, batch, cfg: TrainConfig) -> torch.Tensor:
             pg = -torch.minimum(r * A, r.clamp(1 - s.clip_low, 1 + s.clip_high) * A)
         w = torch.exp(anchor - old).detach()  # pi_prox / pi_generator
         prod, geo = w.prod(), w.prod() ** (1 / len(w))
-        c = {"none": torch.ones_like(w), "tis_token": w.clamp(max=s.cap), "tis_sequence": prod.clamp(max=s.cap).expand(len(w)),
+        c = {"none": torch.ones_like(w), "tis_token": w.clamp(max=s.cap),
+             "tis_sequence": prod.clamp(max=s.cap).expand(len(w)),
              "mis_token": torch.where((w >= s.low) & (w <= s.cap), w, 0 * w),
              "mis_sequence": (prod if s.low <= prod <= s.cap else 0 * prod).expand(len(w)),
              "mis_geometric": torch.full_like(w, float(s.low <= geo <= s.cap))}[s.correction]

@@ -283,7 +283,8 @@ class TrainConfig:
     weight w where it lies in [off_policy_low, off_policy_cap] and 0 (token or sequence dropped)
     outside; 'mis_geometric': sequences whose geometric-mean ratio lies outside are dropped, the
     others kept with weight 1 ("When Speed Kills Stability", Liu et al. 2025). Not with
-    decoupled_loss (which is 'tis_token' at behaviour_weight_cap)."""
+    decoupled_loss (which is 'tis_token' at behaviour_weight_cap). Costs one no-grad forward with
+    minibatches or ppo_epochs > 1, which only a single trainer process runs."""
     off_policy_cap: float = 2.0
     """Upper bound of the off-policy ratio: the truncation of 'tis_*', the mask bound of 'mis_*'."""
     off_policy_low: float | None = None

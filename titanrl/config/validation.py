@@ -220,7 +220,8 @@ def _validate_loss(config: RunConfig) -> None:
     if t.loss == "gspo" and t.clip_eps_high is not None:
         raise ConfigError("train.clip_eps_high does not apply to train.loss='gspo' (a sequence ratio): set "
                           "train.gspo_clip_eps=(below, above) instead and train.clip_eps_high=None")
-    if t.loss == "cispo" and t.clip_eps_high is not None and not (math.isfinite(t.clip_eps_high) and t.clip_eps_high > 0):
+    high = t.clip_eps_high
+    if t.loss == "cispo" and high is not None and not (math.isfinite(high) and high > 0):
         raise ConfigError(f"train.clip_eps_high (CISPO's weight truncation 1 + clip_eps_high) must be a finite "
                           f"number > 0, got {t.clip_eps_high}")
     if not all(0 < e < 1 for e in t.gspo_clip_eps):

@@ -144,7 +144,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------- gradients
 
     def accumulate_gradients(self, batch: PackedBatch, proximal_BT: torch.Tensor | None = None) -> GradStats:
-        """Leaves in `.grad` the gradient of the batch's token-mean loss; no optimizer step.
+        """Leaves in `.grad` the gradient of the batch's loss (train.loss_aggregation); no optimizer step.
 
         With `train.decoupled_loss`, `proximal_BT` holds the logprobs before this step's first
         update (None: this forward is at those weights). See `ParallelGRPOStep.accumulate_gradients`.
@@ -154,7 +154,8 @@ class GRPOTrainer:
         return self.grpo.accumulate_gradients(batch)
 
     def proximal_logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        """The current weights' logprobs of every target token (the decoupled loss's proximal policy)."""
+        """The current weights' logprobs of every target token (the proximal policy of the
+        decoupled loss and of train.off_policy_correction)."""
         return self.grpo.proximal_logprobs(batch)
 
     def measure_parity(self, batch: PackedBatch) -> LogprobParity:
@@ -177,13 +178,15 @@ class GRPOTrainer:
 
         Advantages come once per group; the old logprobs of the PPO ratio are the generator's.
         The call makes `ppo_epochs` passes; each splits the groups into `minibatches` contiguous
-        parts of whole groups and takes one optimizer step per part (token-mean over its tokens).
+        parts of whole groups and takes one optimizer step per part (its loss averaged as
+        train.loss_aggregation says).
         An optimizer step whose loss or gradient norm is not finite is skipped; if all are, the
         call is a skipped step: the version stays and `train/skipped` is 1.
 
         Metrics:
-          loss, grad_norm: mean over the call's optimizer steps taken of the minibatch token-mean
-            loss and of the pre-clip gradient norm; in a skipped call, mean over the skipped ones
+          loss, grad_norm: mean over the call's optimizer steps taken of the minibatch loss (its
+            train.loss_aggregation average, entropy bonus included) and of the pre-clip gradient
+            norm; in a skipped call, mean over the skipped ones
             (non-finite, which is why they were skipped).
           lr: learning rate of the call's last optimizer step (the one it would have used, if skipped).
           train/clip_fraction: clipped / tokens over every forward of the call (all passes).

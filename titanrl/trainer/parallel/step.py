@@ -5,8 +5,12 @@ contiguous share of its rows (zero-mask rows pad the batch to a multiple of the 
 TP ranks share rows and compute identically; CP ranks share rows and take sequence chunks;
 pipeline ranks share rows and run their stages. Every rank divides its loss sum by the token
 count of the *whole* batch, and FSDP sums (not averages) gradients, so the gradient is the
-token-mean's over the batch whatever the layout. A single process is the layout whose mesh is
-None: one data-parallel rank holding every row, and no collective.
+token-mean's over the batch whatever the layout. Other aggregations (train.loss_aggregation)
+weigh each row by a constant computed from the whole batch before the split
+(titanrl/trainer/losses/aggregation.py), and sums over a whole sequence (GSPO's ratio, sequence
+corrections) are all-reduced over the cp ranks that hold its chunks, so they too are the same
+under every layout. A single process is the layout whose mesh is None: one data-parallel rank
+holding every row, and no collective.
 """
 
 from __future__ import annotations
@@ -162,15 +166,16 @@ class ParallelGRPOStep:
         self.token_logprobs = kernels.token_logprobs if batch_invariant else token_logprobs
         self.loss = loss_settings(train_config)
         if self.loss.sequence_level and pm.pipelined and pm.context:
-            raise NotImplementedError("sequence-level losses and corrections (train.loss='gspo', "
-                                      "train.off_policy_correction='*_sequence'/'mis_geometric') with pp > 1 and cp > 1")
+            raise NotImplementedError("sequence-level losses and corrections (train.loss='gspo', train."
+                                      "off_policy_correction='*_sequence'/'mis_geometric') with pp > 1 and cp > 1")
         # A sequence's sum spans its chunks on every cp rank.
         self.cp_group = pm.mesh["cp"].get_group() if pm.context else None
 
     # ------------------------------------------------------------------------- gradients
 
     def accumulate_gradients(self, batch: PackedBatch) -> GradStats:
-        """Leaves in `.grad` the gradient of the whole batch's token-mean loss; returns global stats.
+        """Leaves in `.grad` the gradient of the whole batch's loss (the train.loss_aggregation
+        average, token-mean by default); returns global stats.
 
         Forward/backward runs in micro-batches of `micro_batch_size` rows (per data-parallel
         rank); each backward is divided by the whole batch's token count, so the sum is the
@@ -200,9 +205,10 @@ class ParallelGRPOStep:
 
     @torch.no_grad()
     def proximal_logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        """The current weights' logprobs of every target token (the decoupled loss's proximal
-        policy), [B, T] on the batch's device. One process only: `validate` refuses
-        `train.decoupled_loss` for a parallel trainer."""
+        """The current weights' logprobs of every target token (the proximal policy of the
+        decoupled loss and of train.off_policy_correction), [B, T] on the batch's device. One
+        process only: `validate` refuses them for a parallel trainer that needs this (several
+        updates per batch)."""
         if self.pm.mesh is not None:
             raise NotImplementedError("the parallel trainer has no decoupled loss (train.decoupled_loss)")
         out = torch.zeros_like(batch.old_logprobs_BT)
