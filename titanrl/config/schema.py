@@ -46,9 +46,11 @@ class DataConfig:
     """Prompts to train and evaluate on."""
 
     train_file: str = ""
-    """JSON-lines file of training rows; each row has `prompt_field` plus any fields the reward needs."""
+    """Training rows: a .jsonl, .json, .parquet or .csv file (or a glob of them), or a directory
+    written by `datasets.Dataset.save_to_disk`; each row has `prompt_field` (or `messages_field`)
+    plus any fields the reward needs."""
     eval_file: str = ""
-    """JSON-lines file of held-out rows for eval accuracy; empty disables eval."""
+    """Held-out rows for eval accuracy, in the forms `train_file` takes; empty disables eval."""
     prompt_field: str = "prompt"
     """Row key holding the prompt text."""
     shuffle_seed: int = 0
@@ -56,6 +58,14 @@ class DataConfig:
     on_overlong: Literal["drop", "error"] = "drop"
     """Rows whose prompt tokens + rollout.max_new_tokens exceed rollout.max_model_len: 'drop' them
     (one warning with the count and first index) or 'error' before any actor starts."""
+    messages_field: str = ""
+    """Row key holding chat messages (a list of {"role", "content"}) to render with the checkpoint
+    tokenizer's chat template (ChatML when it has none) into `prompt_field`; empty: rows hold prompt text."""
+    train_rows: Any = None
+    """Training rows in memory (a list of dicts or a `datasets.Dataset`), used instead of
+    `train_file`; Python only (config.json records their count, not their contents)."""
+    eval_rows: Any = None
+    """Held-out rows in memory (a list of dicts or a `datasets.Dataset`), used instead of `eval_file`."""
 
 
 @dataclass

@@ -147,12 +147,7 @@ def validate(config: RunConfig) -> None:
             f"rollout.record_routed_experts=True needs a mixture-of-experts checkpoint, but model.checkpoint is "
             f"{model_config.HF_ARCHITECTURE}: set rollout.record_routed_experts=None (or False)"
         )
-    for name in ("train_file", "eval_file"):
-        path = getattr(config.data, name)
-        if name == "train_file" and not path:
-            raise ConfigError("data.train_file is empty: set it to a JSON-lines file of prompts")
-        if path and not Path(path).is_file():
-            raise ConfigError(f"data.{name}: file {path!r} does not exist")
+    _validate_data(config)
     if config.env.factory is not None:
         resolve_env_factory(config.env.factory)
         _positive(config, "env.max_turns", "env.max_total_tokens")
@@ -165,6 +160,41 @@ def validate(config: RunConfig) -> None:
     for i, spec in enumerate(config.rewards):
         resolve_reward(spec, i)
     _validate_trainer_layout(config, model_config)
+
+
+SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
+"""What `Dataset.save_to_disk` (and `DatasetDict.save_to_disk`) leave in the directory."""
+
+
+def _validate_data(config: RunConfig) -> None:
+    """Where the rows come from (a path that exists, or rows in memory); the rows themselves are
+    checked when `titanrl.data` loads them, still before any actor starts."""
+    import glob
+
+    dc = config.data
+    for split in ("train", "eval"):
+        path, rows = getattr(dc, f"{split}_file"), getattr(dc, f"{split}_rows")
+        if rows is not None:
+            if path:
+                raise ConfigError(f"data.{split}_file and data.{split}_rows are both set: keep one source")
+            if not isinstance(rows, list) and type(rows).__module__.split(".")[0] != "datasets":
+                raise ConfigError(f"data.{split}_rows must be a list of dicts or a datasets.Dataset, "
+                                  f"got {type(rows).__name__}")
+            continue
+        if split == "train" and not path:
+            raise ConfigError("data.train_file is empty: set it to a .jsonl, .json, .parquet or .csv file of "
+                              "prompts or a saved dataset directory (or data.train_rows in Python)")
+        if path and not (Path(path).exists() or (glob.has_magic(path) and glob.glob(path))):
+            what = "pattern matches no file" if glob.has_magic(path) else "does not exist"
+            raise ConfigError(f"data.{split}_file: {path!r} {what}")
+        if path and Path(path).is_dir() and not any((Path(path) / f).is_file() for f in SAVED_DATASET_FILES):
+            raise ConfigError(f"data.{split}_file: {path!r} is a directory but not one written by "
+                              "datasets.Dataset.save_to_disk (no state.json): point at the data files "
+                              "(a glob such as 'DIR/train-*.parquet' reads several)")
+    if dc.messages_field and config.env.factory is not None:
+        raise ConfigError("data.messages_field renders single-turn prompts, but env.factory is set (an environment "
+                          "writes its own prompt in reset()): set data.messages_field='' and read the messages "
+                          "in the environment")
 
 
 def _validate_dtypes(config: RunConfig) -> None:
