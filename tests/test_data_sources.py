@@ -198,6 +198,27 @@ def test_messages_are_rendered_with_the_checkpoint_template(tmp_path):
                    "prompt": f"{EOS_TOKEN}[system] Be brief.\n[user] 2+2?\n[assistant] "}
 
 
+def test_a_string_field_is_one_user_message_after_the_system_prompt(tmp_path):
+    """A GSM8K-style row (`question` text) renders as one user turn; data.system_prompt goes first
+    unless the row's messages bring their own system message; it needs data.messages_field."""
+    ckpt = tmp_path / "ckpt"
+    _tokenizer().save_pretrained(str(ckpt))
+    own = [{"role": "system", "content": "Mine."}, {"role": "user", "content": "3+3?"}]
+    rows = [{"question": "2+2?", "answer": "#### 4"}, {"question": own, "answer": "#### 6"}]
+    config = RunConfig(model=ModelConfig(checkpoint=str(ckpt)),
+                       data=DataConfig(train_rows=rows, messages_field="question", system_prompt="End with #### N."))
+    train, _ = load_run_rows(config)
+    assert [r["prompt"] for r in train] == [f"{EOS_TOKEN}[system] End with #### N.\n[user] 2+2?\n[assistant] ",
+                                            f"{EOS_TOKEN}[system] Mine.\n[user] 3+3?\n[assistant] "]
+    assert [r["answer"] for r in train] == ["#### 4", "#### 6"]
+    from titanrl.models.tiny import write_tiny_checkpoint
+
+    no_field = RunConfig(model=ModelConfig(checkpoint=str(write_tiny_checkpoint(tmp_path / "tiny"))),
+                         data=DataConfig(train_rows=rows, system_prompt="x"), rewards=[lambda p, c, **f: 0.0])
+    with pytest.raises(ConfigError, match="data.system_prompt is set but data.messages_field is empty"):
+        validate(no_field)
+
+
 def test_render_chat_tools_bos_and_the_chatml_fallback():
     """Tool schemas reach a template that reads `tools`; a template's own BOS is dropped when the
     tokenizer adds one on encoding (never two); a tokenizer without a template gets ChatML; a

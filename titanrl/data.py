@@ -10,10 +10,11 @@ A source is a path or rows in memory:
 - in Python, a list of dicts or a `datasets.Dataset` (`DataConfig.train_rows` / `eval_rows`).
 
 Every row must be an object with a non-empty string `data.prompt_field`, or, with
-`data.messages_field` set, a non-empty list of `{"role", "content"}` messages there; the first
-row that is not fails with its index and the missing field before any actor starts. Message
-rows are rendered with the checkpoint tokenizer's chat template (`titanrl.chat.render_chat`)
-into `prompt_field`, so workers and rewards see prompt text as for any other row.
+`data.messages_field` set, a non-empty list of `{"role", "content"}` messages there (or a
+string: one user message); the first row that is not fails with its index and the missing field
+before any actor starts. Message rows (after `data.system_prompt`, when set) are rendered with
+the checkpoint tokenizer's chat template (`titanrl.chat.render_chat`) into `prompt_field`, so
+workers and rewards see prompt text as for any other row.
 """
 
 from __future__ import annotations
@@ -122,9 +123,11 @@ def check_rows(rows: list[Any], where: Callable[[int], str], prompt_field: str, 
 
 def _check_messages(row: dict[str, Any], where: str, messages_field: str) -> None:
     messages = row.get(messages_field)
+    if isinstance(messages, str) and messages:
+        return  # one user message (a GSM8K `question`, say)
     if not isinstance(messages, list) or not messages:
         raise DatasetError(f"{where} needs a field {messages_field!r} (data.messages_field) holding a non-empty "
-                           f"list of {{'role', 'content'}} messages, got {'nothing' if messages is None else repr(messages)[:80]}")
+                           f"list of {{'role', 'content'}} messages (or a non-empty string: one user message), got {'nothing' if messages is None else repr(messages)[:80]}")
     for j, message in enumerate(messages):
         for key in ("role", "content"):
             if not isinstance(message, dict) or not isinstance(message.get(key), str):
@@ -143,11 +146,21 @@ def load_rows(source: Any, prompt_field: str = "prompt", messages_field: str = "
     return rows
 
 
+def row_messages(value: str | list[dict[str, Any]], system_prompt: str = "") -> list[dict[str, Any]]:
+    """The chat messages of a row's `messages_field` value: a string is one user message; a
+    `system_prompt` goes first unless the messages start with a system message of their own."""
+    messages = [{"role": "user", "content": value}] if isinstance(value, str) else list(value)
+    if system_prompt and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
 def render_messages(rows: list[dict[str, Any]], tokenizer: Any, messages_field: str,
-                    prompt_field: str) -> list[dict[str, Any]]:
+                    prompt_field: str, system_prompt: str = "") -> list[dict[str, Any]]:
     """Rows with `prompt_field` set to their messages under the tokenizer's chat template
     (ChatML for a tokenizer without one); the messages stay in the row for the rewards."""
-    return [{**row, prompt_field: render_chat(tokenizer, row[messages_field])} for row in rows]
+    return [{**row, prompt_field: render_chat(tokenizer, row_messages(row[messages_field], system_prompt))}
+            for row in rows]
 
 
 class PromptStream:
@@ -238,7 +251,7 @@ def _prompts(config: RunConfig, rows: list[dict[str, Any]], tokenizer: Any, max_
     """Rows with their prompt text rendered (data.messages_field) and too-long prompts dropped."""
     dc, rc = config.data, config.rollout
     if dc.messages_field:
-        rows = render_messages(rows, tokenizer, dc.messages_field, dc.prompt_field)
+        rows = render_messages(rows, tokenizer, dc.messages_field, dc.prompt_field, dc.system_prompt)
     count_tokens = prompt_token_counter(config.model.checkpoint, tokenizer)
     return drop_overlong(rows, count_tokens, dc.prompt_field, max_new_tokens, rc.max_model_len, source,
                          dc.on_overlong)

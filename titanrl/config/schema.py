@@ -59,13 +59,17 @@ class DataConfig:
     """Rows whose prompt tokens + rollout.max_new_tokens exceed rollout.max_model_len: 'drop' them
     (one warning with the count and first index) or 'error' before any actor starts."""
     messages_field: str = ""
-    """Row key holding chat messages (a list of {"role", "content"}) to render with the checkpoint
-    tokenizer's chat template (ChatML when it has none) into `prompt_field`; empty: rows hold prompt text."""
+    """Row key holding chat messages (a list of {"role", "content"}, or a string: one user message)
+    to render with the checkpoint tokenizer's chat template (ChatML when it has none) into
+    `prompt_field`; empty: rows hold prompt text."""
     train_rows: Any = None
     """Training rows in memory (a list of dicts or a `datasets.Dataset`), used instead of
     `train_file`; Python only (config.json records their count, not their contents)."""
     eval_rows: Any = None
     """Held-out rows in memory (a list of dicts or a `datasets.Dataset`), used instead of `eval_file`."""
+    system_prompt: str = ""
+    """With `messages_field`: a system message put before each row's messages (unless they start
+    with one), e.g. the answer format a reward expects."""
 
 
 @dataclass

@@ -191,6 +191,10 @@ def _validate_data(config: RunConfig) -> None:
             raise ConfigError(f"data.{split}_file: {path!r} is a directory but not one written by "
                               "datasets.Dataset.save_to_disk (no state.json): point at the data files "
                               "(a glob such as 'DIR/train-*.parquet' reads several)")
+    if dc.system_prompt and not dc.messages_field:
+        raise ConfigError("data.system_prompt is set but data.messages_field is empty: the system prompt goes "
+                          "before each row's chat messages; set data.messages_field (a string field is one "
+                          "user message)")
     if dc.messages_field and config.env.factory is not None:
         raise ConfigError("data.messages_field renders single-turn prompts, but env.factory is set (an environment "
                           "writes its own prompt in reset()): set data.messages_field='' and read the messages "
