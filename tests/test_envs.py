@@ -78,35 +78,58 @@ def call_text(name: str, **arguments: Any) -> str:
 
 # --- tools -------------------------------------------------------------------------------
 def test_tool_schema_from_signature():
-    """Parameter types, defaults and docstrings become the JSON schema the prompt shows; untyped
-    or unsupported parameters are refused when the tool is defined, not when the model calls it."""
+    """Parameter types, defaults and docstrings become the JSON schema the prompt shows, as
+    transformers.utils.get_json_schema writes it (the schema chat templates take as tools=);
+    untyped, undocumented or unsupported parameters are refused when the tool is defined, not
+    when the model calls it."""
+    from transformers.utils import get_json_schema
 
     async def search(query: str, k: int, scale: float, exact: bool, tags: list[str],
                      weights: dict[str, float], lang: Optional[str] = None) -> list:
         """Searches the index.
 
-        More text that is not part of the description.
+        Args:
+            query: words to find
+            k: how many hits
+            scale: score scale
+            exact: exact match only
+            tags: tags to filter by
+            weights: per-field weights
+            lang: language code
         """
         return []
 
     t = Tool.from_function(search)
     assert t.name == "search" and t.description == "Searches the index."
+    described = lambda schema, text: {**schema, "description": text}  # noqa: E731
     assert t.parameters == {
         "type": "object",
         "properties": {
-            "query": {"type": "string"}, "k": {"type": "integer"}, "scale": {"type": "number"},
-            "exact": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}},
-            "weights": {"type": "object", "additionalProperties": {"type": "number"}},
-            "lang": {"type": ["string", "null"]},
+            "query": described({"type": "string"}, "words to find"), "k": described({"type": "integer"}, "how many hits"),
+            "scale": described({"type": "number"}, "score scale"), "exact": described({"type": "boolean"}, "exact match only"),
+            "tags": described({"type": "array", "items": {"type": "string"}}, "tags to filter by"),
+            "weights": described({"type": "object", "additionalProperties": {"type": "number"}}, "per-field weights"),
+            "lang": described({"type": "string", "nullable": True}, "language code"),
         },
         "required": ["query", "k", "scale", "exact", "tags", "weights"],
     }
+    hf = get_json_schema(search)  # one implementation: transformers' (its "return" entry is left out)
+    assert t.schema() == {"type": "function", "function": {k: v for k, v in hf["function"].items() if k != "return"}}
     assert Tool.from_function(add).parameters["properties"]["a"] == {"type": "integer", "description": "first addend"}
     with pytest.raises(TypeError, match="type hint"):
         Tool.from_function(lambda x: x)
     with pytest.raises(TypeError, match="unsupported"):
-        def bad(x: set) -> None: ...
+        def bad(x: set) -> None:
+            """Bad.
+
+            Args:
+                x: a set
+            """
         Tool.from_function(bad)
+    with pytest.raises(TypeError, match="tool undocumented: .*no description for the argument 'x'.*'Args:' block"):
+        def undocumented(x: int) -> int:
+            """Has no Args block."""
+        Tool.from_function(undocumented)
 
 
 def test_tools_prompt_lists_tools_and_call_format():
@@ -140,12 +163,21 @@ def test_registry_validates_runs_and_never_raises():
         raise RuntimeError("kaput")
 
     async def slow(x: float) -> str:
-        """Sleeps."""
+        """Sleeps.
+
+        Args:
+            x: ignored
+        """
         await asyncio.sleep(5)
         return "late"
 
     def echo(text: str, times: Optional[int] = None) -> str:
-        """Echoes text."""
+        """Echoes text.
+
+        Args:
+            text: what to echo
+            times: how often
+        """
         return text * (times or 1)
 
     reg = ToolRegistry([add, boom, slow, echo], timeout_s=0.2, max_response_chars=50)
