@@ -241,6 +241,59 @@ def test_tool_env_episode_calls_a_tool_then_answers():
     assert total(results, "tool_calls") == 1 and total(results, "errors") == 0
 
 
+# A template that renders tools itself, with a tool turn of its own shape (a user turn holding
+# <tool_response>, as Qwen3's template writes it). HF's Jinja drops a newline right after a block
+# tag, hence the {{ '\\n' }}.
+TOOL_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}<|im_start|>system\n{{ m['content'] }}"
+    "{% if tools %}{{ '\\n# Tools' }}{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tokenizer(template: str | None) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    from titanrl.models.tokenizer import EOS_TOKEN, build_byte_tokenizer
+
+    return PreTrainedTokenizerFast(tokenizer_object=build_byte_tokenizer(), eos_token=EOS_TOKEN,
+                                   chat_template=template)
+
+
+@pytest.mark.parametrize("end", ["", "<|im_end|>"], ids=["stopped-at-tool-call", "wrote-end-of-turn"])
+def test_tool_env_uses_a_chat_template_that_renders_tools(end):
+    """With a tokenizer whose template renders tools, the prompt carries the tools as schemas
+    (Tool.schema, through apply_chat_template) and the system message only the instructions; a
+    tool call's observation is the template's end of turn, tool turn and next assistant header,
+    without repeating an end of turn the model already wrote."""
+    env = ToolEnv([add], instructions="Use tools to add.", score=lambda row, answer: float(answer == "5"),
+                  tokenizer=_tokenizer(TOOL_TEMPLATE))
+    call = call_text("add", a=2, b=3) + end
+    transcript, results = asyncio.run(episode(env, {"prompt": "What is 2 + 3?"}, [call, "5<|im_end|>"]))
+    assert transcript == (
+        f"<|im_start|>system\nUse tools to add.\n# Tools\n{json.dumps(Tool.from_function(add).schema())}<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n" + call_text("add", a=2, b=3)
+        + "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        + "5<|im_end|>"
+    )
+    assert [(r.done, r.reward) for r in results] == [(False, 0.0), (True, 1.0)]
+
+
+def test_tool_env_with_a_template_that_ignores_tools_or_none_writes_chatml():
+    """The tiny checkpoints' ChatML template (which never reads `tools`) and no tokenizer at all
+    give the same transcript: tools listed in the system message, ChatML tool turns."""
+    from titanrl.chat import CHATML_TEMPLATE
+
+    turns = [call_text("add", a=2, b=3), "It is 5<|im_end|>"]
+    texts = [asyncio.run(episode(ToolEnv([add], instructions="Add.", score=lambda r, a: 0.0, tokenizer=tok),
+                                 {"prompt": "2+3?"}, turns))[0]
+             for tok in (None, _tokenizer(CHATML_TEMPLATE), _tokenizer(None))]
+    assert texts[0] == texts[1] == texts[2]
+    assert tools_prompt([Tool.from_function(add)]) in texts[0] and "<|im_start|>tool\n" in texts[0]
+
+
 def test_tool_env_malformed_call_gets_error_observation_and_episode_continues():
     """Bad JSON and an unknown tool are answered with error responses and counted in info;
     the episode goes on and the model's corrected answer is still scored."""

@@ -49,10 +49,12 @@ def template_takes_tools(tokenizer: Any) -> bool:
 
 
 def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True, encoded_with_specials: bool = True) -> str:
     """Prompt text of `messages` (and `tools`, JSON schemas as `transformers.utils.get_json_schema`
     writes them) under the tokenizer's chat template, or ChatML without one.
 
+    `encoded_with_specials`: the text will be encoded with the tokenizer's special tokens added
+    (vLLM encodes text prompts so); a BOS the template writes is then left to the tokenizer.
     Raises ValueError when tools are given to a template that cannot show them: the caller then
     writes the tools into the system message itself (as `titanrl.envs.ToolEnv` does).
     """
@@ -63,7 +65,7 @@ def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], *, tools: Se
         return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
     text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
-    return _without_added_bos(tokenizer, text)
+    return _without_added_bos(tokenizer, text) if encoded_with_specials else text
 
 
 def _without_added_bos(tokenizer: Any, text: str) -> str:

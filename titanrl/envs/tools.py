@@ -235,6 +235,8 @@ class ToolOutcome:
     """`<tool_response>...</tool_response>` block."""
     error: str | None = None
     """Error message when the call failed (malformed, unknown tool, bad args, raised, timeout)."""
+    content: str = ""
+    """What `text` wraps: the result, or `error: ...` (a chat template's tool turn adds its own tags)."""
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
@@ -322,10 +324,10 @@ class ToolRegistry:
                 except Exception as e:  # noqa: BLE001 - a failing tool is information for the model
                     error = f"{call.name} raised {type(e).__name__}: {e}"
                 else:
-                    text = truncate_middle(text, self.max_response_chars)
-                    return ToolOutcome(format_response(defuse_control_tokens(text)))
+                    content = defuse_control_tokens(truncate_middle(text, self.max_response_chars))
+                    return ToolOutcome(format_response(content), content=content)
         error = defuse_control_tokens(truncate_middle(str(error), self.max_response_chars))
-        return ToolOutcome(format_response(f"error: {error}"), error)
+        return ToolOutcome(format_response(f"error: {error}"), error, content=f"error: {error}")
 
     async def _invoke(self, tool_: Tool, args: dict[str, Any]) -> Any:
         if inspect.iscoroutinefunction(tool_.fn):

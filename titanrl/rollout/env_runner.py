@@ -64,7 +64,7 @@ class EnvRunner:
 
             self.pool = SandboxPool(size=env_config.sandbox_pool_size)
             self.loop.run_until_complete(self.pool.start())
-        self.context = EnvContext(sandbox_pool=self.pool, worker_id=worker_id)
+        self.context = EnvContext(sandbox_pool=self.pool, worker_id=worker_id, tokenizer=self.tokenizer)
 
     def _budget(self) -> EpisodeBudget:
         return EpisodeBudget(
