@@ -1,34 +1,24 @@
 """Weights & Biases mirror of metrics.jsonl (`output.wandb_project`): offline runs only, no network.
 
-The offline run's `.wandb` file (W&B's transaction log: LevelDB log framing around wandb's own
-protobuf `Record`s) is read back here to check what W&B received.
+What W&B received is read back from the offline run's `.wandb` file (`wandb_offline`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 import sys
-from pathlib import Path
 
 import pytest
+from wandb_offline import config_updates, history, offline_runs, offline_wandb_env, wandb_records
 
 from titanrl.config import ConfigError, OutputConfig, RunConfig, validate
 from titanrl.rundir.metrics import MetricsLogger, read_metrics
 from titanrl.rundir.wandb_mirror import RUN_ID_FILE, WandbMirror
 
-pytest.importorskip("wandb")
-
 
 @pytest.fixture(autouse=True)
 def offline_wandb(tmp_path, monkeypatch):
-    """W&B offline whatever the config says, with its settings and caches in the test's folder."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
-        monkeypatch.setenv(name, str(tmp_path / "wandb-home" / name.lower()))
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    offline_wandb_env(monkeypatch, tmp_path / "wandb-home")
 
 
 @pytest.fixture
@@ -48,50 +38,6 @@ def warnings_of_titanrl():
 
 
 OFFLINE = OutputConfig(wandb_project="titanrl-tests", wandb_mode="offline")
-
-
-def wandb_records(path: Path) -> list:
-    """The protobuf records of one `.wandb` file: a 7-byte header, then 32 KiB blocks of chunks
-    (crc32 u32, length u16, type u8: 1 full, 2 first, 3 middle, 4 last)."""
-    from wandb.proto import wandb_internal_pb2
-
-    data, block = path.read_bytes(), 32 * 1024
-    assert data[:4] == b":W&B"
-    records, pending, pos = [], b"", 7
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0:
-            break
-        pending += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
-
-
-def offline_runs(run_dir: Path) -> list[Path]:
-    return sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-
-
-def history(records: list) -> list[dict]:
-    """The logged rows, W&B's own keys (_step, _runtime, _timestamp) left out."""
-    rows = []
-    for r in records:
-        if r.WhichOneof("record_type") == "history":
-            row = {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in r.history.item}
-            rows.append({k: v for k, v in row.items() if not k.startswith("_")})
-    return rows
-
-
-def config_updates(records: list) -> dict:
-    return {item.key: json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "config"
-            for item in r.config.update if item.key != "_wandb"}
 
 
 def test_offline_wandb_run_receives_every_step_and_the_config(tmp_path):
