@@ -46,6 +46,11 @@ def wandb_records(path: Path) -> list:
 
 
 def offline_runs(run_dir: Path) -> list[Path]:
+    """The `.wandb` files of `run_dir`'s offline W&B runs, oldest first, complete: `finish()` returns
+    before W&B's service process has written a run's file out, `wandb.teardown()` waits for it."""
+    import wandb
+
+    wandb.teardown()
     return sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
