@@ -285,6 +285,17 @@ class OutputConfig:
     """Show a tqdm progress bar on stderr."""
     tensorboard: bool = True
     """Write TensorBoard event files next to metrics.jsonl."""
+    wandb_project: str = ""
+    """Weights & Biases project that the driver mirrors each step's metrics and the config to (needs
+    `pip install 'titanrl[wandb]'`); empty: no W&B. metrics.jsonl stays the record: a W&B failure
+    warns once and the run goes on without it."""
+    wandb_entity: str = ""
+    """W&B user or team owning `wandb_project`; empty: the logged-in account's default entity."""
+    wandb_run_name: str = ""
+    """Display name of the W&B run; empty: the run directory's name."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    """online streams to the W&B server; offline needs no network and keeps the W&B run under
+    RUN_DIR/wandb/ (upload it later with `wandb sync RUN_DIR/wandb/offline-run-*`); disabled skips W&B."""
 
 
 @dataclass

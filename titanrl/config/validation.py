@@ -97,6 +97,7 @@ def validate(config: RunConfig) -> None:
         section, name = dotted.split(".")
         if getattr(getattr(config, section), name) < 0:
             raise ConfigError(f"{dotted} must be >= 0, got {getattr(getattr(config, section), name)}")
+    _validate_wandb(config)
     if config.rollout.max_new_tokens >= config.rollout.max_model_len:
         raise ConfigError(
             f"rollout.max_new_tokens ({config.rollout.max_new_tokens}) must be < rollout.max_model_len "
@@ -269,3 +270,17 @@ def _validate_moe(config: RunConfig, model_config: Any) -> None:
             f"trainers (train.parallel.pp={p.pp}, tp={p.tp}, sequence_parallel={p.sequence_parallel}): set "
             f"train.moe_load_balance='none', or train.parallel.pp=1 and sequence_parallel=false"
         )
+
+
+def _validate_wandb(config: RunConfig) -> None:
+    """The wandb package, when W&B logging is on (a run must not find out at its first step)."""
+    out = config.output
+    if not out.wandb_project or out.wandb_mode == "disabled":
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"output.wandb_project={out.wandb_project!r} needs the wandb package, which cannot be imported ({e}): "
+            "pip install 'titanrl[wandb]', or set output.wandb_project='' (or output.wandb_mode='disabled')"
+        ) from e
