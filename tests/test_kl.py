@@ -237,8 +237,11 @@ def test_resume_keeps_the_reference(ckpt, tmp_path):
     assert {k: got[k] for k in ("loss", "grad_norm", "kl/mean")} == {k: want[k] for k in ("loss", "grad_norm", "kl/mean")}
 
     shutil.rmtree(initial)
-    with pytest.raises(CheckpointError, match=rf"reference policy's checkpoint '{initial}' \(recorded in .*trainer_state"):
+    gone = rf"reference policy's checkpoint '{initial}' \(recorded in {tmp_path / 's'}/trainer_state.pt\) does not exist"
+    with pytest.raises(CheckpointError, match=gone):
         _trainer(ckpt, kl_coef=0.2).load_state(str(tmp_path / "s"))
+    with pytest.raises(CheckpointError, match=gone):
+        _trainer(tmp_path / "s", kl_coef=0.2)
 
 
 def test_sharded_reference_equals_one_process(ckpt, tmp_path):

@@ -50,19 +50,21 @@ class ReferencePolicy:
         return self.step.batch_logprobs(batch)
 
 
-def reference_source(checkpoint: str) -> str:
-    """The directory a run starting from `checkpoint` (model.checkpoint) takes its reference from:
-    the one a training checkpoint recorded, else `checkpoint` itself; absolute."""
+def reference_source(checkpoint: str) -> tuple[str, str | None]:
+    """The directory a run starting from `checkpoint` (model.checkpoint) takes its reference from
+    (absolute), and the trainer state that recorded it: the one a training checkpoint recorded,
+    else `checkpoint` itself (and None)."""
     if ckpt_io.is_training_checkpoint(checkpoint):
+        state_file = Path(checkpoint) / ckpt_io.TRAINER_STATE_FILE
         recorded = ckpt_io.read_trainer_state(Path(checkpoint)).get(REFERENCE_STATE_KEY)
         if recorded is not None:
-            return recorded
-    return str(Path(checkpoint).absolute())
+            return recorded, str(state_file)
+    return str(Path(checkpoint).absolute()), None
 
 
-def build_reference(checkpoint: str, policy: ParallelModel, dtype: torch.dtype, train_config: TrainConfig,
-                    temperature: float, batch_invariant: bool, device_type: str,
-                    recorded_in: str | None = None, **layout_options: Any) -> ReferencePolicy:
+def build_reference(checkpoint: str, recorded_in: str | None = None, *, policy: ParallelModel, dtype: torch.dtype,
+                    train_config: TrainConfig, temperature: float, batch_invariant: bool, device_type: str,
+                    **layout_options: Any) -> ReferencePolicy:
     """The frozen copy of the weights in `checkpoint` laid out like `policy` (call on every rank).
 
     recorded_in: the trainer state that named `checkpoint`, for the error if it is gone.

@@ -53,7 +53,8 @@ class GRPOTrainer:
     """Owns the policy, optimizer and lr schedule; `step` consumes groups and returns metrics.
 
     `model_config.checkpoint` is an HF checkpoint directory or a training checkpoint written by
-    `save_state` (then the policy is rebuilt from it; call `load_state` for the rest).
+    `save_state` (then the policy is rebuilt from it; call `load_state` for the rest). With
+    train.kl_coef > 0 the trainer also holds the frozen reference policy (`reference`).
     """
 
     def __init__(
@@ -107,7 +108,7 @@ class GRPOTrainer:
                                                   batch_invariant=batch_invariant, device_type=device_type,
                                                   **layout_options)
         self.reference: ReferencePolicy | None = (
-            self._build_reference(reference_source(model_config.checkpoint)) if train_config.kl_coef > 0 else None)
+            self._build_reference(*reference_source(model_config.checkpoint)) if train_config.kl_coef > 0 else None)
         """The frozen reference policy of train.kl_coef (titanrl.trainer.reference); None when 0."""
         self._init_expert_bias()
         self.version: PolicyVersion = 0
@@ -215,6 +216,10 @@ class GRPOTrainer:
           train/skipped: 1.0 when the call was skipped; train/skipped_steps: skipped calls so far;
           train/consecutive_skipped: skipped calls since the last update; policy_version: after it.
           memory/trainer_peak_gib: peak resident memory of this (rank 0's) process so far.
+          With train.kl_coef > 0 (titanrl.trainer.kl.kl_metrics): kl/mean, kl/max: token-mean and
+            max of the train.kl_estimator estimate of KL(pi || pi_ref) over the batch's trained
+            tokens, pi's logprobs being the generator's; with train.kl_in_reward,
+            kl/reward_penalty: mean over samples of kl_coef x their summed KL (taken off the rewards).
           Mixture-of-experts policies (not pipelined) add (titanrl.trainer.moe):
           moe/route_agreement: fraction of the generator-recorded completion tokens (x sparse
             layers) whose trainer top-k set, from its live scores (also when replaying), equals the
