@@ -3,7 +3,8 @@
 Held only when the penalty is on. Built through the policy's own path (`build_policy`: the same
 layout, shards, storage and compute dtypes), then frozen: eval mode, no gradients, no optimizer.
 Its logprobs come from the policy's micro-batch forward (`ParallelGRPOStep.batch_logprobs`), once
-per step before the micro-batch loop, into `PackedBatch.reference_BT`.
+per step before the micro-batch loop, into `PackedBatch.reference_BT`; a mixture-of-experts
+reference routes as that forward does (through the generator's experts with train.router_replay).
 
 Saved with the run as the path of its checkpoint (trainer_state.pt's `REFERENCE_STATE_KEY`), not
 as a second copy of the weights: `GRPOTrainer.load_state`, under any layout, rebuilds the
