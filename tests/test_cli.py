@@ -94,7 +94,7 @@ def test_string_choices_are_literal_types():
     assert keys == {
         "model.dtype", "data.on_overlong", "rollout.on_weight_update", "rollout.weight_transport",
         "train.lr_decay", "train.device", "train.parallel.pp_schedule", "train.activation_checkpointing",
-        "train.moe_load_balance", "output.wandb_mode",
+        "train.moe_load_balance", "output.wandb_mode", "train.kl_estimator",
     }
 
 

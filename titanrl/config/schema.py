@@ -24,6 +24,8 @@ ActivationCheckpointing = Literal["none", "full", "every_nth"]
 """Which decoder blocks recompute their activations in backward instead of storing them."""
 MoeLoadBalance = Literal["aux_loss", "bias", "none"]
 """How a mixture-of-experts policy's expert load is balanced (train.moe_load_balance)."""
+KlEstimator = Literal["k1", "k2", "k3"]
+"""Schulman's sample estimators of KL(pi || pi_ref) (train.kl_estimator)."""
 RewardFn = Callable[..., float]
 """A reward `(prompt, completion, **row_fields) -> float`."""
 
@@ -253,6 +255,22 @@ class TrainConfig:
     moe_bias_update_rate: float = 1e-3
     """With moe_load_balance='bias': the step each expert's bias takes per optimizer step, up
     for an expert below the mean load and down for one above it."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty towards a frozen reference policy, the run's initial weights
+    (model.checkpoint; after a resume still the first run's). 0 (the default): no penalty, and no
+    reference is held (no memory, no forward). > 0 holds the reference on the trainer's device,
+    sharded like the policy, and costs one no-grad forward of it per step; the pipelined trainer
+    (train.parallel.pp > 1) has none."""
+    kl_estimator: KlEstimator = "k3"
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi, with r = pi_ref / pi of
+    the token: 'k1' = -log r (unbiased, can be negative), 'k2' = (log r)^2 / 2 (biased, >= 0;
+    as a loss its gradient is the reverse KL's on-policy), 'k3' = r - 1 - log r (unbiased,
+    >= 0; as a loss its gradient is the forward KL(pi_ref || pi)'s on-policy; GRPO's choice)."""
+    kl_in_reward: bool = False
+    """True: fold the KL into the reward, as PPO-RLHF does: each sample's reward loses kl_coef x
+    its completion's summed token KL (estimated from the generator's logprobs) before the
+    advantages are computed, and the loss has no KL term. False: add kl_coef x the token-mean
+    KL (from the trainer's logprobs, with its gradient) to the loss."""
 
 
 @dataclass

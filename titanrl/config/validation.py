@@ -125,6 +125,7 @@ def validate(config: RunConfig) -> None:
     if not 0 <= config.max_reward_error_frac <= 1:
         raise ConfigError(f"max_reward_error_frac must be in [0, 1], got {config.max_reward_error_frac}")
     _validate_dtypes(config)
+    _validate_kl(config)
     if not config.model.checkpoint:
         raise ConfigError("model.checkpoint is empty: set it to an HF checkpoint directory")
     from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, checked_tensors, read_config
@@ -220,6 +221,19 @@ def _validate_dtypes(config: RunConfig) -> None:
             f"batch_invariant=True needs float32 compute, but {field}={compute!r}: the batch-invariant "
             "attention inside vLLM reads a float32 KV cache. Set train.compute_dtype=None and model.dtype="
             "'float32', or batch_invariant=False"
+        )
+
+
+def _validate_kl(config: RunConfig) -> None:
+    """The KL penalty towards the reference policy (train.kl_coef, kl_estimator, kl_in_reward)."""
+    t, p = config.train, config.train.parallel
+    if not (math.isfinite(t.kl_coef) and t.kl_coef >= 0):
+        raise ConfigError(f"train.kl_coef must be a finite number >= 0 (0: no KL penalty, no reference policy "
+                          f"held), got {t.kl_coef}")
+    if t.kl_coef > 0 and p.pp > 1:
+        raise ConfigError(
+            f"train.kl_coef > 0 is not implemented for the pipelined trainer (train.parallel.pp={p.pp}): its "
+            f"logprobs exist only inside the last stage's loss. Set train.parallel.pp=1 or train.kl_coef=0"
         )
 
 

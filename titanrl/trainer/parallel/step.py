@@ -34,6 +34,7 @@ from titanrl.trainer.moe import (
     update_expert_bias,
 )
 from titanrl.trainer.grpo import clipped_surrogate_loss, decoupled_surrogate_loss, token_logprobs
+from titanrl.trainer.kl import kl_loss_sum
 from titanrl.trainer.parallel.expert_parallel import sum_router_grads
 from titanrl.trainer.parallel.mesh import all_reduce, coord, dp_rank_and_size, owns
 from titanrl.trainer.parallel.parallelize import ParallelModel
@@ -175,22 +176,51 @@ class ParallelGRPOStep:
     @torch.no_grad()
     def proximal_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """The current weights' logprobs of every target token (the decoupled loss's proximal
-        policy), [B, T] on the batch's device. One process only: `validate` refuses
-        `train.decoupled_loss` for a parallel trainer."""
-        if self.pm.mesh is not None:
-            raise NotImplementedError("the parallel trainer has no decoupled loss (train.decoupled_loss)")
-        out = torch.zeros_like(batch.old_logprobs_BT)
-        for lo, sub, logprobs, _, _ in self._logprobs_by_micro_batch(batch, backward=False):
-            out[lo:lo + sub.input_ids_BT.shape[0], :logprobs.shape[1]] = logprobs.to(out.device)
-        return out
+        policy): `batch_logprobs`. `validate` refuses `train.decoupled_loss` for a parallel trainer."""
+        return self.batch_logprobs(batch)
+
+    @torch.no_grad()
+    def batch_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        """This model's logprobs of the trained target tokens, [B, T] on the batch's device (0 where
+        the loss mask is), the same on every rank whatever the layout.
+
+        The forward of the gradient pass (rows split over data-parallel ranks, micro-batches,
+        trimming), without a backward; each rank writes its share (its rows; under CP its
+        chunks' positions; tp ranks, identical, once) into a zero tensor, summed over the world:
+        adding zeros, so the values are the computed bits. Not pipelined (its logprobs stay on
+        the last stage).
+        """
+        if self.pm.pipelined:
+            raise NotImplementedError("the pipelined trainer computes no per-token logprobs outside its loss")
+        B, T = batch.targets_BT.shape
+        first_row, local = self._local_rows(batch)
+        # One shape on every rank, with room for the zero rows padding the last share and for
+        # micro-batches padded to the sequence multiple.
+        width = -(-T // self.seq_multiple) * self.seq_multiple
+        out = torch.zeros((B + local.targets_BT.shape[0], width), device=self.pm.device)
+        counts = coord(self.pm.mesh, "tp") == 0
+        for lo, sub, logprobs, _, _ in self._logprobs_by_micro_batch(local, backward=False):
+            rows = slice(first_row + lo, first_row + lo + sub.input_ids_BT.shape[0])
+            cols = (self.pm.context.positions(logprobs.shape[1], out.device) if self.pm.context
+                    else slice(0, logprobs.shape[1]))
+            if counts:  # untrained positions 0: which ones a micro-batch computes depends on the layout
+                out[rows, cols] = torch.where(sub.loss_mask_BT > 0, logprobs.float(), 0.0)
+        all_reduce(out, self.pm.mesh)
+        return out[:B, :T].to(batch.old_logprobs_BT.device)
+
+    def _local_rows(self, batch: PackedBatch) -> tuple[int, PackedBatch]:
+        """This data-parallel rank's equal, contiguous share of the rows (zero-mask rows pad the
+        batch to a multiple of the dp degree) and the index of its first row."""
+        dp_rank, dp_size = dp_rank_and_size(self.pm.mesh)
+        per_rank = -(-batch.input_ids_BT.shape[0] // dp_size)
+        return dp_rank * per_rank, _pad_rows(batch, per_rank * dp_size).rows(dp_rank * per_rank,
+                                                                              (dp_rank + 1) * per_rank)
 
     def _forward(self, batch: PackedBatch, backward: bool) -> tuple[_Totals, torch.Tensor]:
         """Runs this rank's share of the batch (with backward, or forward only): its totals and
         the whole batch's token count."""
         total_tokens = batch.loss_mask_BT.sum().clamp(min=1.0)
-        dp_rank, dp_size = dp_rank_and_size(self.pm.mesh)
-        per_rank = -(-batch.input_ids_BT.shape[0] // dp_size)
-        local = _pad_rows(batch, per_rank * dp_size).rows(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        _, local = self._local_rows(batch)
         totals = _Totals()
         if self.moe is not None:
             totals.moe = MoeTotals(len(self.moe.sparse_layers), self.moe.num_experts, self.pm.device)
@@ -243,6 +273,7 @@ class ParallelGRPOStep:
                 stats["abs_logprob_diff_sum"], stats["max_abs_logprob_diff"] = gap.sum(), gap.max()
         else:
             loss_sum, stats = clipped_surrogate_loss(logprobs, old, adv, mask, cfg.clip_eps, cfg.clip_eps_high)
+        loss_sum = loss_sum + kl_loss_sum(logprobs, sub, cfg)  # train.kl_coef: KL to the reference (kl.py)
         totals.add(loss_sum.detach(), stats, (entropy.detach() * mask).sum())
         totals.parity.add(logprobs, old, mask * sub.current_B.float()[:, None])
         return loss_sum
