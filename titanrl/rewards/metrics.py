@@ -7,6 +7,8 @@ From the `RewardTerms` every scored sample carries (`titanrl.types`), for each r
 - `reward/<name>/errors`: samples on which it failed (raised, timed out, returned a non-number);
 - `reward/<name>/seconds`: wall time of its calls summed over the step's samples (calls of
   different samples overlap, so this is a cost, and can exceed `time/reward_s`).
+
+Shaping terms that are not called (`overlong_penalty`) get only `reward/<name>/mean`.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ def reward_term_metrics(groups: list[Group]) -> dict[str, float]:
         values = [t.values[name] for t in terms if name in t.values]
         if values:
             metrics[reward_metric(name, MEAN)] = sum(values) / len(values)
-        metrics[reward_metric(name, ERRORS)] = float(sum(t.failed == name for t in terms))
-        metrics[reward_metric(name, SECONDS)] = sum(t.seconds.get(name, 0.0) for t in terms)
+        if any(name in t.seconds or t.failed == name for t in terms):  # a called reward, not a shaping term
+            metrics[reward_metric(name, ERRORS)] = float(sum(t.failed == name for t in terms))
+            metrics[reward_metric(name, SECONDS)] = sum(t.seconds.get(name, 0.0) for t in terms)
     return metrics
 
 
