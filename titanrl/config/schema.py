@@ -122,6 +122,22 @@ class RolloutConfig:
     """How new weights reach the workers: 'object_store' (Ray's object store), 'shared_memory'
     (one shared-memory copy read by every worker of the machine) or 'broadcast' (a
     torch.distributed group from the trainer to the workers: gloo on CPU, NCCL on GPU)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (lock-step rollouts only): a step's groups whose rewards are all equal
+    (no learning signal) are replaced by groups of fresh prompts, generated as extra requests of
+    prompts_per_step prompts each, until the step has prompts_per_step groups with unequal rewards
+    or dynamic_sampling_max_requests extra requests were made (then the dropped groups fill the rest)."""
+    dynamic_sampling_max_requests: int = 4
+    """Extra generation requests per step that dynamic_sampling may make before it gives up."""
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: samples that did not finish (hit max_new_tokens, or an episode its
+    budget) get no loss (their loss mask is zeroed); they still count in their group's baseline."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: a completion of L tokens with L > max_new_tokens - overlong_buffer
+    gets overlong_penalty * (max_new_tokens - overlong_buffer - L) / overlong_buffer added to its
+    reward (-overlong_penalty at max_new_tokens); 0 turns it off. Single-turn rollouts only."""
+    overlong_penalty: float = 1.0
+    """The soft overlong penalty at max_new_tokens (its scale); see overlong_buffer."""
 
 
 @dataclass
@@ -334,6 +350,24 @@ class EnvConfig:
 
 
 @dataclass
+class RewardHealthConfig:
+    """Per-step checks that the rewards still carry a learning signal and are not being gamed."""
+
+    agreement_pairs: list[str] = field(default_factory=list)
+    """Pairs of reward names 'a:b' that should agree (e.g. 'format:exact_match'): each step logs
+    reward/agreement/a_vs_b, the fraction of samples scored by both where both are > 0 or both are <= 0."""
+    hacking_window: int = 1
+    """Evaluations back that the reward-hacking check compares with (see hacking_reward_rise)."""
+    hacking_reward_rise: float = 0.2
+    """Reward-hacking check, at each evaluation k: R_k is the mean of reward/<name>/mean over the
+    training steps since evaluation k-1. When R_k - R_{k-w} >= this (w = hacking_window) while
+    eval/accuracy rose by less than hacking_accuracy_rise, reward/<name>/hacking_suspected is 1
+    and a warning is logged (once when the flag turns on); 0 turns the check off."""
+    hacking_accuracy_rise: float = 0.02
+    """Rise of eval/accuracy over the same evaluations below which a reward's rise counts as suspect."""
+
+
+@dataclass
 class RunConfig:
     """A whole GRPO run: `titanrl.train(RunConfig(...))`."""
 
@@ -350,7 +384,8 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     """Run directory contents."""
     rewards: list[RewardFn | str] = field(default_factory=list)
-    """Reward callables `(prompt, completion, **row_fields) -> float` (or 'module:function' strings); summed."""
+    """Reward callables `(prompt, completion, **row_fields) -> float` (or 'module:function' strings;
+    sync or async; `@titanrl.batched_reward` ones take lists); summed, weighted by reward_weights."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn environment, episode budgets and sandbox pool size."""
     seed: int = 0
@@ -368,6 +403,11 @@ class RunConfig:
     local single-machine Ray on loopback."""
     max_reward_error_frac: float = 0.5
     """A step where more than this fraction of samples had reward errors stops the run (after a checkpoint)."""
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per entry of `rewards`, in order: a sample's reward is the weighted sum; empty: all 1.
+    Metrics (reward/<name>/mean) show each reward's own, unweighted value."""
+    reward_health: RewardHealthConfig = field(default_factory=RewardHealthConfig)
+    """Reward agreement pairs and the reward-hacking check."""
 
     @property
     def generator_dtype(self) -> Dtype:

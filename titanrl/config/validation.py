@@ -161,6 +161,7 @@ def validate(config: RunConfig) -> None:
         )
     for i, spec in enumerate(config.rewards):
         resolve_reward(spec, i)
+    _validate_rewards(config)
     _validate_trainer_layout(config, model_config)
 
 
@@ -201,6 +202,49 @@ def _validate_data(config: RunConfig) -> None:
         raise ConfigError("data.messages_field renders single-turn prompts, but env.factory is set (an environment "
                           "writes its own prompt in reset()): set data.messages_field='' and read the messages "
                           "in the environment")
+
+
+def _validate_rewards(config: RunConfig) -> None:
+    """reward_weights, reward_health and the DAPO sample-side settings of `rollout`."""
+    from titanrl.rewards.named import reward_names
+
+    weights, rc, health = config.reward_weights, config.rollout, config.reward_health
+    if weights and len(weights) != len(config.rewards):
+        raise ConfigError(f"reward_weights has {len(weights)} entries but rewards has {len(config.rewards)}: "
+                          "give one weight per reward, in the order of `rewards` (or none: all 1)")
+    for i, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ConfigError(f"reward_weights[{i}] must be a finite number, got {w!r}")
+    names = reward_names([resolve_reward(spec, i) for i, spec in enumerate(config.rewards)])
+    if rc.overlong_buffer > 0:
+        names.append("overlong_penalty")
+    for pair in health.agreement_pairs:
+        parts = pair.split(":") if isinstance(pair, str) else []
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"reward_health.agreement_pairs: {pair!r} is not 'reward_a:reward_b'")
+        for name in parts:
+            if name not in names:
+                raise ConfigError(f"reward_health.agreement_pairs: {pair!r} names {name!r}, which is not a reward "
+                                  f"of this run (its rewards are named {names})")
+    if health.hacking_window < 1:
+        raise ConfigError(f"reward_health.hacking_window must be >= 1 (evaluations back), got {health.hacking_window}")
+    for name in ("hacking_reward_rise", "hacking_accuracy_rise"):
+        if not math.isfinite(getattr(health, name)) or getattr(health, name) < 0:
+            raise ConfigError(f"reward_health.{name} must be a finite number >= 0, got {getattr(health, name)}")
+    if rc.dynamic_sampling and rc.continuous:
+        raise ConfigError("rollout.dynamic_sampling works with lock-step rollouts only (a continuous run's groups "
+                          "are tied to their step when admitted): set rollout.continuous=False or "
+                          "rollout.dynamic_sampling=False")
+    if rc.dynamic_sampling_max_requests < 1:
+        raise ConfigError(f"rollout.dynamic_sampling_max_requests must be >= 1, got {rc.dynamic_sampling_max_requests}")
+    if not 0 <= rc.overlong_buffer <= rc.max_new_tokens:
+        raise ConfigError(f"rollout.overlong_buffer must be in [0, rollout.max_new_tokens={rc.max_new_tokens}], "
+                          f"got {rc.overlong_buffer}")
+    if rc.overlong_buffer > 0 and config.env.factory is not None:
+        raise ConfigError("rollout.overlong_buffer (the soft overlong penalty) is for single-turn rollouts; with "
+                          "env.factory set, give the environment its own length penalty and set it to 0")
+    if not math.isfinite(rc.overlong_penalty) or rc.overlong_penalty < 0:
+        raise ConfigError(f"rollout.overlong_penalty must be a finite number >= 0, got {rc.overlong_penalty}")
 
 
 def _validate_dtypes(config: RunConfig) -> None:
