@@ -124,6 +124,7 @@ def validate(config: RunConfig) -> None:
     if not 0 <= config.max_reward_error_frac <= 1:
         raise ConfigError(f"max_reward_error_frac must be in [0, 1], got {config.max_reward_error_frac}")
     _validate_dtypes(config)
+    _validate_truncation(config)
     if not config.model.checkpoint:
         raise ConfigError("model.checkpoint is empty: set it to an HF checkpoint directory")
     from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, checked_tensors, read_config
@@ -165,6 +166,29 @@ def validate(config: RunConfig) -> None:
     for i, spec in enumerate(config.rewards):
         resolve_reward(spec, i)
     _validate_trainer_layout(config, model_config)
+
+
+def _validate_truncation(config: RunConfig) -> None:
+    """rollout.top_k / top_p / logprobs: what the generator and the trainer can both score."""
+    rc, p = config.rollout, config.train.parallel
+    if rc.top_k < 0:
+        raise ConfigError(f"rollout.top_k must be >= 0 (0: off), got {rc.top_k}")
+    if rc.top_k == 0 and rc.top_p == 1:
+        return
+    if rc.logprobs == "raw" and rc.temperature != 1:
+        raise ConfigError(
+            f"rollout.logprobs='raw' with rollout.top_k={rc.top_k}, top_p={rc.top_p} needs rollout.temperature=1, "
+            f"got {rc.temperature}: vLLM's raw logprobs are log_softmax of the logits before temperature, so at "
+            f"another temperature the generator's and the trainer's logprobs would differ. Set "
+            f"rollout.temperature=1, or rollout.logprobs='sampled' (both sides score the truncated distribution)"
+        )
+    if rc.logprobs == "sampled" and p.tp > 1:
+        raise ConfigError(
+            f"rollout.top_k={rc.top_k} / top_p={rc.top_p} with rollout.logprobs='sampled' cannot run with "
+            f"train.parallel.tp={p.tp}: the tensor-parallel LM head holds vocabulary shards, and the "
+            f"top-k / top-p kept set needs a sort over the whole vocabulary, which is not implemented across "
+            f"shards. Set train.parallel.tp=1, rollout.top_k=0 and top_p=1, or rollout.logprobs='raw'"
+        )
 
 
 def _validate_dtypes(config: RunConfig) -> None:

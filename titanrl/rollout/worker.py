@@ -78,6 +78,7 @@ class RolloutWorker:
                 seed=seed + 1000 * worker_id,
                 multiprocess=rc.vllm_multiprocess,
                 batch_invariant=batch_invariant,
+                logprobs=rc.logprobs,
                 record_routed_experts=record_routing,
             )
         )
