@@ -263,3 +263,22 @@ def test_episodes_sample_and_score_under_top_k(vllm_engine, vllm_tiny_checkpoint
         mask = torch.tensor(ep.loss_mask, dtype=torch.bool)
         got = lp[len(ep.prompt_ids) - 1:][mask]
         assert (got - torch.tensor(ep.gen_logprobs)[mask]).abs().max() <= 1e-5
+
+
+def test_targets_outside_the_kept_set_are_counted_and_finite(vllm_engine, vllm_tiny_checkpoint):
+    """With top_k=1 (the kept set is the argmax) the last token of every completion is replaced by
+    another one: each is outside the trainer's kept set, so train/truncation_outside_frac is exactly
+    samples / trained tokens, and the step stays finite (they are scored over kept + {target})."""
+    import dataclasses
+
+    groups = _groups(vllm_engine, 1.0, top_k=1)
+    changed = [Group([dataclasses.replace(s, completion_ids=s.completion_ids[:-1] + [(s.completion_ids[-1] + 1) % 256])
+                      for s in g.samples]) for g in groups]
+    trainer = GRPOTrainer(ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), TrainConfig(), 1.0, 0,
+                          truncation=Truncation(top_k=1))
+    metrics = trainer.step(changed)
+    samples = sum(len(g.samples) for g in groups)
+    assert metrics["train/truncation_outside_frac"] == samples / metrics["train/tokens"]
+    assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["train/skipped"] == 0.0
+    assert "train/truncation_outside_frac" not in GRPOTrainer(
+        ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), TrainConfig(), 1.0, 0).step(groups)

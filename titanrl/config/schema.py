@@ -114,7 +114,8 @@ class RolloutConfig:
     'sampled': the truncated, renormalised distribution the generator sampled from (vLLM's
     processed logprobs; the trainer applies the same top-k/top-p to its own logits), so the PPO
     ratio is 1 at equal weights. 'raw': the full softmax at the sampling temperature, ignoring the
-    truncation (vLLM's raw_logprobs, taken before temperature: needs rollout.temperature=1)."""
+    truncation (vLLM's raw_logprobs, taken before temperature: with top_k or top_p on it needs
+    rollout.temperature=1). Without truncation both choices are the same full softmax."""
 
 
 @dataclass

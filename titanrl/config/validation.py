@@ -189,6 +189,17 @@ def _validate_truncation(config: RunConfig) -> None:
             f"top-k / top-p kept set needs a sort over the whole vocabulary, which is not implemented across "
             f"shards. Set train.parallel.tp=1, rollout.top_k=0 and top_p=1, or rollout.logprobs='raw'"
         )
+    import torch
+
+    if rc.logprobs == "sampled" and config.batch_invariant and torch.version.cuda is not None:
+        # vLLM's CPU build keeps tokens by a per-row sort the trainer repeats op for op (bitwise);
+        # its CUDA build uses Triton (pivot-based) or FlashInfer top-k / top-p kernels instead.
+        raise ConfigError(
+            f"batch_invariant=True with rollout.top_k={rc.top_k} / top_p={rc.top_p} and rollout.logprobs='sampled' "
+            f"is bitwise only with vLLM's CPU build: vLLM on CUDA decides the kept tokens with its own Triton / "
+            f"FlashInfer kernels, which the trainer does not reproduce bit for bit. Set rollout.top_k=0 and "
+            f"top_p=1, rollout.logprobs='raw' (with rollout.temperature=1), or batch_invariant=False"
+        )
 
 
 def _validate_dtypes(config: RunConfig) -> None:
