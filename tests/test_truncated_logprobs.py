@@ -46,11 +46,13 @@ def test_kept_set_is_vllms(truncation):
     assert ours.sum(-1).min() >= 1
 
 
-def _toy(dtype: torch.dtype):
+def _toy(dtype: torch.dtype, ties: bool = False):
     gen = torch.Generator().manual_seed(0)
     N, D, V = 30, 16, 64
     hidden = torch.randn(N, D, generator=gen, dtype=dtype)
     weight = torch.randn(V, D, generator=gen, dtype=dtype)
+    if ties:  # token pairs with equal head rows: every logit value appears twice
+        weight[1::2] = weight[::2]
     targets = torch.randint(0, V, (N,), generator=gen)
     g_lp, g_ent = torch.randn(N, generator=gen, dtype=dtype), torch.randn(N, generator=gen, dtype=dtype)
     return hidden, weight, targets, g_lp, g_ent
@@ -67,15 +69,17 @@ def _reference(h, w, targets, T, truncation):
     return logp.gather(-1, targets[:, None]).squeeze(-1), entropy, outside
 
 
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("truncation", [Truncation(top_p=0.9), Truncation(top_k=6), Truncation(top_k=8, top_p=0.7)],
                          ids=str)
-def test_truncated_logprobs_and_gradients_equal_a_direct_reference(dtype, truncation):
+def test_truncated_logprobs_and_gradients_equal_a_direct_reference(dtype, truncation, ties):
     """Chunked truncated logprobs, entropies and the gradients of hidden states and head weight
     (from both outputs) equal the direct reference's (full logits, mask, log_softmax) to 1e-6
     relative in float32 (1e-12 in float64) at temperature 0.7 and chunk sizes 7 and 30; targets
-    outside the kept set are flagged and scored over kept + {target} (finite)."""
-    hidden, weight, targets, g_lp, g_ent = _toy(dtype)
+    outside the kept set are flagged and scored over kept + {target} (finite). With tied logits
+    the top-p sort splits some ties at the boundary (the backward's rebuilt kept set must too)."""
+    hidden, weight, targets, g_lp, g_ent = _toy(dtype, ties)
     T, tol = 0.7, 1e-6 if dtype == torch.float32 else 1e-12
 
     def grads(fn):
@@ -86,6 +90,11 @@ def test_truncated_logprobs_and_gradients_equal_a_direct_reference(dtype, trunca
 
     ref = grads(lambda h, w: _reference(h, w, targets, T, truncation))
     assert ref[2].any() and not ref[2].all(), "the toy must have targets inside and outside the kept set"
+    if ties and truncation.top_p < 1:
+        z = (hidden @ weight.t()) / T
+        kept = kept_mask(z, truncation)
+        low = z.masked_fill(~kept, float("inf")).amin(-1, keepdim=True)
+        assert ((z == low) & ~kept).any(), "some row's boundary ties must be split"
     for chunk in (7, 30):
         def chunked(h, w):
             outside = torch.zeros(len(targets), dtype=torch.bool)

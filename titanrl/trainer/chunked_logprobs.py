@@ -27,9 +27,12 @@ vLLM decides it (`titanrl.trainer.truncation.kept_mask`, no gradient; the gradie
 the kept logits). A target outside the trainer's kept set (possible once the weights differ from
 the generator's, or on prompt positions) is added to it: its log p is renormalised over
 kept + {target}, finite, and `outside_N` (if given) marks it. The backward recomputes the chunk's
-logits with the forward's kernels (same bits) and so the same kept set. The sort behind top-p
-adds about three [chunk_tokens, V] buffers (sorted values, int64 order) per chunk; top-k alone
-does not sort. Not available over vocabulary shards (config validation refuses tp > 1).
+logits with the forward's kernels (same bits) and rebuilds the same kept set from two saved
+numbers per token (the smallest kept value; whether the sort split its ties, then that row alone
+is decided again), so only the forward sorts. The sort behind top-p adds about three
+[chunk_tokens, V] buffers (sorted values, int64 order) per chunk and dominates the head's time
+on CPU at Qwen's vocabulary (benchmarks/chunked_logprobs.py --truncations); top-k alone does not
+sort. Not available over vocabulary shards (config validation refuses tp > 1).
 """
 
 from __future__ import annotations
@@ -80,12 +83,26 @@ def _vocab_shard(weight: DTensor) -> tuple[torch.Tensor, dist.ProcessGroup, int]
 
 
 def _kept_with_targets(z: torch.Tensor, targets: torch.Tensor, truncation: Truncation
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's kept set of each row of z [c, V], plus the row's target; and which targets it lacked."""
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's kept set of each row of z [c, V] plus the row's target; which targets it lacked; and
+    per row the smallest kept value and whether the sort split that value's ties (some dropped)."""
     kept = kept_mask(z, truncation)
+    low = z.masked_fill(~kept, float("inf")).amin(-1)
+    split = ((z == low[:, None]) & ~kept).any(-1)
     outside = ~kept.gather(-1, targets[:, None]).squeeze(-1)
     kept.scatter_(-1, targets[:, None], True)
-    return kept, outside
+    return kept, outside, low, split
+
+
+def _kept_again(z: torch.Tensor, targets: torch.Tensor, low: torch.Tensor, split: torch.Tensor,
+                truncation: Truncation) -> torch.Tensor:
+    """The forward's kept set (+ targets) of the same z, without sorting again: every value >= the
+    row's smallest kept one, except in rows whose ties at that value the sort split (decided anew)."""
+    kept = z >= low[:, None]
+    rows = split.nonzero().squeeze(-1)
+    if rows.numel():
+        kept[rows] = kept_mask(z[rows], truncation)
+    return kept.scatter_(-1, targets[:, None], True)
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
@@ -99,13 +116,16 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         N = hidden_ND.shape[0]
         out_dtype = torch.float64 if hidden_ND.dtype == torch.float64 else torch.float32
         logprobs, entropy, lse = (torch.empty(N, dtype=out_dtype, device=hidden_ND.device) for _ in range(3))
+        # Truncation: what the backward needs to rebuild each row's kept set without a sort.
+        low = torch.empty(N if truncation is not None else 0, dtype=out_dtype, device=hidden_ND.device)
+        split = torch.empty(low.shape, dtype=torch.bool, device=hidden_ND.device)
         for lo in range(0, N, chunk_tokens):
             hi = min(lo + chunk_tokens, N)
             # Fresh [c, V] buffers, reused in place: at most three exist at once.
             logits = _logits(hidden_ND[lo:hi], weight_VD, batch_invariant)
             if truncation is not None:
                 z = logits.div_(temperature).contiguous()  # vLLM's float32 logits / temperature, bitwise
-                kept, outside = _kept_with_targets(z, targets_N[lo:hi], truncation)
+                kept, outside, low[lo:hi], split[lo:hi] = _kept_with_targets(z, targets_N[lo:hi], truncation)
                 if outside_N is not None:
                     outside_N[lo:hi] = outside
                 masked = z.masked_fill_(~kept, float("-inf"))
@@ -137,7 +157,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 logprobs[lo:hi], entropy[lo:hi], lse[lo:hi] = _local_stats(
                     logits.div_(temperature), targets_N[lo:hi], vocab_start, vocab_group)
                 del logits
-        ctx.save_for_backward(hidden_ND, weight_VD, targets_N, lse, entropy)
+        ctx.save_for_backward(hidden_ND, weight_VD, targets_N, lse, entropy, low, split)
         ctx.temperature, ctx.chunk_tokens, ctx.batch_invariant = temperature, chunk_tokens, batch_invariant
         ctx.vocab_group, ctx.vocab_start, ctx.truncation = vocab_group, vocab_start, truncation
         ctx.set_materialize_grads(False)
@@ -145,7 +165,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None):  # noqa: ANN001, ANN205
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy, low, split = ctx.saved_tensors
         T, group = ctx.temperature, ctx.vocab_group
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
@@ -165,7 +185,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             else:
                 # The forward's kernels give the forward's bits, hence its kept set; p is 0 outside it.
                 z = _logits(h, weight, ctx.batch_invariant).div_(T).contiguous()
-                kept, _ = _kept_with_targets(z, targets[lo:hi], ctx.truncation)
+                kept = _kept_again(z, targets[lo:hi], low[lo:hi], split[lo:hi], ctx.truncation)
                 logp = z.sub_(lse[lo:hi, None])
                 p = logp.exp().masked_fill_(~kept, 0.0)
                 del kept
