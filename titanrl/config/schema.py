@@ -87,7 +87,8 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature; the trainer scores tokens under the same temperature."""
     top_p: float = 1.0
-    """Nucleus sampling mass; 1.0 keeps the exact softmax the trainer recomputes."""
+    """Nucleus sampling mass (vLLM's top_p); 1.0: off. Under rollout.logprobs='sampled' the trainer
+    scores tokens under the same truncated distribution."""
     max_new_tokens: int = 32
     """Token limit per completion."""
     max_model_len: int = 512
@@ -138,6 +139,15 @@ class RolloutConfig:
     reward (-overlong_penalty at max_new_tokens); 0 turns it off. Single-turn rollouts only."""
     overlong_penalty: float = 1.0
     """The soft overlong penalty at max_new_tokens (its scale); see overlong_buffer."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (vLLM's top_k, applied before top_p); 0: off."""
+    logprobs: Literal["sampled", "raw"] = "sampled"
+    """Which distribution both sides score tokens under when top_k or top_p truncates sampling.
+    'sampled': the truncated, renormalised distribution the generator sampled from (vLLM's
+    processed logprobs; the trainer applies the same top-k/top-p to its own logits), so the PPO
+    ratio is 1 at equal weights. 'raw': the full softmax at the sampling temperature, ignoring the
+    truncation (vLLM's raw_logprobs, taken before temperature: with top_k or top_p on it needs
+    rollout.temperature=1). Without truncation both choices are the same full softmax."""
 
 
 @dataclass

@@ -126,6 +126,7 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"max_reward_error_frac must be in [0, 1], got {config.max_reward_error_frac}")
     _validate_dtypes(config)
     _validate_kl(config)
+    _validate_truncation(config)
     if not config.model.checkpoint:
         raise ConfigError("model.checkpoint is empty: set it to an HF checkpoint directory")
     from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, checked_tensors, read_config
@@ -245,6 +246,40 @@ def _validate_rewards(config: RunConfig) -> None:
                           "env.factory set, give the environment its own length penalty and set it to 0")
     if not math.isfinite(rc.overlong_penalty) or rc.overlong_penalty < 0:
         raise ConfigError(f"rollout.overlong_penalty must be a finite number >= 0, got {rc.overlong_penalty}")
+
+
+def _validate_truncation(config: RunConfig) -> None:
+    """rollout.top_k / top_p / logprobs: what the generator and the trainer can both score."""
+    rc, p = config.rollout, config.train.parallel
+    if rc.top_k < 0:
+        raise ConfigError(f"rollout.top_k must be >= 0 (0: off), got {rc.top_k}")
+    if rc.top_k == 0 and rc.top_p == 1:
+        return
+    if rc.logprobs == "raw" and rc.temperature != 1:
+        raise ConfigError(
+            f"rollout.logprobs='raw' with rollout.top_k={rc.top_k}, top_p={rc.top_p} needs rollout.temperature=1, "
+            f"got {rc.temperature}: vLLM's raw logprobs are log_softmax of the logits before temperature, so at "
+            f"another temperature the generator's and the trainer's logprobs would differ. Set "
+            f"rollout.temperature=1, or rollout.logprobs='sampled' (both sides score the truncated distribution)"
+        )
+    if rc.logprobs == "sampled" and p.tp > 1:
+        raise ConfigError(
+            f"rollout.top_k={rc.top_k} / top_p={rc.top_p} with rollout.logprobs='sampled' cannot run with "
+            f"train.parallel.tp={p.tp}: the tensor-parallel LM head holds vocabulary shards, and the "
+            f"top-k / top-p kept set needs a sort over the whole vocabulary, which is not implemented across "
+            f"shards. Set train.parallel.tp=1, rollout.top_k=0 and top_p=1, or rollout.logprobs='raw'"
+        )
+    import torch
+
+    if rc.logprobs == "sampled" and config.batch_invariant and torch.version.cuda is not None:
+        # vLLM's CPU build keeps tokens by a per-row sort the trainer repeats op for op (bitwise);
+        # its CUDA build uses Triton (pivot-based) or FlashInfer top-k / top-p kernels instead.
+        raise ConfigError(
+            f"batch_invariant=True with rollout.top_k={rc.top_k} / top_p={rc.top_p} and rollout.logprobs='sampled' "
+            f"is bitwise only with vLLM's CPU build: vLLM on CUDA decides the kept tokens with its own Triton / "
+            f"FlashInfer kernels, which the trainer does not reproduce bit for bit. Set rollout.top_k=0 and "
+            f"top_p=1, rollout.logprobs='raw' (with rollout.temperature=1), or batch_invariant=False"
+        )
 
 
 def _validate_dtypes(config: RunConfig) -> None:

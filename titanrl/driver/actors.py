@@ -24,12 +24,13 @@ def start_trainer(config: RunConfig, placement: Placement) -> Any:
 
     from titanrl.trainer.trainer import GRPOTrainer
     from titanrl.trainer.trainer_group import TrainerGroup
+    from titanrl.trainer.truncation import Truncation
 
     tc = config.train
     trainer_cls = TrainerGroup if tc.parallel.world_size > 1 else GRPOTrainer
     return ray.remote(trainer_cls).options(**placement.trainer_options()).remote(
         config.model, tc, config.rollout.temperature, config.seed, batch_invariant=config.batch_invariant,
-        **placement.trainer_kwargs(),
+        truncation=Truncation.scored_by_trainer(config.rollout), **placement.trainer_kwargs(),
     )
 
 

@@ -120,6 +120,7 @@ class EnvRunner:
             self._budget(),
             temperature=temperature,
             top_p=self.rc.top_p if temperature > 0 else 1.0,
+            top_k=self.rc.top_k if temperature > 0 else 0,
             seed=seed,
             stop_token_ids=self.stop_token_ids,
             prompt_field=self.prompt_field,

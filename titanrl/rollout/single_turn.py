@@ -64,7 +64,7 @@ class SingleTurn:
 
     def sampling(self, rc: RolloutConfig) -> dict[str, Any]:
         """Training-time sampling arguments (engine.generate and AsyncGenerator.generate take both)."""
-        return dict(temperature=rc.temperature, top_p=rc.top_p, max_tokens=rc.max_new_tokens,
+        return dict(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, max_tokens=rc.max_new_tokens,
                     stop_token_ids=self.stop_token_ids)
 
     def greedy(self, max_tokens: int) -> dict[str, Any]:

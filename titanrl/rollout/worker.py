@@ -80,6 +80,8 @@ class RolloutWorker:
                 seed=seed + 1000 * worker_id,
                 multiprocess=rc.vllm_multiprocess,
                 batch_invariant=batch_invariant,
+                # Untruncated, the processed logprobs are the full softmax at the temperature: 'raw' too.
+                logprobs=rc.logprobs if rc.top_k > 0 or rc.top_p < 1 else "sampled",
                 record_routed_experts=record_routing,
             )
         )

@@ -28,6 +28,7 @@ from titanrl.trainer.batch import PackedBatch
 from titanrl.trainer.parallel.parallelize import ParallelModel
 from titanrl.trainer.parallel.step import ParallelGRPOStep
 from titanrl.trainer.policy import build_policy
+from titanrl.trainer.truncation import Truncation
 
 REFERENCE_STATE_KEY = "reference_checkpoint"
 """trainer_state.pt's entry naming the reference policy's checkpoint directory (absolute)."""
@@ -65,7 +66,7 @@ def reference_source(checkpoint: str) -> tuple[str, str | None]:
 
 def build_reference(checkpoint: str, recorded_in: str | None = None, *, policy: ParallelModel, dtype: torch.dtype,
                     train_config: TrainConfig, temperature: float, batch_invariant: bool, device_type: str,
-                    **layout_options: Any) -> ReferencePolicy:
+                    truncation: Truncation | None = None, **layout_options: Any) -> ReferencePolicy:
     """The frozen copy of the weights in `checkpoint` laid out like `policy` (call on every rank).
 
     recorded_in: the trainer state that named `checkpoint`, for the error if it is gone.
@@ -85,4 +86,4 @@ def build_reference(checkpoint: str, recorded_in: str | None = None, *, policy: 
         part.eval()
         part.requires_grad_(False)
         zero_routing_buffers(part, pm.device)  # float32 on the device, as the policy's (they stay zero)
-    return ReferencePolicy(checkpoint, ParallelGRPOStep(pm, [], train_config, temperature, batch_invariant))
+    return ReferencePolicy(checkpoint, ParallelGRPOStep(pm, [], train_config, temperature, batch_invariant, truncation))

@@ -39,6 +39,7 @@ from titanrl.trainer.parallel.step import ParallelGRPOStep
 from titanrl.trainer.policy import build_policy
 from titanrl.trainer.reference import REFERENCE_STATE_KEY, ReferencePolicy, build_reference, reference_source
 from titanrl.trainer.stats import GradStats, LogprobParity
+from titanrl.trainer.truncation import Truncation
 from titanrl.types import Group, PolicyVersion
 from titanrl.models.qwen3_moe import routing_buffers, zero_routing_buffers
 
@@ -59,7 +60,7 @@ class GRPOTrainer:
 
     def __init__(
         self, model_config: ModelConfig, train_config: TrainConfig, temperature: float, seed: int,
-        batch_invariant: bool = False, *, device_type: str | None = None,
+        batch_invariant: bool = False, *, device_type: str | None = None, truncation: Truncation | None = None,
     ) -> None:
         """Loads the policy onto the device; for a parallel layout, joins the world (blocks until
         every rank has) and loads only this rank's shards (no rank holds the full model).
@@ -67,6 +68,8 @@ class GRPOTrainer:
         batch_invariant: run the model and the logprobs through `titanrl.kernels`, so they match
         a batch-invariant generator bit for bit.
         device_type: 'cpu' or 'cuda'; None resolves `train.device` ('auto': CUDA when present).
+        truncation: the generator's top-k / top-p when its logprobs are the truncated distribution's
+        (`Truncation.scored_by_trainer(rollout)`); the trainer then scores tokens under it too.
         A parallel layout (`train.parallel.world_size > 1`) needs the torch.distributed env vars
         (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) set: `ParallelTrainerRank` does.
         """
@@ -102,11 +105,13 @@ class GRPOTrainer:
         self.rank = global_rank()
         self.optimizers = build_optimizers(self.pm, train_config)
         self.schedulers = [build_scheduler(opt, train_config) for opt in self.optimizers]
-        self.grpo = ParallelGRPOStep(self.pm, self.optimizers, train_config, temperature, batch_invariant)
+        self.grpo = ParallelGRPOStep(self.pm, self.optimizers, train_config, temperature, batch_invariant,
+                                     truncation)
+        # The reference scores tokens under the same (truncated) distribution as the policy.
         self._build_reference = functools.partial(build_reference, policy=self.pm, dtype=self.dtype,
                                                   train_config=train_config, temperature=temperature,
-                                                  batch_invariant=batch_invariant, device_type=device_type,
-                                                  **layout_options)
+                                                  batch_invariant=batch_invariant, truncation=truncation,
+                                                  device_type=device_type, **layout_options)
         self.reference: ReferencePolicy | None = (
             self._build_reference(*reference_source(model_config.checkpoint)) if train_config.kl_coef > 0 else None)
         """The frozen reference policy of train.kl_coef (titanrl.trainer.reference); None when 0."""
@@ -208,7 +213,10 @@ class GRPOTrainer:
           lr: learning rate of the call's last optimizer step (the one it would have used, if skipped).
           train/clip_fraction: clipped / tokens over every forward of the call (all passes).
           train/entropy: token-mean entropy of the trainer's sampling distribution softmax(logits /
-            temperature) over the trained tokens of every forward of the call (all passes).
+            temperature) (truncated and renormalised under top-k / top-p) over the trained tokens of
+            every forward of the call (all passes).
+          train/truncation_outside_frac (top-k / top-p only): the share of those tokens whose target
+            was outside the trainer's kept set (scored over the kept set plus the target).
           train/mismatch_mean_abs, train/mismatch_max_abs: |trainer - generator| logprob on the
             first minibatch of the first pass, the only forward at the generator's weights.
           train/tokens: trained tokens in the groups; train/advantage_nonzero_frac.
@@ -243,7 +251,7 @@ class GRPOTrainer:
         several_updates = len(ranges) > 1 or self.cfg.ppo_epochs > 1
         proximal = self.proximal_logprobs(batch) if self.cfg.decoupled_loss and several_updates else None
         taken_loss, taken_norm, skipped_loss, skipped_norm = [], [], [], []
-        clipped = seen_tokens = entropy = 0.0
+        clipped = seen_tokens = entropy = outside = 0.0
         first: GradStats | None = None
         moe_passes: list = []
         lr = self.scheduler.get_last_lr()[0]
@@ -255,6 +263,7 @@ class GRPOTrainer:
                     first = stats
                 clipped += stats.clipped_tokens
                 entropy += stats.entropy_sum
+                outside += stats.truncation_outside_tokens
                 if stats.moe is not None:
                     moe_passes.append(stats.moe)
                 seen_tokens += stats.tokens
@@ -273,8 +282,10 @@ class GRPOTrainer:
         parity = parity or first.parity
         if self.rank != 0:
             return None  # every rank computed the same numbers; rank 0 reports them
+        truncated = {} if self.grpo.truncation is None else {"train/truncation_outside_frac": outside / seen_tokens}
         return {
             **parity.metrics(),
+            **truncated,
             **_moe_metrics(moe_passes),
             **(kl_metrics(batch, self.cfg) if self.reference is not None else {}),
             "loss": sum(losses) / len(losses),

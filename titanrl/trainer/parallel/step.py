@@ -42,6 +42,7 @@ from titanrl.trainer.parallel.pipeline import build_schedule
 from titanrl.trainer.parallel.tied import sum_tied_grads
 from titanrl.config.parallel import check_batch_invariant, sequence_multiple
 from titanrl.trainer.stats import GradStats, LogprobParity, nan_max
+from titanrl.trainer.truncation import Truncation
 
 
 def _pad_rows(batch: PackedBatch, rows: int) -> PackedBatch:
@@ -87,7 +88,7 @@ class _Totals:
     """Per-rank sums of what GradStats reports, reduced over the world at the end."""
 
     def __init__(self) -> None:
-        self.loss = self.clipped = self.diff_sum = self.entropy = 0.0
+        self.loss = self.clipped = self.diff_sum = self.entropy = self.outside = 0.0
         self.diff_max = float("-inf")
         self.parity = LogprobParity()
         self.moe: MoeTotals | None = None
@@ -102,6 +103,7 @@ class _Totals:
     def merge(self, other: _Totals) -> None:
         self.loss += other.loss
         self.entropy += other.entropy
+        self.outside += other.outside
         self.clipped += other.clipped
         self.diff_sum += other.diff_sum
         self.diff_max = nan_max(self.diff_max, other.diff_max)
@@ -119,11 +121,17 @@ class ParallelGRPOStep:
     The LM head runs in `chunked_token_logprobs` (train.logprob_chunk_tokens tokens at a time,
     with its own backward): the model returns final-norm hidden states and no rank ever holds a
     micro-batch's full [rows, T, V] logits.
+
+    truncation: the generator's top-k / top-p (rollout.logprobs='sampled'); logprobs and entropy
+    are then those of the truncated, renormalised distribution it sampled from.
     """
 
     def __init__(self, pm: ParallelModel, optimizers: list[torch.optim.Optimizer], train_config: TrainConfig,
-                 temperature: float, batch_invariant: bool = False) -> None:
+                 temperature: float, batch_invariant: bool = False, truncation: Truncation | None = None) -> None:
         self.pm, self.optimizers, self.cfg, self.temperature = pm, optimizers, train_config, temperature
+        self.truncation = truncation if truncation is not None and truncation.active else None
+        self._outside_BT: torch.Tensor | None = None
+        """The last head call's targets outside the truncated kept set (read by `_count_outside`)."""
         self.seq_multiple = sequence_multiple(pm.parallel)
         if batch_invariant:
             check_batch_invariant(pm.parallel)
@@ -232,6 +240,7 @@ class ParallelGRPOStep:
             for _, sub, logprobs, entropy, aux in self._logprobs_by_micro_batch(local, backward, totals.moe,
                                                                                  real_total):
                 loss_sum = self._loss(logprobs, entropy, sub, totals)
+                self._count_outside(sub.loss_mask_BT, totals)
                 if backward:
                     loss = loss_sum / total_tokens.to(loss_sum.device)
                     if aux is not None and self.moe.aux_loss_coef:
@@ -252,12 +261,23 @@ class ParallelGRPOStep:
             B, T, D = hidden_BTD.shape
             # A vocabulary-parallel head's rows are split over tp: size chunks by this rank's share.
             vocab_rows = -(-weight_VD.shape[0] // self.pm.parallel.tp)
+            outside = None
+            if self.truncation is not None:
+                outside = self._outside_BT = torch.zeros(B, T, dtype=torch.bool, device=hidden_BTD.device)
             logprobs, entropy = chunked_token_logprobs(
                 hidden_BTD.reshape(B * T, D), weight_VD, targets_BT.reshape(B * T), self.temperature,
-                chunk_tokens_for(vocab_rows, self.cfg.logprob_chunk_tokens), self.batch_invariant)
+                chunk_tokens_for(vocab_rows, self.cfg.logprob_chunk_tokens), self.batch_invariant,
+                truncation=self.truncation, outside_N=None if outside is None else outside.view(B * T))
             return logprobs.view(B, T), entropy.view(B, T)
 
         return head
+
+    def _count_outside(self, mask_BT: torch.Tensor, totals: _Totals) -> None:
+        """Adds the trained tokens of the last head call whose target was outside the trainer's
+        truncated kept set (scored over kept + {target}; see chunked_logprobs)."""
+        if self._outside_BT is not None:
+            totals.outside += (self._outside_BT.to(mask_BT.device) & (mask_BT > 0)).sum().item()
+            self._outside_BT = None
 
     def _loss(self, logprobs: torch.Tensor, entropy: torch.Tensor, sub: PackedBatch, totals: _Totals
               ) -> torch.Tensor:
@@ -360,6 +380,7 @@ class ParallelGRPOStep:
             # Through the stage module: FSDP gathers the head's weight, mixed precision casts it.
             logprobs, entropy = last(hidden, head=self._head(t.long()))
             loss_sum = self._loss(logprobs, entropy, sub, calls[-1])
+            self._count_outside(m, calls[-1])
             return loss_sum / total_tokens.to(loss_sum.device)
 
         schedule = build_schedule(pm.parts, pm.parallel, pm.mesh, pm.device, n_micro, loss_fn)
@@ -397,18 +418,19 @@ class ParallelGRPOStep:
         par = totals.parity
         # A NaN max travels as a count (a max-reduction would drop it).
         mine = [totals.loss, totals.clipped, totals.diff_sum, float(math.isnan(totals.diff_max)),
-                par.diff_sum, par.different, par.checked, float(math.isnan(par.diff_max)), totals.entropy]
+                par.diff_sum, par.different, par.checked, float(math.isnan(par.diff_max)), totals.entropy,
+                totals.outside]
         sums = torch.tensor(mine if counts else [0.0] * len(mine), dtype=torch.float64, device=pm.device)
         all_reduce(sums, pm.mesh)
         tops = [totals.diff_max, par.diff_max if par.checked else float("-inf")]
         top = torch.tensor([t if counts and not math.isnan(t) else float("-inf") for t in tops],
                            dtype=torch.float64, device=pm.device)
         all_reduce(top, pm.mesh, op=dist.ReduceOp.MAX)
-        loss, clipped, diff_sum, nan, p_sum, p_diff, p_checked, p_nan, entropy = sums.tolist()
+        loss, clipped, diff_sum, nan, p_sum, p_diff, p_checked, p_nan, entropy, outside = sums.tolist()
         diff_max, p_max = top.tolist()
         parity = LogprobParity(p_sum, float("nan") if p_nan else max(p_max, 0.0), p_diff, p_checked)
         return GradStats(loss, total_tokens.item(), clipped, diff_sum, float("nan") if nan else diff_max, parity,
-                         entropy, self._global_moe_stats(totals.moe, counts))
+                         entropy, self._global_moe_stats(totals.moe, counts), outside)
 
     def _global_moe_stats(self, moe: MoeTotals | None, counts: bool) -> MoeStats | None:
         """The routing measurements summed over the world (TP ranks, identical, count once)."""
