@@ -14,7 +14,9 @@ from titanrl import kernels
 from titanrl.config import ModelConfig, TrainConfig
 from titanrl.models.hf_checkpoint import load_model
 from titanrl.models.tiny import write_tiny_checkpoint
+from titanrl.trainer.batch import pack
 from titanrl.trainer.trainer import GRPOTrainer
+from titanrl.trainer.truncation import Truncation
 from titanrl.types import Group, Sample
 
 
@@ -130,13 +132,26 @@ def test_vllm_decode_prefill_chunked_prefill_and_trainer_agree(bi_checkpoint):
 @pytest.mark.own_vllm_engine
 def test_trainer_parity_metrics_are_exactly_zero(bi_checkpoint):
     """GRPOTrainer(batch_invariant=True) recomputes every token vLLM sampled with the current
-    weights to the bit: parity/logprob_diff_max is 0.0 over all tokens; stale rows are not counted."""
+    weights to the bit: parity/logprob_diff_max is 0.0 over all tokens; stale rows are not counted.
+    The same holds for top_p 0.9 and top_k 20 sampling (T=1, and both at T=0.7) scored under the
+    truncated distribution (rollout.logprobs='sampled'): vLLM's CPU top-k / top-p is per row."""
     engine = _engine(bi_checkpoint)
+    truncated = [(1.0, Truncation(top_p=0.9)), (1.0, Truncation(top_k=20)), (0.7, Truncation(top_k=20, top_p=0.9))]
     try:
         prompts = ["12+34=", "hello", "a much longer prompt about numbers: 98765 - 4321 ="]
         groups = engine.generate(prompts, n=4, temperature=1.0, max_tokens=16, seed=2)
+        truncated_groups = [engine.generate(prompts, n=4, temperature=t, max_tokens=16, seed=2, top_p=trunc.top_p,
+                                            top_k=trunc.top_k) for t, trunc in truncated]
     finally:
         engine.close()
+    for (temperature, truncation), outputs in zip(truncated, truncated_groups):
+        rows = [Group([Sample(text, c.text, c.prompt_token_ids, c.token_ids, c.logprobs, float(i % 2), j, 0)
+                       for i, c in enumerate(grp)]) for j, (text, grp) in enumerate(zip(prompts, outputs))]
+        trainer = GRPOTrainer(ModelConfig(checkpoint=str(bi_checkpoint)), TrainConfig(micro_batch_size=5), temperature,
+                              0, batch_invariant=True, truncation=truncation)
+        parity = trainer.measure_parity(pack(rows, trainer.pad_id, current_version=trainer.version))
+        assert parity.checked == sum(len(c.token_ids) for grp in outputs for c in grp)
+        assert parity.diff_max == 0.0 and parity.different == 0, (temperature, truncation)
     batch = []
     for j, (text, grp) in enumerate(zip(prompts, groups)):
         samples = [Sample(text, c.text, c.prompt_token_ids, c.token_ids, c.logprobs, float(i % 2), j, 0)
@@ -168,8 +183,6 @@ def test_batch_invariant_gradients_match_the_library_model(bi_checkpoint):
     grads = {}
     for flag in (False, True):
         trainer = GRPOTrainer(ModelConfig(checkpoint=str(bi_checkpoint)), TrainConfig(), 1.0, 0, batch_invariant=flag)
-        from titanrl.trainer.batch import pack
-
         trainer.accumulate_gradients(pack(groups, trainer.pad_id))
         grads[flag] = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
     for name, grad in grads[False].items():

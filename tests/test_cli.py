@@ -92,9 +92,10 @@ def test_string_choices_are_literal_types():
     """The string settings with a fixed set of values are Literal types (tyro turns them into choices)."""
     keys = {key for key, _ in _literal_fields()}
     assert keys == {
-        "model.dtype", "data.on_overlong", "rollout.on_weight_update", "rollout.weight_transport",
+        "model.dtype", "data.on_overlong", "rollout.on_weight_update", "rollout.weight_transport", "rollout.logprobs",
         "train.lr_decay", "train.device", "train.parallel.pp_schedule", "train.activation_checkpointing",
-        "train.moe_load_balance", "train.loss", "train.off_policy_correction",
+        "train.moe_load_balance", "output.wandb_mode", "train.kl_estimator", "train.loss",
+        "train.off_policy_correction",
     }
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from titanrl.config import ConfigError
 from titanrl.data import DatasetError, PromptStream, load_rows, write_rows
-from titanrl.rundir.metrics import MetricsLogger, plot_run, read_metrics
+from titanrl.rundir.metrics import MetricsLogger, read_metrics
 
 # ----------------------------------------------------------------------------- load_rows
 
@@ -164,52 +164,3 @@ def test_metrics_logger_without_tensorboard_writes_no_events(tmp_path):
     logger.log({"step": 1, "loss": 1.0})
     logger.close()
     assert not (tmp_path / "tensorboard").exists()
-
-
-# ----------------------------------------------------------------------------- plot + run dir
-
-
-def test_plot_run_writes_png(tmp_path):
-    """plot_run draws metrics.jsonl (train reward and eval accuracy) into a non-empty PNG."""
-    logger = MetricsLogger(tmp_path, tensorboard=False)
-    logger.log({"step": 0, "eval/accuracy": 0.1})
-    for step in range(1, 6):
-        logger.log({"step": step, "reward/mean": step / 10, "eval/accuracy": None})
-    logger.log({"step": 5, "eval/accuracy": 0.4})
-    logger.close()
-    out = plot_run(tmp_path)
-    assert out == tmp_path / "progress.png"
-    data = out.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
-
-
-def test_plot_run_adds_an_env_panel_for_episodes(tmp_path):
-    """Runs with an environment get a second panel (tool calls, errors, turns): the PNG is taller
-    than a single-turn run's, and a run without env metrics keeps the one-panel size."""
-    from PIL import Image
-
-    single, env = tmp_path / "single", tmp_path / "env"
-    for run_dir, extra in ((single, {}), (env, {"env/tool_calls": 3.0, "env/errors": 1.0, "env/turns_mean": 1.5})):
-        logger = MetricsLogger(run_dir, tensorboard=False)
-        for step in range(1, 4):
-            logger.log({"step": step, "reward/mean": step / 10, **extra})
-        logger.close()
-    heights = [Image.open(plot_run(run_dir)).size[1] for run_dir in (single, env)]
-    assert heights[1] > heights[0]
-
-
-def test_plot_run_adds_a_moe_panel_for_routing_metrics(tmp_path):
-    """An MoE run (moe/route_agreement logged) gets a routing panel: the PNG is taller than the same
-    run's without routing metrics, with and without the environment panel."""
-    from PIL import Image
-
-    moe = {"moe/route_agreement": 0.98, "moe/route_agreement_used": 1.0, "moe/load_max_over_mean": 2.5}
-    env = {"env/tool_calls": 3.0, "env/errors": 1.0, "env/turns_mean": 1.5}
-    heights = {}
-    for name, extra in (("plain", {}), ("moe", moe), ("env", env), ("env_moe", {**env, **moe})):
-        logger = MetricsLogger(tmp_path / name, tensorboard=False)
-        for step in range(1, 4):
-            logger.log({"step": step, "reward/mean": step / 10, **extra})
-        logger.close()
-        heights[name] = Image.open(plot_run(tmp_path / name)).size[1]
-    assert heights["moe"] > heights["plain"] and heights["env_moe"] > heights["env"]

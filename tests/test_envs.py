@@ -78,35 +78,58 @@ def call_text(name: str, **arguments: Any) -> str:
 
 # --- tools -------------------------------------------------------------------------------
 def test_tool_schema_from_signature():
-    """Parameter types, defaults and docstrings become the JSON schema the prompt shows; untyped
-    or unsupported parameters are refused when the tool is defined, not when the model calls it."""
+    """Parameter types, defaults and docstrings become the JSON schema the prompt shows, as
+    transformers.utils.get_json_schema writes it (the schema chat templates take as tools=);
+    untyped, undocumented or unsupported parameters are refused when the tool is defined, not
+    when the model calls it."""
+    from transformers.utils import get_json_schema
 
     async def search(query: str, k: int, scale: float, exact: bool, tags: list[str],
                      weights: dict[str, float], lang: Optional[str] = None) -> list:
         """Searches the index.
 
-        More text that is not part of the description.
+        Args:
+            query: words to find
+            k: how many hits
+            scale: score scale
+            exact: exact match only
+            tags: tags to filter by
+            weights: per-field weights
+            lang: language code
         """
         return []
 
     t = Tool.from_function(search)
     assert t.name == "search" and t.description == "Searches the index."
+    described = lambda schema, text: {**schema, "description": text}  # noqa: E731
     assert t.parameters == {
         "type": "object",
         "properties": {
-            "query": {"type": "string"}, "k": {"type": "integer"}, "scale": {"type": "number"},
-            "exact": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}},
-            "weights": {"type": "object", "additionalProperties": {"type": "number"}},
-            "lang": {"type": ["string", "null"]},
+            "query": described({"type": "string"}, "words to find"), "k": described({"type": "integer"}, "how many hits"),
+            "scale": described({"type": "number"}, "score scale"), "exact": described({"type": "boolean"}, "exact match only"),
+            "tags": described({"type": "array", "items": {"type": "string"}}, "tags to filter by"),
+            "weights": described({"type": "object", "additionalProperties": {"type": "number"}}, "per-field weights"),
+            "lang": described({"type": "string", "nullable": True}, "language code"),
         },
         "required": ["query", "k", "scale", "exact", "tags", "weights"],
     }
+    hf = get_json_schema(search)  # one implementation: transformers' (its "return" entry is left out)
+    assert t.schema() == {"type": "function", "function": {k: v for k, v in hf["function"].items() if k != "return"}}
     assert Tool.from_function(add).parameters["properties"]["a"] == {"type": "integer", "description": "first addend"}
     with pytest.raises(TypeError, match="type hint"):
         Tool.from_function(lambda x: x)
     with pytest.raises(TypeError, match="unsupported"):
-        def bad(x: set) -> None: ...
+        def bad(x: set) -> None:
+            """Bad.
+
+            Args:
+                x: a set
+            """
         Tool.from_function(bad)
+    with pytest.raises(TypeError, match="tool undocumented: .*no description for the argument 'x'.*'Args:' block"):
+        def undocumented(x: int) -> int:
+            """Has no Args block."""
+        Tool.from_function(undocumented)
 
 
 def test_tools_prompt_lists_tools_and_call_format():
@@ -140,12 +163,21 @@ def test_registry_validates_runs_and_never_raises():
         raise RuntimeError("kaput")
 
     async def slow(x: float) -> str:
-        """Sleeps."""
+        """Sleeps.
+
+        Args:
+            x: ignored
+        """
         await asyncio.sleep(5)
         return "late"
 
     def echo(text: str, times: Optional[int] = None) -> str:
-        """Echoes text."""
+        """Echoes text.
+
+        Args:
+            text: what to echo
+            times: how often
+        """
         return text * (times or 1)
 
     reg = ToolRegistry([add, boom, slow, echo], timeout_s=0.2, max_response_chars=50)
@@ -207,6 +239,59 @@ def test_tool_env_episode_calls_a_tool_then_answers():
     assert [(r.done, r.reward) for r in results] == [(False, 0.0), (True, 0.0)]
     assert scored == ["It is 5"]  # end-of-turn token stripped before scoring
     assert total(results, "tool_calls") == 1 and total(results, "errors") == 0
+
+
+# A template that renders tools itself, with a tool turn of its own shape (a user turn holding
+# <tool_response>, as Qwen3's template writes it). HF's Jinja drops a newline right after a block
+# tag, hence the {{ '\\n' }}.
+TOOL_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}<|im_start|>system\n{{ m['content'] }}"
+    "{% if tools %}{{ '\\n# Tools' }}{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tokenizer(template: str | None) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    from titanrl.models.tokenizer import EOS_TOKEN, build_byte_tokenizer
+
+    return PreTrainedTokenizerFast(tokenizer_object=build_byte_tokenizer(), eos_token=EOS_TOKEN,
+                                   chat_template=template)
+
+
+@pytest.mark.parametrize("end", ["", "<|im_end|>"], ids=["stopped-at-tool-call", "wrote-end-of-turn"])
+def test_tool_env_uses_a_chat_template_that_renders_tools(end):
+    """With a tokenizer whose template renders tools, the prompt carries the tools as schemas
+    (Tool.schema, through apply_chat_template) and the system message only the instructions; a
+    tool call's observation is the template's end of turn, tool turn and next assistant header,
+    without repeating an end of turn the model already wrote."""
+    env = ToolEnv([add], instructions="Use tools to add.", score=lambda row, answer: float(answer == "5"),
+                  tokenizer=_tokenizer(TOOL_TEMPLATE))
+    call = call_text("add", a=2, b=3) + end
+    transcript, results = asyncio.run(episode(env, {"prompt": "What is 2 + 3?"}, [call, "5<|im_end|>"]))
+    assert transcript == (
+        f"<|im_start|>system\nUse tools to add.\n# Tools\n{json.dumps(Tool.from_function(add).schema())}<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n" + call_text("add", a=2, b=3)
+        + "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        + "5<|im_end|>"
+    )
+    assert [(r.done, r.reward) for r in results] == [(False, 0.0), (True, 1.0)]
+
+
+def test_tool_env_with_a_template_that_ignores_tools_or_none_writes_chatml():
+    """The tiny checkpoints' ChatML template (which never reads `tools`) and no tokenizer at all
+    give the same transcript: tools listed in the system message, ChatML tool turns."""
+    from titanrl.chat import CHATML_TEMPLATE
+
+    turns = [call_text("add", a=2, b=3), "It is 5<|im_end|>"]
+    texts = [asyncio.run(episode(ToolEnv([add], instructions="Add.", score=lambda r, a: 0.0, tokenizer=tok),
+                                 {"prompt": "2+3?"}, turns))[0]
+             for tok in (None, _tokenizer(CHATML_TEMPLATE), _tokenizer(None))]
+    assert texts[0] == texts[1] == texts[2]
+    assert tools_prompt([Tool.from_function(add)]) in texts[0] and "<|im_start|>tool\n" in texts[0]
 
 
 def test_tool_env_malformed_call_gets_error_observation_and_episode_continues():

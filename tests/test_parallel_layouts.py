@@ -12,6 +12,7 @@ from titanrl.config import ModelConfig
 from titanrl.trainer.parallel.launch import run_local_world
 from titanrl.trainer.parallel.layout_check import LAYOUTS, make_case, reference
 from titanrl.trainer.trainer import GRPOTrainer
+from titanrl.trainer.truncation import Truncation
 
 UNTIED = ["fsdp", "ddp", "tp", "tp_sp", "pp", "pp_gpipe", "pp_interleaved", "cp"]
 TIED = ["fsdp", "tp", "tp_sp", "cp", "pp", "pp_interleaved"]
@@ -23,6 +24,9 @@ INVARIANT_PP = {"pp": dict(pp=2, pp_schedule="1F1B"), "pp_gpipe": dict(pp=2, pp_
                 "pp_interleaved": dict(pp=2, pp_schedule="Interleaved1F1B")}
 INVARIANT = {**INVARIANT_DP, **INVARIANT_PP}
 """Layouts run with batch_invariant=True (on the tied policy: pp splits the tied matrix)."""
+
+TRUNCATED = ["fsdp", "pp", "cp"]
+"""Layouts checked with the trainer scoring under top-k 20 + top-p 0.9 at T=0.7 (tp is refused)."""
 
 FORWARD_PARITY = ["fsdp", "ddp", "tp_sp", "cp", "pp", "pp_gpipe", "pp_interleaved"]
 """Layouts whose forward-only parity (ParallelGRPOStep.measure_parity) is checked, tied policy."""
@@ -41,6 +45,8 @@ def world(tmp_path_factory):
     single-process trainer's)."""
     tmp = tmp_path_factory.mktemp("parallel_layouts")
     untied, tied = make_case(tmp, tied=False), make_case(tmp, tied=True)
+    truncated = dataclasses.replace(untied, temperature=0.7, truncation=Truncation(top_k=20, top_p=0.9))
+    truncated_ref = reference(truncated)
     from parallel_worlds import run_jobs, with_invariant_logprobs
 
     invariant = with_invariant_logprobs(tied)
@@ -55,12 +61,14 @@ def world(tmp_path_factory):
         ("forward_parity", (tied, {name: LAYOUTS[name] for name in FORWARD_PARITY})),
         ("vocab_parallel_logprobs", ()),
         ("vocab_shards", ([untied, tied], LAYOUTS["tp"])),
+        ("layouts", (TRUNCATED, truncated, truncated_ref)),
         ("layouts", (LOSS_VARIANT_LAYOUTS, variant, reference(variant))),
     ]
     results = run_local_world(run_jobs, 2, jobs, timeout_s=600)[0]
     return {"untied": results[0], "tied": results[1], "ring": results[2], "invariant": results[3],
             "forward_parity": results[4], "vocab_parallel": results[5], "vocab_shards": results[6],
-            "loss_variant": results[7],
+            "truncated": results[7], "truncated_reference": truncated_ref,
+            "loss_variant": results[8],
             "invariant_single": single.parity, "invariant_single_loss": single.loss_sum / single.tokens}
 
 
@@ -170,6 +178,15 @@ def test_tp_shards_embedding_and_head_over_the_vocabulary(world):
         assert all(r[2] == float(report["tied"]) for r in report["rows"]), report
 
 
+@pytest.mark.parametrize("layout", TRUNCATED)
+def test_truncated_logprobs_under_layout_equal_single_process(world, layout):
+    """Scoring under top-k 20 + top-p 0.9 at T=0.7 (the random completions are mostly outside the
+    kept set: scored over kept + {target}): loss, gradients, grad norm, update and the count of
+    targets outside the kept set under fsdp, pp (1F1B) and cp equal the single-process trainer's."""
+    report = world["truncated"][layout]
+    _assert_matches(report)
+    assert report["truncation_outside_equal"], report
+    assert world["truncated_reference"].stats["truncation_outside_tokens"] > 0
 @pytest.mark.parametrize("layout", LOSS_VARIANT_LAYOUTS)
 def test_loss_variant_equals_single_process(world, layout):
     """train.loss='gspo' with a sequence-level off-policy correction and an entropy bonus: loss,

@@ -100,6 +100,9 @@ def test_single_process_terms_equal_hand_computed_bytes():
     # bf16 storage: a float32 master copy joins; gradients and moments stay float32.
     b = estimate(shape, Layout(), replace(work, dtype="bfloat16", compute_dtype="bfloat16"))
     assert (b.parameters, b.master_weights, b.gradients, b.optimizer_state) == (2 * n, 4 * n, 4 * n, 8 * n)
+    # The KL reference policy: one more copy of the stored shards, nothing else.
+    k = estimate(shape, Layout(), replace(work, dtype="bfloat16", compute_dtype="bfloat16", kl_reference=True))
+    assert e.reference == b.reference == 0 and k.reference == 2 * n and k.peak == b.peak + 2 * n
 
 
 def _autograd_saved_bytes(config: Qwen3Config, dtype: torch.dtype, B: int, T: int) -> int:

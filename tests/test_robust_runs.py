@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from wandb_offline import history, offline_runs, offline_wandb_env, wandb_records
 
 import titanrl
 from titanrl.cli import load_config_file
@@ -69,18 +70,23 @@ def _columns(metrics: list[dict], after: int) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, ray_session, tiny_run):
+def test_sigkill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, ray_session, tiny_run, monkeypatch):
     """A `titanrl train` process SIGKILLed after a checkpoint, then resumed, writes the same loss,
     reward/mean and grad_norm for every later step as an uninterrupted run, bit for bit; metrics.jsonl
     reads as one run and the killed attempt's rows are kept aside. max_staleness=1, so the
-    checkpoint must carry rollouts of a policy that no longer exists."""
+    checkpoint must carry rollouts of a policy that no longer exists. The killed and resumed attempts
+    mirror to one offline W&B run (the reference logs to none: W&B changes no number), and the
+    resumed attempt's W&B history holds its steps with metrics.jsonl's values."""
+    offline_wandb_env(monkeypatch, tmp_path / "wandb-home")
+    wandb = ["output.wandb_project=titanrl-tests", "output.wandb_mode=offline"]
     config_path = _write_config(tmp_path, tiny_run, sleep=0.03)
     reference = titanrl.train(apply_overrides(load_config_file(str(config_path)), [f"output.dir={tmp_path / 'ref'}"]))
 
     killed_dir = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "titanrl.cli", "train", str(config_path), "--out", str(killed_dir)],
+        [sys.executable, "-m", "titanrl.cli", "train", str(config_path), "--out", str(killed_dir),
+         *(f"--{override}" for override in wandb)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )
     try:
@@ -102,8 +108,13 @@ def test_sigkill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, r
     saved = list_checkpoints(killed_dir)[-1].step
     assert saved < 8
 
-    resumed_config = apply_overrides(load_config_file(str(config_path)), [f"output.dir={killed_dir}"])
+    resumed_config = apply_overrides(load_config_file(str(config_path)), [f"output.dir={killed_dir}", *wandb])
     resumed = titanrl.train(resumed_config, resume=True)
+    killed_wandb, resumed_wandb = offline_runs(killed_dir)
+    run_id = (killed_dir / "wandb_run_id.txt").read_text().strip()
+    assert killed_wandb.name == resumed_wandb.name == f"run-{run_id}.wandb"
+    assert [(row["step"], row["loss"]) for row in history(wandb_records(resumed_wandb))] == [
+        (m["step"], m["loss"]) for m in resumed.metrics if m["step"] > saved]
 
     assert _columns(resumed.metrics, saved) == _columns(reference.metrics, saved)
     assert len(_columns(resumed.metrics, saved)) == 8 - saved

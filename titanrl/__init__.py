@@ -12,11 +12,13 @@ from titanrl.config import (
     ModelConfig,
     OutputConfig,
     ParallelConfig,
+    RewardHealthConfig,
     RolloutConfig,
     RunConfig,
     TrainConfig,
 )
 from titanrl.errors import ConfigError, RunStopped
+from titanrl.rewards.batched import batched_reward
 
 
 def train(config: RunConfig, resume: bool = False):
@@ -35,9 +37,11 @@ __all__ = [
     "ModelConfig",
     "OutputConfig",
     "ParallelConfig",
+    "RewardHealthConfig",
     "RolloutConfig",
     "RunConfig",
     "RunStopped",
     "TrainConfig",
+    "batched_reward",
     "train",
 ]

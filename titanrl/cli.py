@@ -207,6 +207,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--logprob-chunk-tokens", type=int, default=None, metavar="C",
                    help="tokens per chunk of the LM head + log-softmax; 0: full logits (default: the "
                         "trainer's, 128 MiB of float32 logits per rank)")
+    p.add_argument("--kl-reference", action="store_true",
+                   help="the trainer also holds the frozen KL reference policy (train.kl_coef > 0)")
     p.add_argument("--safety-margin", type=float, default=0.1, metavar="F",
                    help="fraction of GPU memory kept free (fragmentation, estimate error; default 0.1)")
     p.add_argument("--top", type=int, metavar="K", help="print only the first K layouts (default all)")
@@ -338,7 +340,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         args.model, args.gpus, args.gpu_memory, args.seq_len, args.batch, dtype=args.dtype,
         compute_dtype=args.compute_dtype, micro_batch=args.micro_batch,
         activation_checkpointing=args.activation_checkpointing, logprob_chunk_tokens=args.logprob_chunk_tokens,
-        margin=args.safety_margin, top=args.top, as_json=args.json,
+        kl_reference=args.kl_reference, margin=args.safety_margin, top=args.top, as_json=args.json,
     )
     print(text)
     if not fits:

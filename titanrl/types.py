@@ -12,6 +12,20 @@ PolicyVersion = int
 
 
 @dataclass
+class RewardTerms:
+    """How one sample's reward was made: the value of each reward function, unweighted."""
+
+    values: dict[str, float] = field(default_factory=dict)
+    """Reward name -> the value it returned (the sample's reward is the weighted sum); a reward
+    that failed, or was not called after an earlier one failed, has no entry. Shaping terms added
+    by the rollout side (`overlong_penalty`) appear here too, with their value as added."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Reward name -> wall time of its call on this sample (a batched call's time split evenly over its samples)."""
+    failed: str | None = None
+    """The name of the reward that failed on this sample, if one did."""
+
+
+@dataclass
 class Sample:
     """One completion of one prompt, with everything GRPO needs to train on it."""
 
@@ -54,6 +68,9 @@ class Sample:
     routed each token of prompt + completion through, int16 [len(prompt_ids) + len(completion_ids),
     sparse layers, k]; rows of -1 were not recorded (prefix-cache hits, the last token) and are
     routed live by router replay. None: not recorded."""
+    reward_terms: RewardTerms | None = None
+    """Each reward function's own value, cost and failure for this sample (`reward/<name>/...`
+    metrics, reward health); None where it was not scored by named rewards."""
 
     def __post_init__(self) -> None:
         if len(self.completion_ids) != len(self.gen_logprobs):

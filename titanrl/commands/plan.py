@@ -23,14 +23,14 @@ COLUMNS = (
 
 def plan_command(model: str, gpus: int, gpu_memory: float, seq_len: int, batch: int, *, dtype: str = "float32",
                  compute_dtype: str | None = None, micro_batch: int = 64, activation_checkpointing: str = "none",
-                 logprob_chunk_tokens: int | None = None, margin: float = 0.1, top: int | None = None,
-                 as_json: bool = False) -> tuple[str, bool]:
+                 logprob_chunk_tokens: int | None = None, kl_reference: bool = False, margin: float = 0.1,
+                 top: int | None = None, as_json: bool = False) -> tuple[str, bool]:
     """The report (table or JSON) and whether a layout fits. Raises CommandError on bad input."""
     try:
         shape = ModelShape.from_config_json(model)
         work = Workload(seq_len=seq_len, batch=batch, micro_batch=micro_batch, dtype=dtype,
                         compute_dtype=compute_dtype or dtype, activation_checkpointing=activation_checkpointing,
-                        logprob_chunk_tokens=logprob_chunk_tokens)
+                        logprob_chunk_tokens=logprob_chunk_tokens, kl_reference=kl_reference)
         result = plan(shape, gpus, gpu_memory, work, margin)
         hints = [] if result.recommended else what_would_fit(shape, gpus, gpu_memory, work, margin)
         if result.recommended and work.activation_checkpointing == "none":
@@ -55,7 +55,7 @@ def _row(c: Candidate) -> list[str]:
     m, comm = c.memory, c.comm
     return [
         c.layout.short() + (f" (stage {m.stage})" if c.layout.pp > 1 else ""),
-        _gib(m.parameters + m.master_weights), _gib(m.gradients), _gib(m.optimizer_state),
+        _gib(m.parameters + m.master_weights + m.reference), _gib(m.gradients), _gib(m.optimizer_state),
         _gib(m.fsdp_buffers + m.gradient_accumulation),
         _gib(m.activations_stored), _gib(m.activations_checkpointed), _gib(m.logits_full), _gib(m.logits_chunked),
         _gib(m.peak), f"{comm.total / 1e9:.1f}", f"{comm.bubble:.0%}", "yes" if c.fits else "no",
@@ -75,7 +75,8 @@ def _table(p: Plan, hints: list[str], top: int | None) -> str:
            else "logit:full (--logprob-chunk-tokens 0); logit:chunk shows the trainer's default chunks."),
         "",
         "GiB on the busiest rank of each layout; comm: GB that rank sends per step; bubble: pipeline idle share.",
-        "params: stored shards (+ float32 master copy); grads: float32 shards; optim: AdamW's two float32 moments;",
+        "params: stored shards (+ float32 master copy, + the KL reference's shards with --kl-reference);",
+        "grads: float32 shards; optim: AdamW's two float32 moments;",
         "fsdp: gathered compute-dtype units, unsharded gradients and their accumulation over micro-batches;",
         "peak: params + grads + optim + max(fsdp + act + logit, AdamW step temporaries) + CUDA context (1 GiB).",
         "",

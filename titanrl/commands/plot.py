@@ -10,8 +10,8 @@ from titanrl.jsonl import JsonLinesError
 
 
 def plot_command(run_dir: str | os.PathLike) -> Path:
-    """Draws RUN_DIR/progress.png (titanrl.rundir.metrics.plot_run); works while a run is still writing."""
-    from titanrl.rundir.metrics import plot_run
+    """Draws RUN_DIR/progress.png (titanrl.rundir.progress.plot_run); works while a run is still writing."""
+    from titanrl.rundir.progress import plot_run
 
     run = Path(run_dir)
     metrics = run / "metrics.jsonl"

@@ -17,6 +17,7 @@ from titanrl.config.schema import (
     OutputConfig,
     ParallelConfig,
     RewardFn,
+    RewardHealthConfig,
     RolloutConfig,
     RunConfig,
     TrainConfig,
@@ -26,6 +27,6 @@ from titanrl.errors import ConfigError
 
 __all__ = [
     "ConfigError", "DataConfig", "EnvConfig", "EvalConfig", "ModelConfig", "OutputConfig", "ParallelConfig",
-    "RewardFn", "RolloutConfig", "RunConfig", "TrainConfig", "apply_overrides", "resolve_env_factory",
-    "resolve_reward", "validate",
+    "RewardFn", "RewardHealthConfig", "RolloutConfig", "RunConfig", "TrainConfig", "apply_overrides",
+    "resolve_env_factory", "resolve_reward", "validate",
 ]

@@ -24,6 +24,8 @@ ActivationCheckpointing = Literal["none", "full", "every_nth"]
 """Which decoder blocks recompute their activations in backward instead of storing them."""
 MoeLoadBalance = Literal["aux_loss", "bias", "none"]
 """How a mixture-of-experts policy's expert load is balanced (train.moe_load_balance)."""
+KlEstimator = Literal["k1", "k2", "k3"]
+"""Schulman's sample estimators of KL(pi || pi_ref) (train.kl_estimator)."""
 PolicyLoss = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 """Policy-gradient objectives (train.loss; titanrl/trainer/losses)."""
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -52,9 +54,11 @@ class DataConfig:
     """Prompts to train and evaluate on."""
 
     train_file: str = ""
-    """JSON-lines file of training rows; each row has `prompt_field` plus any fields the reward needs."""
+    """Training rows: a .jsonl, .json, .parquet or .csv file (or a glob of them), or a directory
+    written by `datasets.Dataset.save_to_disk`; each row has `prompt_field` (or `messages_field`)
+    plus any fields the reward needs."""
     eval_file: str = ""
-    """JSON-lines file of held-out rows for eval accuracy; empty disables eval."""
+    """Held-out rows for eval accuracy, in the forms `train_file` takes; empty disables eval."""
     prompt_field: str = "prompt"
     """Row key holding the prompt text."""
     shuffle_seed: int = 0
@@ -62,6 +66,18 @@ class DataConfig:
     on_overlong: Literal["drop", "error"] = "drop"
     """Rows whose prompt tokens + rollout.max_new_tokens exceed rollout.max_model_len: 'drop' them
     (one warning with the count and first index) or 'error' before any actor starts."""
+    messages_field: str = ""
+    """Row key holding chat messages (a list of {"role", "content"}, or a string: one user message)
+    to render with the checkpoint tokenizer's chat template (ChatML when it has none) into
+    `prompt_field`; empty: rows hold prompt text."""
+    train_rows: Any = None
+    """Training rows in memory (a list of dicts or a `datasets.Dataset`), used instead of
+    `train_file`; Python only (config.json records their count, not their contents)."""
+    eval_rows: Any = None
+    """Held-out rows in memory (a list of dicts or a `datasets.Dataset`), used instead of `eval_file`."""
+    system_prompt: str = ""
+    """With `messages_field`: a system message put before each row's messages (unless they start
+    with one), e.g. the answer format a reward expects."""
 
 
 @dataclass
@@ -77,7 +93,8 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature; the trainer scores tokens under the same temperature."""
     top_p: float = 1.0
-    """Nucleus sampling mass; 1.0 keeps the exact softmax the trainer recomputes."""
+    """Nucleus sampling mass (vLLM's top_p); 1.0: off. Under rollout.logprobs='sampled' the trainer
+    scores tokens under the same truncated distribution."""
     max_new_tokens: int = 32
     """Token limit per completion."""
     max_model_len: int = 512
@@ -112,6 +129,31 @@ class RolloutConfig:
     """How new weights reach the workers: 'object_store' (Ray's object store), 'shared_memory'
     (one shared-memory copy read by every worker of the machine) or 'broadcast' (a
     torch.distributed group from the trainer to the workers: gloo on CPU, NCCL on GPU)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (lock-step rollouts only): a step's groups whose rewards are all equal
+    (no learning signal) are replaced by groups of fresh prompts, generated as extra requests of
+    prompts_per_step prompts each, until the step has prompts_per_step groups with unequal rewards
+    or dynamic_sampling_max_requests extra requests were made (then the dropped groups fill the rest)."""
+    dynamic_sampling_max_requests: int = 4
+    """Extra generation requests per step that dynamic_sampling may make before it gives up."""
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: samples that did not finish (hit max_new_tokens, or an episode its
+    budget) get no loss (their loss mask is zeroed); they still count in their group's baseline."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: a completion of L tokens with L > max_new_tokens - overlong_buffer
+    gets overlong_penalty * (max_new_tokens - overlong_buffer - L) / overlong_buffer added to its
+    reward (-overlong_penalty at max_new_tokens); 0 turns it off. Single-turn rollouts only."""
+    overlong_penalty: float = 1.0
+    """The soft overlong penalty at max_new_tokens (its scale); see overlong_buffer."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (vLLM's top_k, applied before top_p); 0: off."""
+    logprobs: Literal["sampled", "raw"] = "sampled"
+    """Which distribution both sides score tokens under when top_k or top_p truncates sampling.
+    'sampled': the truncated, renormalised distribution the generator sampled from (vLLM's
+    processed logprobs; the trainer applies the same top-k/top-p to its own logits), so the PPO
+    ratio is 1 at equal weights. 'raw': the full softmax at the sampling temperature, ignoring the
+    truncation (vLLM's raw_logprobs, taken before temperature: with top_k or top_p on it needs
+    rollout.temperature=1). Without truncation both choices are the same full softmax."""
 
 
 @dataclass
@@ -246,6 +288,22 @@ class TrainConfig:
     moe_bias_update_rate: float = 1e-3
     """With moe_load_balance='bias': the step each expert's bias takes per optimizer step, up
     for an expert below the mean load and down for one above it."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty towards a frozen reference policy, the run's initial weights
+    (model.checkpoint; after a resume still the first run's). 0 (the default): no penalty, and no
+    reference is held (no memory, no forward). > 0 holds the reference on the trainer's device,
+    sharded like the policy, and costs one no-grad forward of it per step; the pipelined trainer
+    (train.parallel.pp > 1) has none."""
+    kl_estimator: KlEstimator = "k3"
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi, with r = pi_ref / pi of
+    the token: 'k1' = -log r (unbiased, can be negative), 'k2' = (log r)^2 / 2 (biased, >= 0;
+    as a loss its gradient is the reverse KL's on-policy), 'k3' = r - 1 - log r (unbiased,
+    >= 0; as a loss its gradient is the forward KL(pi_ref || pi)'s on-policy; GRPO's choice)."""
+    kl_in_reward: bool = False
+    """True: fold the KL into the reward, as PPO-RLHF does: each sample's reward loses kl_coef x
+    its completion's summed token KL (estimated from the generator's logprobs) before the
+    advantages are computed, and the loss has no KL term. False: add kl_coef x the token-mean
+    KL (from the trainer's logprobs, with its gradient) to the loss."""
     loss: PolicyLoss = "grpo"
     """Policy objective. 'grpo': PPO-clip per token on group-normalised advantages (DeepSeekMath,
     Shao et al. 2024). 'dr_grpo': the same clip with no std scaling of advantages and no length
@@ -322,6 +380,17 @@ class OutputConfig:
     """Show a tqdm progress bar on stderr."""
     tensorboard: bool = True
     """Write TensorBoard event files next to metrics.jsonl."""
+    wandb_project: str = ""
+    """Weights & Biases project that the driver mirrors each step's metrics and the config to (needs
+    `pip install 'titanrl[wandb]'`); empty: no W&B. metrics.jsonl stays the record: a W&B failure
+    warns once and the run goes on without it."""
+    wandb_entity: str = ""
+    """W&B user or team owning `wandb_project`; empty: the logged-in account's default entity."""
+    wandb_run_name: str = ""
+    """Display name of the W&B run; empty: the run directory's name."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    """online streams to the W&B server; offline needs no network and keeps the W&B run under
+    RUN_DIR/wandb/ (upload it later with `wandb sync RUN_DIR/wandb/offline-run-*`); disabled skips W&B."""
 
 
 @dataclass
@@ -342,6 +411,24 @@ class EnvConfig:
 
 
 @dataclass
+class RewardHealthConfig:
+    """Per-step checks that the rewards still carry a learning signal and are not being gamed."""
+
+    agreement_pairs: list[str] = field(default_factory=list)
+    """Pairs of reward names 'a:b' that should agree (e.g. 'format:exact_match'): each step logs
+    reward/agreement/a_vs_b, the fraction of samples scored by both where both are > 0 or both are <= 0."""
+    hacking_window: int = 1
+    """Evaluations back that the reward-hacking check compares with (see hacking_reward_rise)."""
+    hacking_reward_rise: float = 0.2
+    """Reward-hacking check, at each evaluation k: R_k is the mean of reward/<name>/mean over the
+    training steps since evaluation k-1. When R_k - R_{k-w} >= this (w = hacking_window) while
+    eval/accuracy rose by less than hacking_accuracy_rise, reward/<name>/hacking_suspected is 1
+    and a warning is logged (once when the flag turns on); 0 turns the check off."""
+    hacking_accuracy_rise: float = 0.02
+    """Rise of eval/accuracy over the same evaluations below which a reward's rise counts as suspect."""
+
+
+@dataclass
 class RunConfig:
     """A whole GRPO run: `titanrl.train(RunConfig(...))`."""
 
@@ -358,7 +445,8 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     """Run directory contents."""
     rewards: list[RewardFn | str] = field(default_factory=list)
-    """Reward callables `(prompt, completion, **row_fields) -> float` (or 'module:function' strings); summed."""
+    """Reward callables `(prompt, completion, **row_fields) -> float` (or 'module:function' strings;
+    sync or async; `@titanrl.batched_reward` ones take lists); summed, weighted by reward_weights."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn environment, episode budgets and sandbox pool size."""
     seed: int = 0
@@ -376,6 +464,11 @@ class RunConfig:
     local single-machine Ray on loopback."""
     max_reward_error_frac: float = 0.5
     """A step where more than this fraction of samples had reward errors stops the run (after a checkpoint)."""
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per entry of `rewards`, in order: a sample's reward is the weighted sum; empty: all 1.
+    Metrics (reward/<name>/mean) show each reward's own, unweighted value."""
+    reward_health: RewardHealthConfig = field(default_factory=RewardHealthConfig)
+    """Reward agreement pairs and the reward-hacking check."""
 
     @property
     def generator_dtype(self) -> Dtype:

@@ -97,6 +97,7 @@ def validate(config: RunConfig) -> None:
         section, name = dotted.split(".")
         if getattr(getattr(config, section), name) < 0:
             raise ConfigError(f"{dotted} must be >= 0, got {getattr(getattr(config, section), name)}")
+    _validate_wandb(config)
     if config.rollout.max_new_tokens >= config.rollout.max_model_len:
         raise ConfigError(
             f"rollout.max_new_tokens ({config.rollout.max_new_tokens}) must be < rollout.max_model_len "
@@ -124,6 +125,8 @@ def validate(config: RunConfig) -> None:
     if not 0 <= config.max_reward_error_frac <= 1:
         raise ConfigError(f"max_reward_error_frac must be in [0, 1], got {config.max_reward_error_frac}")
     _validate_dtypes(config)
+    _validate_kl(config)
+    _validate_truncation(config)
     if not config.model.checkpoint:
         raise ConfigError("model.checkpoint is empty: set it to an HF checkpoint directory")
     from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, checked_tensors, read_config
@@ -147,12 +150,7 @@ def validate(config: RunConfig) -> None:
             f"rollout.record_routed_experts=True needs a mixture-of-experts checkpoint, but model.checkpoint is "
             f"{model_config.HF_ARCHITECTURE}: set rollout.record_routed_experts=None (or False)"
         )
-    for name in ("train_file", "eval_file"):
-        path = getattr(config.data, name)
-        if name == "train_file" and not path:
-            raise ConfigError("data.train_file is empty: set it to a JSON-lines file of prompts")
-        if path and not Path(path).is_file():
-            raise ConfigError(f"data.{name}: file {path!r} does not exist")
+    _validate_data(config)
     if config.env.factory is not None:
         resolve_env_factory(config.env.factory)
         _positive(config, "env.max_turns", "env.max_total_tokens")
@@ -164,7 +162,124 @@ def validate(config: RunConfig) -> None:
         )
     for i, spec in enumerate(config.rewards):
         resolve_reward(spec, i)
+    _validate_rewards(config)
     _validate_trainer_layout(config, model_config)
+
+
+SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
+"""What `Dataset.save_to_disk` (and `DatasetDict.save_to_disk`) leave in the directory."""
+
+
+def _validate_data(config: RunConfig) -> None:
+    """Where the rows come from (a path that exists, or rows in memory); the rows themselves are
+    checked when `titanrl.data` loads them, still before any actor starts."""
+    import glob
+
+    dc = config.data
+    for split in ("train", "eval"):
+        path, rows = getattr(dc, f"{split}_file"), getattr(dc, f"{split}_rows")
+        if rows is not None:
+            if path:
+                raise ConfigError(f"data.{split}_file and data.{split}_rows are both set: keep one source")
+            if not isinstance(rows, list) and type(rows).__module__.split(".")[0] != "datasets":
+                raise ConfigError(f"data.{split}_rows must be a list of dicts or a datasets.Dataset, "
+                                  f"got {type(rows).__name__}")
+            continue
+        if split == "train" and not path:
+            raise ConfigError("data.train_file is empty: set it to a .jsonl, .json, .parquet or .csv file of "
+                              "prompts or a saved dataset directory (or data.train_rows in Python)")
+        if path and not (Path(path).exists() or (glob.has_magic(path) and glob.glob(path))):
+            what = "pattern matches no file" if glob.has_magic(path) else "does not exist"
+            raise ConfigError(f"data.{split}_file: {path!r} {what}")
+        if path and Path(path).is_dir() and not any((Path(path) / f).is_file() for f in SAVED_DATASET_FILES):
+            raise ConfigError(f"data.{split}_file: {path!r} is a directory but not one written by "
+                              "datasets.Dataset.save_to_disk (no state.json): point at the data files "
+                              "(a glob such as 'DIR/train-*.parquet' reads several)")
+    if dc.system_prompt and not dc.messages_field:
+        raise ConfigError("data.system_prompt is set but data.messages_field is empty: the system prompt goes "
+                          "before each row's chat messages; set data.messages_field (a string field is one "
+                          "user message)")
+    if dc.messages_field and config.env.factory is not None:
+        raise ConfigError("data.messages_field renders single-turn prompts, but env.factory is set (an environment "
+                          "writes its own prompt in reset()): set data.messages_field='' and read the messages "
+                          "in the environment")
+
+
+def _validate_rewards(config: RunConfig) -> None:
+    """reward_weights, reward_health and the DAPO sample-side settings of `rollout`."""
+    from titanrl.rewards.named import reward_names
+
+    weights, rc, health = config.reward_weights, config.rollout, config.reward_health
+    if weights and len(weights) != len(config.rewards):
+        raise ConfigError(f"reward_weights has {len(weights)} entries but rewards has {len(config.rewards)}: "
+                          "give one weight per reward, in the order of `rewards` (or none: all 1)")
+    for i, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ConfigError(f"reward_weights[{i}] must be a finite number, got {w!r}")
+    names = reward_names([resolve_reward(spec, i) for i, spec in enumerate(config.rewards)])
+    if rc.overlong_buffer > 0:
+        names.append("overlong_penalty")
+    for pair in health.agreement_pairs:
+        parts = pair.split(":") if isinstance(pair, str) else []
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"reward_health.agreement_pairs: {pair!r} is not 'reward_a:reward_b'")
+        for name in parts:
+            if name not in names:
+                raise ConfigError(f"reward_health.agreement_pairs: {pair!r} names {name!r}, which is not a reward "
+                                  f"of this run (its rewards are named {names})")
+    if health.hacking_window < 1:
+        raise ConfigError(f"reward_health.hacking_window must be >= 1 (evaluations back), got {health.hacking_window}")
+    for name in ("hacking_reward_rise", "hacking_accuracy_rise"):
+        if not math.isfinite(getattr(health, name)) or getattr(health, name) < 0:
+            raise ConfigError(f"reward_health.{name} must be a finite number >= 0, got {getattr(health, name)}")
+    if rc.dynamic_sampling and rc.continuous:
+        raise ConfigError("rollout.dynamic_sampling works with lock-step rollouts only (a continuous run's groups "
+                          "are tied to their step when admitted): set rollout.continuous=False or "
+                          "rollout.dynamic_sampling=False")
+    if rc.dynamic_sampling_max_requests < 1:
+        raise ConfigError(f"rollout.dynamic_sampling_max_requests must be >= 1, got {rc.dynamic_sampling_max_requests}")
+    if not 0 <= rc.overlong_buffer <= rc.max_new_tokens:
+        raise ConfigError(f"rollout.overlong_buffer must be in [0, rollout.max_new_tokens={rc.max_new_tokens}], "
+                          f"got {rc.overlong_buffer}")
+    if rc.overlong_buffer > 0 and config.env.factory is not None:
+        raise ConfigError("rollout.overlong_buffer (the soft overlong penalty) is for single-turn rollouts; with "
+                          "env.factory set, give the environment its own length penalty and set it to 0")
+    if not math.isfinite(rc.overlong_penalty) or rc.overlong_penalty < 0:
+        raise ConfigError(f"rollout.overlong_penalty must be a finite number >= 0, got {rc.overlong_penalty}")
+
+
+def _validate_truncation(config: RunConfig) -> None:
+    """rollout.top_k / top_p / logprobs: what the generator and the trainer can both score."""
+    rc, p = config.rollout, config.train.parallel
+    if rc.top_k < 0:
+        raise ConfigError(f"rollout.top_k must be >= 0 (0: off), got {rc.top_k}")
+    if rc.top_k == 0 and rc.top_p == 1:
+        return
+    if rc.logprobs == "raw" and rc.temperature != 1:
+        raise ConfigError(
+            f"rollout.logprobs='raw' with rollout.top_k={rc.top_k}, top_p={rc.top_p} needs rollout.temperature=1, "
+            f"got {rc.temperature}: vLLM's raw logprobs are log_softmax of the logits before temperature, so at "
+            f"another temperature the generator's and the trainer's logprobs would differ. Set "
+            f"rollout.temperature=1, or rollout.logprobs='sampled' (both sides score the truncated distribution)"
+        )
+    if rc.logprobs == "sampled" and p.tp > 1:
+        raise ConfigError(
+            f"rollout.top_k={rc.top_k} / top_p={rc.top_p} with rollout.logprobs='sampled' cannot run with "
+            f"train.parallel.tp={p.tp}: the tensor-parallel LM head holds vocabulary shards, and the "
+            f"top-k / top-p kept set needs a sort over the whole vocabulary, which is not implemented across "
+            f"shards. Set train.parallel.tp=1, rollout.top_k=0 and top_p=1, or rollout.logprobs='raw'"
+        )
+    import torch
+
+    if rc.logprobs == "sampled" and config.batch_invariant and torch.version.cuda is not None:
+        # vLLM's CPU build keeps tokens by a per-row sort the trainer repeats op for op (bitwise);
+        # its CUDA build uses Triton (pivot-based) or FlashInfer top-k / top-p kernels instead.
+        raise ConfigError(
+            f"batch_invariant=True with rollout.top_k={rc.top_k} / top_p={rc.top_p} and rollout.logprobs='sampled' "
+            f"is bitwise only with vLLM's CPU build: vLLM on CUDA decides the kept tokens with its own Triton / "
+            f"FlashInfer kernels, which the trainer does not reproduce bit for bit. Set rollout.top_k=0 and "
+            f"top_p=1, rollout.logprobs='raw' (with rollout.temperature=1), or batch_invariant=False"
+        )
 
 
 def _validate_dtypes(config: RunConfig) -> None:
@@ -185,6 +300,19 @@ def _validate_dtypes(config: RunConfig) -> None:
             f"batch_invariant=True needs float32 compute, but {field}={compute!r}: the batch-invariant "
             "attention inside vLLM reads a float32 KV cache. Set train.compute_dtype=None and model.dtype="
             "'float32', or batch_invariant=False"
+        )
+
+
+def _validate_kl(config: RunConfig) -> None:
+    """The KL penalty towards the reference policy (train.kl_coef, kl_estimator, kl_in_reward)."""
+    t, p = config.train, config.train.parallel
+    if not (math.isfinite(t.kl_coef) and t.kl_coef >= 0):
+        raise ConfigError(f"train.kl_coef must be a finite number >= 0 (0: no KL penalty, no reference policy "
+                          f"held), got {t.kl_coef}")
+    if t.kl_coef > 0 and p.pp > 1:
+        raise ConfigError(
+            f"train.kl_coef > 0 is not implemented for the pipelined trainer (train.parallel.pp={p.pp}): its "
+            f"logprobs exist only inside the last stage's loss. Set train.parallel.pp=1 or train.kl_coef=0"
         )
 
 
@@ -286,3 +414,17 @@ def _validate_moe(config: RunConfig, model_config: Any) -> None:
             f"trainers (train.parallel.pp={p.pp}, tp={p.tp}, sequence_parallel={p.sequence_parallel}): set "
             f"train.moe_load_balance='none', or train.parallel.pp=1 and sequence_parallel=false"
         )
+
+
+def _validate_wandb(config: RunConfig) -> None:
+    """The wandb package, when W&B logging is on (a run must not find out at its first step)."""
+    out = config.output
+    if not out.wandb_project or out.wandb_mode == "disabled":
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"output.wandb_project={out.wandb_project!r} needs the wandb package, which cannot be imported ({e}): "
+            "pip install 'titanrl[wandb]', or set output.wandb_project='' (or output.wandb_mode='disabled')"
+        ) from e

@@ -24,6 +24,7 @@ def start_trainer(config: RunConfig, placement: Placement) -> Any:
 
     from titanrl.trainer.trainer import GRPOTrainer
     from titanrl.trainer.trainer_group import TrainerGroup
+    from titanrl.trainer.truncation import Truncation
 
     from titanrl.trainer.losses.settings import with_length_norm
 
@@ -31,7 +32,7 @@ def start_trainer(config: RunConfig, placement: Placement) -> Any:
     trainer_cls = TrainerGroup if tc.parallel.world_size > 1 else GRPOTrainer
     return ray.remote(trainer_cls).options(**placement.trainer_options()).remote(
         config.model, tc, config.rollout.temperature, config.seed, batch_invariant=config.batch_invariant,
-        **placement.trainer_kwargs(),
+        truncation=Truncation.scored_by_trainer(config.rollout), **placement.trainer_kwargs(),
     )
 
 
@@ -49,7 +50,8 @@ def start_rollouts(config: RunConfig, train_rows: list[dict[str, Any]],
     turns = config.env.max_turns if config.env.factory is not None else 1
     args = (config.model, rc, config.rewards, config.data.prompt_field, config.seed, config.env)
     kwargs = dict(reward_timeout_s=config.reward_timeout_s, reward_error_value=config.reward_error_value,
-                  batch_invariant=config.batch_invariant, dtype=config.generator_dtype)
+                  batch_invariant=config.batch_invariant, dtype=config.generator_dtype,
+                  reward_weights=list(config.reward_weights) or None)
     if not rc.continuous:
         lockstep_cls = ray.remote(RolloutWorker)
 
@@ -57,7 +59,9 @@ def start_rollouts(config: RunConfig, train_rows: list[dict[str, Any]],
             return lockstep_cls.options(**placement.worker_options(i)).remote(i, *args, **kwargs)
 
         return LockstepRollouts(make_lockstep_worker, rc.num_workers, stream, config.seed, rc.group_size, turns,
-                                tc.max_staleness, tc.steps)
+                                tc.max_staleness, tc.steps,
+                                dynamic_sampling_max_requests=rc.dynamic_sampling_max_requests
+                                if rc.dynamic_sampling else 0)
 
     # An async actor: every admitted group is a call in flight on it (see ContinuousRolloutWorker).
     most_in_flight = (1 + tc.max_staleness) * rc.prompts_per_step

@@ -19,12 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from titanrl.config import RunConfig
+from titanrl.driver.overlong_filter import OVERLONG_FILTERED, filter_overlong
 from titanrl.driver.sources.base import RolloutSource, RolloutWorkersFailed
 from titanrl.errors import RunStopped
 from titanrl.rundir.checkpoints import RunCheckpoint, checkpoint_path, latest_checkpoint, writing_checkpoint
 from titanrl.rundir.driver_state import DRIVER_STATE, read_driver_state, write_driver_state
 from titanrl.rundir.metrics import MetricsLogger
 from titanrl.rundir.plain import from_plain, to_plain
+from titanrl.rewards.health import RewardHackingWatch, reward_health
+from titanrl.rewards.metrics import MEAN, reward_term_metrics
 from titanrl.rundir.rollout_log import rollout_rows, summarize_groups
 from titanrl.trainer.checkpoint import rng_state, set_rng_state
 from titanrl.types import Group, StepRollouts
@@ -55,6 +58,9 @@ class GRPOLoop:
         self.version = 0
         """Trainer's policy version after `step` (skipped steps do not advance it)."""
         self.saved_steps: set[int] = set()
+        health = config.reward_health
+        self.hacking = RewardHackingWatch(health.hacking_window, health.hacking_reward_rise,
+                                          health.hacking_accuracy_rise)
 
     # ------------------------------------------------------------------ resume
 
@@ -165,13 +171,18 @@ class GRPOLoop:
         staleness = [self.version - g.policy_version for g in groups]
         if max(staleness) > tc.max_staleness:  # the loop's invariant; never train on older data
             raise RuntimeError(f"rollout staleness {max(staleness)} exceeds train.max_staleness={tc.max_staleness}")
-        train_metrics = ray.get(self.trainer.step.remote(groups))
+        filtered = None
+        if config.rollout.overlong_filter:
+            train_groups, filtered = filter_overlong(groups)
+        train_metrics = ray.get(self.trainer.step.remote(train_groups if filtered is not None else groups))
         self.rollouts.trained(step)
         self.step, self.version = step, int(train_metrics["policy_version"])
         skipped = bool(train_metrics.get("train/skipped", 0.0))
         push = None if skipped else self.rollouts.publish(self.version)  # a refused step changed nothing
         self.rollouts.fill(self.step, self.version)
         record = self._record(step, rollouts, train_metrics, staleness, t0, t_wait, push)
+        if filtered is not None:
+            record[OVERLONG_FILTERED] = filtered
         self.logger.log(record)
         self.logger.log_rollouts(step, rollout_rows(groups, config.output.rollouts_per_step))
         if skipped and train_metrics.get("train/consecutive_skipped", 0) >= tc.max_skipped_steps:
@@ -199,7 +210,11 @@ class GRPOLoop:
     def _record(self, step: int, rollouts: StepRollouts, train_metrics: dict[str, Any], staleness: list[int],
                 t0: float, t_wait: float, push: WeightPush | None) -> dict[str, Any]:
         tc, ec = self.config.train, self.config.eval
-        record: dict[str, Any] = {"step": step, **summarize_groups(rollouts.groups), **train_metrics}
+        rewards = reward_term_metrics(rollouts.groups)
+        record: dict[str, Any] = {"step": step, **summarize_groups(rollouts.groups), **rewards,
+                                  **reward_health(rollouts.groups, self.config.reward_health.agreement_pairs),
+                                  **train_metrics}
+        self.hacking.step({key.split("/")[1]: value for key, value in rewards.items() if key.endswith(f"/{MEAN}")})
         # Lock-step on-policy: the next requests wait for the push anyway, so measure it here.
         if push is not None and tc.max_staleness == 0 and not self.config.rollout.continuous:
             record["time/weight_sync_s"] = push.wait()
@@ -229,10 +244,12 @@ class GRPOLoop:
             return {}
         max_tokens = ec.max_new_tokens or rc.max_new_tokens
         out = self.rollouts.evaluate(self.eval_rows, max_tokens, ec.correct_threshold, self.version)
+        accuracy = out["correct"] / len(self.eval_rows)
         return {
-            "eval/accuracy": out["correct"] / len(self.eval_rows),
+            "eval/accuracy": accuracy,
             "eval/reward_mean": sum(out["rewards"]) / len(self.eval_rows),
             "eval/policy_version": out["policy_version"],
+            **self.hacking.evaluation(accuracy),
         }
 
 

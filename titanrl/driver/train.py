@@ -28,9 +28,11 @@ from titanrl.driver.ray_runtime import init_ray, ship_user_code_by_value
 from titanrl.driver.signals import SigtermAsInterrupt
 from titanrl.errors import RunStopped, RunTerminated
 from titanrl.rundir.driver_state import read_driver_state
-from titanrl.rundir.layout import create_run_dir, reopen_run_dir, set_aside_after
+from titanrl.rundir.layout import config_record, create_run_dir, reopen_run_dir, set_aside_after
 from titanrl.rundir.checkpoints import RunCheckpoint
-from titanrl.rundir.metrics import MetricsLogger, plot_run, read_metrics
+from titanrl.rundir.metrics import MetricsLogger, read_metrics
+from titanrl.rundir.progress import plot_run
+from titanrl.rundir.wandb_mirror import WandbMirror
 
 __all__ = ["RunResult", "RunStopped", "init_ray", "train"]
 
@@ -107,7 +109,8 @@ def _run(config: RunConfig, run_dir: Path, checkpoint: RunCheckpoint | None, dri
         raise
     if config.ray_address:
         log.info(f"placed {placement.summary()}")
-    logger = MetricsLogger(run_dir, tensorboard=config.output.tensorboard)
+    mirror = WandbMirror.start(config.output, run_dir, config_record(config))  # None when off or failed
+    logger = MetricsLogger(run_dir, tensorboard=config.output.tensorboard, wandb=mirror)
     loop = GRPOLoop(config, trainer, rollouts, logger, run_dir, eval_rows, started)
     final: Path | None = None
     try:
@@ -141,7 +144,7 @@ def _run(config: RunConfig, run_dir: Path, checkpoint: RunCheckpoint | None, dri
             raise
         raise RunStopped(f"{reason}" + (f"; the newest checkpoint is {where}" if where else "")) from e
     finally:
-        logger.close()
+        logger.close(failed=final is None)
         shut_down(rollouts, trainer)
         placement.remove()  # after the actors closed their engines: removal kills what is left in it
         if (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0:

@@ -45,6 +45,8 @@ class EnvContext:
     """A started `titanrl.envs.SandboxPool` (None when the environment needs no code execution)."""
     worker_id: int = 0
     """Index of the rollout worker running the episode."""
+    tokenizer: Any = None
+    """The worker's tokenizer (the checkpoint's): environments format chat turns with its chat template."""
 
 
 class Environment(ABC):

@@ -97,8 +97,9 @@ class CodeTestsEnv(ToolEnv):
 
     @classmethod
     def from_context(cls, context: EnvContext, **kwargs: Any) -> CodeTestsEnv:
-        """The `make_env` body: one environment per episode, sharing the worker's pool."""
-        return cls(context.sandbox_pool, **kwargs)
+        """The `make_env` body: one environment per episode, sharing the worker's pool (and
+        formatting turns with the worker tokenizer's chat template)."""
+        return cls(context.sandbox_pool, **{"tokenizer": context.tokenizer, **kwargs})
 
     def system_prompt(self, row: dict[str, Any]) -> str:
         # Without tools the tools section would only confuse the model.

@@ -1,7 +1,11 @@
 """ToolEnv: a generic multi-turn environment where the model calls tools, then answers.
 
-Prompt (what `reset` returns; the chat format of the tiny checkpoints' template, which is
-ChatML as Qwen models use):
+The prompt (what `reset` returns) is the system message (tools + instructions) and the user
+message (`row["prompt"]`) under the worker tokenizer's chat template (`EnvContext.tokenizer`,
+passed as `tokenizer=`): a template that renders tools gets the tool schemas
+(`apply_chat_template(..., tools=[tool.schema() ...])`) and its own tool-turn format; any other
+template, or none (hand-written ChatML, the fallback), gets the tools as text in the system
+message (`tools_prompt`) and ChatML tool turns. The tiny checkpoints' template is ChatML, so:
 
     <|im_start|>system
     {tools prompt: tool schemas + call format}
@@ -15,7 +19,7 @@ A model turn ends at eos or at the stop string `</tool_call>` (kept in the text)
 
 - the turn contains a tool call -> the calls run and the observation closes the assistant
   turn, adds a tool turn with one `<tool_response>` block per call, and opens the next
-  assistant turn (done=False, reward 0):
+  assistant turn (done=False, reward 0); in ChatML:
 
       <|im_end|>
       <|im_start|>tool
@@ -24,7 +28,9 @@ A model turn ends at eos or at the stop string `</tool_call>` (kept in the text)
       </tool_response><|im_end|>
       <|im_start|>assistant
 
-  (the leading `<|im_end|>` is left out if the action already ends with it.)
+  (the leading `<|im_end|>` is left out if the action already ends with it.) Under a template
+  that renders tools, the observation is what the template writes after the assistant's
+  content: its end of turn, its tool turn(s), its generation prompt.
 - otherwise the turn is the final answer: trailing `<|im_end|>` / `<|endoftext|>` are stripped,
   reward = `await self.score(row, answer)`, done=True.
 
@@ -40,10 +46,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from titanrl.chat import EOS, IM_END, IM_START, chat_turn, render_chat, template_takes_tools
 from titanrl.envs.base import Environment, StepResult
-from titanrl.envs.tools import TOOL_CALL_CLOSE, Tool, ToolRegistry, parse_tool_calls
+from titanrl.envs.tools import TOOL_CALL_CLOSE, Tool, ToolOutcome, ToolRegistry, parse_tool_calls
 
-IM_START, IM_END, EOS = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+ACTION_PLACEHOLDER = "\x00titanrl-action\x00"
+"""Stands for the model's turn when a template renders what follows it (the turn's own tokens are
+kept as sampled; only the text after them is needed, whatever the template does with content)."""
 
 ScoreFn = Callable[[dict[str, Any], str], "float | Awaitable[float]"]
 
@@ -58,11 +67,6 @@ class EpisodeStats:
     """Calls that produced an error response, plus failures while scoring the answer."""
     sandbox_s: float = 0.0
     """Seconds spent running code in the sandbox (tools and scoring)."""
-
-
-def chat_turn(role: str, content: str) -> str:
-    """One ChatML turn: `<|im_start|>role\\ncontent<|im_end|>\\n`."""
-    return f"{IM_START}{role}\n{content}{IM_END}\n"
 
 
 def strip_end_tokens(text: str) -> str:
@@ -83,8 +87,12 @@ class ToolEnv(Environment):
 
     def __init__(self, tools: Sequence[Tool | Callable[..., Any]], *, instructions: str = "",
                  score: ScoreFn | None = None, max_calls_per_turn: int = 4,
-                 tool_timeout_s: float = 60.0, max_response_chars: int = 4000) -> None:
+                 tool_timeout_s: float = 60.0, max_response_chars: int = 4000, tokenizer: Any = None) -> None:
         self.registry = ToolRegistry(tools, timeout_s=tool_timeout_s, max_response_chars=max_response_chars)
+        self.tokenizer = tokenizer
+        """The worker's tokenizer (`EnvContext.tokenizer`): its chat template formats the turns; None: ChatML."""
+        self.messages: list[dict[str, Any]] = []
+        """The conversation so far, as chat messages (what a template renders)."""
         self.instructions = instructions
         self._score_fn = score
         self.max_calls_per_turn = max_calls_per_turn
@@ -92,9 +100,14 @@ class ToolEnv(Environment):
         self.stats = EpisodeStats()
         self.row: dict[str, Any] = {}
 
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the tokenizer's chat template shows the tools (else the system prompt lists them)."""
+        return bool(self.registry.tools) and template_takes_tools(self.tokenizer)
+
     def system_prompt(self, row: dict[str, Any]) -> str:
-        """Tools section, then the task instructions."""
-        parts = [self.registry.prompt(), self.instructions]
+        """Tools section (unless the chat template renders the tools), then the task instructions."""
+        parts = [self.instructions] if self.template_renders_tools else [self.registry.prompt(), self.instructions]
         return "\n\n".join(p for p in parts if p)
 
     def user_prompt(self, row: dict[str, Any]) -> str:
@@ -103,24 +116,44 @@ class ToolEnv(Environment):
 
     async def reset(self, row: dict[str, Any]) -> str:
         self.row = row  # One instance serves one episode, so self.stats needs no reset.
-        return (chat_turn("system", self.system_prompt(row)) + chat_turn("user", self.user_prompt(row))
-                + f"{IM_START}assistant\n")
+        self.messages = [{"role": "system", "content": self.system_prompt(row)},
+                         {"role": "user", "content": self.user_prompt(row)}]
+        # Episodes encode their text without special tokens, so a template's own BOS stays.
+        return render_chat(self.tokenizer, self.messages, tools=self._schemas(), encoded_with_specials=False)
+
+    def _schemas(self) -> list[dict[str, Any]] | None:
+        return [t.schema() for t in self.registry.tools.values()] if self.template_renders_tools else None
+
+    def _tool_turn(self, action: str, outcomes: list[ToolOutcome]) -> str:
+        """The observation after a turn with tool calls: the end of the assistant turn, the tool
+        turn(s) and the next assistant header, in the template's format (or ChatML)."""
+        content = strip_end_tokens(action)
+        assistant = {"role": "assistant", "content": content}
+        tool_messages = [{"role": "tool", "content": o.content} for o in outcomes]
+        self.messages += [assistant, *tool_messages]
+        if self.template_renders_tools:
+            placeholder = {"role": "assistant", "content": ACTION_PLACEHOLDER}
+            text = render_chat(self.tokenizer, self.messages[:-len(tool_messages) - 1] + [placeholder, *tool_messages],
+                               tools=self._schemas(), encoded_with_specials=False)
+            after = text[text.index(ACTION_PLACEHOLDER) + len(ACTION_PLACEHOLDER):]
+            written = action[len(content):]  # end-of-turn text the model already wrote
+            return after[len(written):] if written and after.startswith(written) else after
+        close = "" if action.rstrip().endswith(IM_END) else f"{IM_END}\n"
+        return close + chat_turn("tool", "\n".join(o.text for o in outcomes)) + f"{IM_START}assistant\n"
 
     async def step(self, action: str) -> StepResult:
         before = asdict(self.stats)
         calls = parse_tool_calls(action)
         if calls:
-            responses = []
+            outcomes = []
             for i, call in enumerate(calls):
                 self.stats.tool_calls += 1
                 if i >= self.max_calls_per_turn:
                     call.error = f"at most {self.max_calls_per_turn} tool calls per turn"
                 outcome = await self.registry.call(call)
                 self.stats.errors += outcome.error is not None
-                responses.append(outcome.text)
-            close = "" if action.rstrip().endswith(IM_END) else f"{IM_END}\n"
-            observation = close + chat_turn("tool", "\n".join(responses)) + f"{IM_START}assistant\n"
-            return StepResult(observation, 0.0, False, self._delta(before))
+                outcomes.append(outcome)
+            return StepResult(self._tool_turn(action, outcomes), 0.0, False, self._delta(before))
         reward = await self.score(self.row, strip_end_tokens(action))
         return StepResult("", float(reward), True, self._delta(before))
 

@@ -1,10 +1,12 @@
 """Tools: typed Python functions the model calls from its output.
 
-A tool is a plain Python function (sync or `async`) with type hints on every parameter;
-`Tool.from_function` turns it into a name, a description (the docstring's first paragraph)
-and a JSON-schema parameter spec (str, int, float, bool, list[...], dict[str, ...],
-Optional[...] / `X | None`, Any). `tools_prompt(tools)` renders that list and the call format
-for a system prompt.
+A tool is a plain Python function (sync or `async`) with type hints on every parameter and a
+Google-style docstring (a description, then `Args:` with a line per parameter);
+`Tool.from_function` turns it into a name, a description and a JSON-schema parameter spec through
+`transformers.utils.get_json_schema`, the schema chat templates take as `tools=` (parameter types:
+str, int, float, bool, list[...], dict[str, ...], Optional[...] / `X | None`, Any).
+`Tool.schema()` is that schema; `tools_prompt(tools)` renders the list and the call format for a
+system prompt, for chat templates that do not render tools themselves.
 
 Call format (Hermes / Qwen style). The model writes one JSON object inside tags:
 
@@ -49,29 +51,34 @@ _CONTROL_TOKEN_RE = re.compile(r"<\|(im_start|im_end|endoftext)\|>")
 _SCALARS: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
 
-# --- schema from type hints --------------------------------------------------------------
-def schema_for(annotation: Any) -> dict[str, Any]:
-    """JSON schema of one parameter type; raises TypeError for a type the call format can't carry."""
-    if annotation is Any:
-        return {}
-    if annotation in _SCALARS:
-        return {"type": _SCALARS[annotation]}
+# --- supported parameter types ------------------------------------------------------------
+def check_supported(annotation: Any, where: str) -> None:
+    """Raises TypeError for a parameter type `check_value` cannot validate a call's argument against.
+
+    `transformers.utils.get_json_schema` writes the schema of more types than these (tuples,
+    Literal, several-member unions, and any class as "object"); a tool taking one would receive
+    unchecked arguments, so it is refused when the tool is defined."""
+    if annotation is Any or annotation in _SCALARS:
+        return
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is list or origin is list:
-        return {"type": "array", "items": schema_for(args[0])} if args else {"type": "array"}
+        if args:
+            check_supported(args[0], where)
+        return
     if annotation is dict or origin is dict:
         if args and args[0] is not str:
-            raise TypeError(f"dict keys must be str (JSON object keys), got {annotation!r}")
-        return {"type": "object", "additionalProperties": schema_for(args[1])} if args else {"type": "object"}
+            raise TypeError(f"{where}: dict keys must be str (JSON object keys), got {annotation!r}")
+        if args:
+            check_supported(args[1], where)
+        return
     if origin in (typing.Union, types.UnionType):
         members = [a for a in args if a is not type(None)]
         if len(members) != 1 or len(args) != 2:
-            raise TypeError(f"only Optional[X] unions are supported, got {annotation!r}")
-        inner = schema_for(members[0])
-        if isinstance(inner.get("type"), str):
-            return {**inner, "type": [inner["type"], "null"]}
-        return {"anyOf": [inner, {"type": "null"}]}
-    raise TypeError(f"unsupported tool parameter type {annotation!r}; use str, int, float, bool, list, dict, Optional")
+            raise TypeError(f"{where}: only Optional[X] unions are supported, got {annotation!r}")
+        check_supported(members[0], where)
+        return
+    raise TypeError(f"{where}: unsupported tool parameter type {annotation!r}; use str, int, float, bool, list, "
+                    "dict, Optional")
 
 
 def check_value(value: Any, annotation: Any, where: str) -> tuple[Any, str | None]:
@@ -127,20 +134,6 @@ def _json_type(value: Any) -> str:
     return type(value).__name__
 
 
-def _docstring_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
-    """(description, {param: description}) from a docstring with an optional Google-style Args: block."""
-    doc = inspect.getdoc(fn) or ""
-    description = doc.split("\n\n", 1)[0].strip()
-    params: dict[str, str] = {}
-    match = re.search(r"^(?:Args|Arguments|Parameters):\s*\n((?:[ \t]+.*\n?)+)", doc, re.MULTILINE)
-    if match:
-        for line in match.group(1).splitlines():
-            m = re.match(r"\s+(\w+)(?:\s*\([^)]*\))?:\s*(.+)", line)
-            if m:
-                params[m.group(1)] = m.group(2).strip()
-    return description, params
-
-
 # --- tools -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Tool:
@@ -160,31 +153,39 @@ class Tool:
     @classmethod
     def from_function(cls, fn: Callable[..., Any], name: str | None = None,
                       description: str | None = None) -> Tool:
-        """Builds a Tool from a typed function; raises TypeError if a parameter is untyped or unsupported."""
-        sig = inspect.signature(fn)
+        """Builds a Tool from a typed function documented in Google style (a description, then an
+        `Args:` block describing every parameter), its schema from `transformers.utils.get_json_schema`
+        (as chat templates take tools); raises TypeError for an untyped, undocumented or unsupported
+        parameter."""
+        from transformers.utils import get_json_schema
+        from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
+
+        fn_name = getattr(fn, "__name__", type(fn).__name__)
         hints = typing.get_type_hints(fn)
-        doc_description, doc_params = _docstring_parts(fn)
-        properties: dict[str, Any] = {}
-        required: list[str] = []
-        for p in sig.parameters.values():
+        for p in inspect.signature(fn).parameters.values():
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY):
-                raise TypeError(f"tool {fn.__name__}: parameter {p.name!r} must be a plain named parameter")
+                raise TypeError(f"tool {fn_name}: parameter {p.name!r} must be a plain named parameter")
             if p.name not in hints:
-                raise TypeError(f"tool {fn.__name__}: parameter {p.name!r} needs a type hint")
-            prop = schema_for(hints[p.name])
-            if p.name in doc_params:
-                prop["description"] = doc_params[p.name]
-            properties[p.name] = prop
-            if p.default is p.empty:
-                required.append(p.name)
-        params = {"type": "object", "properties": properties, "required": required}
-        arg_hints = {k: v for k, v in hints.items() if k in properties}
-        return cls(name or fn.__name__, description if description is not None else doc_description,
+                raise TypeError(f"tool {fn_name}: parameter {p.name!r} needs a type hint")
+            check_supported(hints[p.name], f"tool {fn_name}: parameter {p.name!r}")
+        try:
+            schema = get_json_schema(fn)["function"]
+        except (DocstringParsingException, TypeHintParsingException) as e:
+            raise TypeError(f"tool {fn_name}: {e} (write a docstring with a description and an 'Args:' block "
+                            "with one 'name: description' line per parameter)") from e
+        params = {"type": "object", "properties": schema["parameters"]["properties"],
+                  "required": schema["parameters"].get("required", [])}
+        arg_hints = {k: v for k, v in hints.items() if k in params["properties"]}
+        return cls(name or fn_name, description if description is not None else schema["description"],
                    params, fn, arg_hints)
 
     def spec(self) -> dict[str, Any]:
         """What the prompt lists: name, description, parameters."""
         return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+    def schema(self) -> dict[str, Any]:
+        """The tool as chat templates take it (`apply_chat_template(..., tools=[...])`)."""
+        return {"type": "function", "function": self.spec()}
 
     def validate(self, arguments: Any) -> tuple[dict[str, Any], str | None]:
         """(checked arguments, None) or ({}, error text naming what is wrong)."""
@@ -234,6 +235,8 @@ class ToolOutcome:
     """`<tool_response>...</tool_response>` block."""
     error: str | None = None
     """Error message when the call failed (malformed, unknown tool, bad args, raised, timeout)."""
+    content: str = ""
+    """What `text` wraps: the result, or `error: ...` (a chat template's tool turn adds its own tags)."""
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
@@ -321,10 +324,10 @@ class ToolRegistry:
                 except Exception as e:  # noqa: BLE001 - a failing tool is information for the model
                     error = f"{call.name} raised {type(e).__name__}: {e}"
                 else:
-                    text = truncate_middle(text, self.max_response_chars)
-                    return ToolOutcome(format_response(defuse_control_tokens(text)))
+                    content = defuse_control_tokens(truncate_middle(text, self.max_response_chars))
+                    return ToolOutcome(format_response(content), content=content)
         error = defuse_control_tokens(truncate_middle(str(error), self.max_response_chars))
-        return ToolOutcome(format_response(f"error: {error}"), error)
+        return ToolOutcome(format_response(f"error: {error}"), error, content=f"error: {error}")
 
     async def _invoke(self, tool_: Tool, args: dict[str, Any]) -> Any:
         if inspect.iscoroutinefunction(tool_.fn):

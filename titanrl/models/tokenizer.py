@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from titanrl.chat import CHATML_TEMPLATE
+
 EOS_TOKEN = "<|endoftext|>"
 """End of a completion; also used as the padding token."""
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
@@ -51,10 +53,7 @@ def save_byte_tokenizer(out_dir: str | os.PathLike, model_max_length: int = 2048
         clean_up_tokenization_spaces=False,
     )
     # A minimal chat template so chat-style prompts (envs, tools) have one documented format.
-    fast.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
+    fast.chat_template = CHATML_TEMPLATE
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out_dir))
 

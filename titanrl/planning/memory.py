@@ -3,7 +3,7 @@
 Pure functions over integers: nothing here allocates a tensor. Every estimate is for the rank
 that needs the most (with pipeline parallelism: the worst stage). Peak =
 
-    resident (parameters + master weights + gradients + optimizer state)
+    resident (parameters + master weights + KL reference + gradients + optimizer state)
     + max(forward/backward transient, optimizer-step transient)
     + process baseline
 
@@ -156,6 +156,9 @@ class Workload:
     device: Literal["cuda", "cpu"] = "cuda"
     """cuda: AdamW runs foreach (one float32 temporary per parameter) and the CUDA context counts;
     cpu: per-parameter AdamW and the measured process baseline."""
+    kl_reference: bool = False
+    """train.kl_coef > 0: the trainer also holds the frozen reference policy, sharded like the
+    policy, in `dtype` (no gradients, no optimizer state)."""
 
     def __post_init__(self) -> None:
         for name in ("dtype", "compute_dtype"):
@@ -195,6 +198,8 @@ class MemoryEstimate:
     """The stored shards, in `dtype`."""
     master_weights: int
     """float32 copy of the shards when `dtype` is not float32."""
+    reference: int
+    """The KL reference policy's shards (`Workload.kl_reference`), in `dtype`; 0 without it."""
     gradients: int
     """float32 sharded gradients (reduced in float32)."""
     optimizer_state: int
@@ -229,7 +234,7 @@ class MemoryEstimate:
 
     @property
     def resident(self) -> int:
-        return self.parameters + self.master_weights + self.gradients + self.optimizer_state
+        return self.parameters + self.master_weights + self.reference + self.gradients + self.optimizer_state
 
     @property
     def forward_backward(self) -> int:
@@ -448,6 +453,7 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
         layout=layout, stage=stage, schedule=sched, parameter_elements=n,
         parameters=store * n,
         master_weights=4 * n if store != 4 else 0,
+        reference=store * n if work.kl_reference else 0,
         gradients=4 * n,
         optimizer_state=8 * n,
         fsdp_buffers=fsdp,

@@ -1,10 +1,15 @@
 """Scoring many samples at once, so that a slow grader costs one call's time, not one per sample.
 
-`RewardScorer.score` gives each sample the sum of the rewards, or `error_value` and why
+`RewardScorer.score` gives each sample the weighted sum of the rewards, or `error_value` and why
 (`titanrl.rewards.scoring`), in input order, and what a sample gets does not depend on the
 batch it is in. The samples run concurrently: every sample is a task on one event loop, so `async` rewards of all samples are awaited
 together, and sync rewards run on at most `concurrency` pooled helper threads. The rewards of
 one sample still run one after another (the first failure decides, later ones are not called).
+
+A batched reward (`titanrl.batched_reward`) is called once for all samples still standing when
+its turn in the list comes, with lists; the per-sample rewards before it finish first, so
+consecutive per-sample rewards form one concurrent stage and each batched reward its own.
+`score_results` also returns each reward's own value and time (`titanrl.types.RewardTerms`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from titanrl.rewards.named import NamedReward, named_rewards
 from titanrl.rewards.scoring import (
     Abandoned,
     Job,
@@ -29,6 +35,7 @@ from titanrl.rewards.scoring import (
     summed,
     time_left,
 )
+from titanrl.types import RewardTerms
 
 
 HELPER_NAME = "titanrl-reward-pool"
@@ -46,6 +53,31 @@ class ToScore(NamedTuple):
     """The dataset row's other fields, passed as keyword arguments."""
 
 
+class RewardResult(NamedTuple):
+    """One scored sample: its total reward, why it failed (None when it did not), and its terms."""
+
+    reward: float
+    """The weighted sum of the rewards, or the scorer's error_value."""
+    error: str | None
+    """The first failing reward's error (names the reward and the prompt)."""
+    terms: RewardTerms
+    """Each reward's own value and time on this sample."""
+
+
+class _Running:
+    """A sample's reward while its rewards are called: what they gave so far."""
+
+    def __init__(self) -> None:
+        self.total, self.error, self.terms = 0.0, None, RewardTerms()
+
+    def add(self, reward: NamedReward, value: float) -> None:
+        self.terms.values[reward.name] = value
+        self.total += reward.weight * value
+
+    def fail(self, reward: NamedReward, error: str) -> None:
+        self.error, self.terms.failed = error, reward.name
+
+
 class RewardScorer:
     """Sums `rewards` on many completions concurrently; owns the helper threads for sync rewards.
 
@@ -54,9 +86,11 @@ class RewardScorer:
     """
 
     def __init__(self, rewards: list[Callable[..., Any]], *, timeout_s: float | None, error_value: float,
-                 concurrency: int = 16) -> None:
-        """`timeout_s`: limit of one reward call (None: no limit); `error_value`: the reward of a sample
-        whose reward failed; `concurrency`: sync reward calls at once.
+                 concurrency: int = 16, weights: Sequence[float] | None = None) -> None:
+        """`timeout_s`: limit of one reward call (None: no limit; a batched reward's call is one
+        call for its whole batch); `error_value`: the reward of a sample whose reward failed;
+        `concurrency`: sync reward calls at once; `weights`: one per reward (RunConfig.reward_weights),
+        None: all 1.
 
         A sync reward that times out is abandoned: a Python thread cannot be killed, so it keeps
         running (and taking the GIL while it computes) until it returns on its own. Async rewards
@@ -66,6 +100,8 @@ class RewardScorer:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.rewards, self.timeout_s, self.error_value = rewards, timeout_s, error_value
+        self.named = named_rewards(rewards, weights)
+        self.stages = _stages(self.named)
         self.concurrency = concurrency
         self.seconds = 0.0
         """Wall time during which at least one sample was being scored, summed over the scorer's life."""
@@ -79,6 +115,14 @@ class RewardScorer:
 
     def score(self, items: Sequence[ToScore]) -> list[tuple[float, str | None]]:
         """`(reward, error)` for each item (error None when every reward worked), in order, scored concurrently."""
+        return [(r.reward, r.error) for r in self.score_results(items)]
+
+    async def score_async(self, items: Sequence[ToScore]) -> list[tuple[float, str | None]]:
+        """`score` on the running event loop; concurrent calls share the helper threads."""
+        return [(r.reward, r.error) for r in await self.score_results_async(items)]
+
+    def score_results(self, items: Sequence[ToScore]) -> list[RewardResult]:
+        """`score` with each reward's own value and time (`RewardResult`)."""
         if self._closed:
             raise RuntimeError("the reward scorer is closed")
         if loop_running():
@@ -87,15 +131,24 @@ class RewardScorer:
         if self._loop is None:
             # Long-lived: the async rewards of a batch, and of later batches, share it.
             self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(self.score_async(items))
+        return self._loop.run_until_complete(self.score_results_async(items))
 
-    async def score_async(self, items: Sequence[ToScore]) -> list[tuple[float, str | None]]:
-        """`score` on the running event loop; concurrent calls share the helper threads."""
+    async def score_results_async(self, items: Sequence[ToScore]) -> list[RewardResult]:
+        """`score_results` on the running event loop; concurrent calls share the helper threads."""
         if self._scoring == 0:
             self._since = time.perf_counter()
         self._scoring += 1
         try:
-            return list(await asyncio.gather(*(self._sample(item) for item in items)))
+            running = [_Running() for _ in items]
+            for stage in self.stages:
+                alive = [i for i, r in enumerate(running) if r.error is None]
+                if not alive:
+                    break
+                if stage[0].batched:
+                    await self._batch(stage[0], [items[i] for i in alive], [running[i] for i in alive])
+                else:
+                    await asyncio.gather(*(self._sample(stage, items[i], running[i]) for i in alive))
+            return [self._result(item, r) for item, r in zip(items, running, strict=True)]
         finally:
             self._scoring -= 1
             if self._scoring == 0:
@@ -113,41 +166,81 @@ class RewardScorer:
                 self._loop.run_until_complete(asyncio.wait(leftover, timeout=1.0))
             self._loop.close()
 
-    async def _sample(self, item: ToScore) -> tuple[float, str | None]:
-        total = 0.0
-        for fn in self.rewards:
-            try:
-                total += await self._one(fn, item)
-            except RewardError as e:
-                return self.error_value, str(e)
-        return summed(total, item.prompt, self.error_value)
+    def _result(self, item: ToScore, running: _Running) -> RewardResult:
+        if running.error is not None:
+            return RewardResult(self.error_value, running.error, running.terms)
+        total, error = summed(running.total, item.prompt, self.error_value)
+        return RewardResult(total, error, running.terms)
 
-    async def _one(self, fn: Callable[..., Any], item: ToScore) -> float:
-        """One reward call's value; a failure becomes a `RewardError` (`call_failed`, `checked`)."""
+    async def _sample(self, stage: list[NamedReward], item: ToScore, running: _Running) -> None:
+        """A stage of per-sample rewards on one sample, one after another; the first failure ends it."""
+        for reward in stage:
+            try:
+                running.add(reward, await self._one(reward, item, running.terms.seconds))
+            except RewardError as e:
+                running.fail(reward, str(e))
+                return
+
+    async def _one(self, reward: NamedReward, item: ToScore, seconds: dict[str, float]) -> float:
+        """One reward call's value (its time goes to `seconds`); a failure becomes a `RewardError`
+        (`call_failed`, `checked`)."""
+        start = time.perf_counter()
+        try:
+            value, seconds[reward.name] = await self._call(reward.fn, (item.prompt, item.completion), item.fields,
+                                                           item.prompt)
+        except RewardError:
+            seconds[reward.name] = time.perf_counter() - start
+            raise
+        return checked(reward.fn, item.prompt, value)
+
+    async def _batch(self, reward: NamedReward, items: list[ToScore], running: list[_Running]) -> None:
+        """A batched reward's one call on `items`; a failed call fails them all, a bad value its sample."""
+        prompt, start = items[0].prompt, time.perf_counter()
+        try:
+            values, took = await self._call(reward.fn, ([i.prompt for i in items], [i.completion for i in items]),
+                                            _columns(items), prompt)
+            values = _one_per_sample(reward, values, len(items), prompt)
+        except RewardError as e:
+            for r in running:
+                r.terms.seconds[reward.name] = (time.perf_counter() - start) / len(items)
+                r.fail(reward, str(e))
+            return
+        for item, r, value in zip(items, running, values, strict=True):
+            r.terms.seconds[reward.name] = took / len(items)
+            try:
+                r.add(reward, checked(reward.fn, item.prompt, value))
+            except RewardError as e:
+                r.fail(reward, str(e))
+
+    async def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                    prompt: str) -> tuple[Any, float]:
+        """`fn(*args, **kwargs)` within the timeout and the seconds it took; a failure becomes a
+        `RewardError` naming `fn` and `prompt` (`call_failed`)."""
         timeout_s, start = self.timeout_s, time.perf_counter()
         try:
             if is_async(fn):
-                value = await asyncio.wait_for(awaited(fn(item.prompt, item.completion, **item.fields)), timeout_s)
+                value = await asyncio.wait_for(awaited(fn(*args, **kwargs)), timeout_s)
             else:
                 # The deadline counts from when a helper takes the call, not from the wait for a
                 # free one, so a queue of slow samples never times out a fast one.
                 helper = None if self._inline else await self._helpers.acquire()
                 start = time.perf_counter()
-                value = await self._call_sync(helper, fn, item)
+                value = await self._call_sync(helper, fn, args, kwargs)
                 if inspect.isawaitable(value):  # a sync callable handing back an awaitable
                     value = await asyncio.wait_for(awaited(value), time_left(start, timeout_s))
         except Exception as e:
-            raise call_failed(fn, item.prompt, e, start, timeout_s)  # it sets the cause itself
-        return checked(fn, item.prompt, value)
+            raise call_failed(fn, prompt, e, start, timeout_s)  # it sets the cause itself
+        return value, time.perf_counter() - start
 
-    async def _call_sync(self, helper: RewardThread | None, fn: Callable[..., Any], item: ToScore) -> Any:
+    async def _call_sync(self, helper: RewardThread | None, fn: Callable[..., Any], args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> Any:
         """A sync reward's value, called on `helper` (which this returns to the pool or abandons),
         or inline when `helper` is None."""
         if helper is None:
-            return fn(item.prompt, item.completion, **item.fields)
+            return fn(*args, **kwargs)
         loop = asyncio.get_running_loop()
         finished: asyncio.Future[None] = loop.create_future()
-        job = Job(fn, (item.prompt, item.completion), item.fields)
+        job = Job(fn, args, kwargs)
         job.on_done = lambda: _wake_soon(loop, finished)
         helper.jobs.put(job)
         try:
@@ -162,6 +255,39 @@ class RewardScorer:
         if job.error is not None:
             raise job.error
         return job.value
+
+
+def _stages(rewards: list[NamedReward]) -> list[list[NamedReward]]:
+    """Consecutive per-sample rewards as one stage, each batched reward as a stage of its own."""
+    stages: list[list[NamedReward]] = []
+    for reward in rewards:
+        if reward.batched or not stages or stages[-1][0].batched:
+            stages.append([reward])
+        else:
+            stages[-1].append(reward)
+    return stages
+
+
+def _columns(items: list[ToScore]) -> dict[str, list[Any]]:
+    """The items' fields as lists aligned with the items (None where an item lacks the field)."""
+    keys = list(dict.fromkeys(k for item in items for k in item.fields))
+    return {k: [item.fields.get(k) for item in items] for k in keys}
+
+
+def _one_per_sample(reward: NamedReward, values: Any, n: int, prompt: str) -> list[Any]:
+    """A batched reward's return value as a list of `n` values, or a RewardError saying why not."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
+        raise RewardError(f"batched reward {reward.name} returned {type(values).__name__}; it must return a list "
+                          f"of {n} rewards, one per sample (first prompt {prompt[:80]!r})")
+    try:
+        values = list(values)
+    except TypeError:  # a 0-d array or tensor
+        raise RewardError(f"batched reward {reward.name} returned one value; it must return a list of {n} "
+                          f"rewards, one per sample (first prompt {prompt[:80]!r})") from None
+    if len(values) != n:
+        raise RewardError(f"batched reward {reward.name} returned {len(values)} rewards for {n} samples "
+                          f"(first prompt {prompt[:80]!r})")
+    return values
 
 
 class _Helpers:

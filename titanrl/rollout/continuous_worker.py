@@ -79,7 +79,7 @@ class ContinuousRolloutWorker(RolloutWorker):
             self.generator.generate(self.single_turn.prompt(row), seed=seed + i, **self.single_turn.sampling(self.cfg))
             for i in range(self.cfg.group_size)
         ))
-        scored = await self.scorer.score_async(self.single_turn.to_score([row], [completions]))
+        scored = await self.scorer.score_results_async(self.single_turn.to_score([row], [completions]))
         (group,) = self.single_turn.groups([row], [completions], scored, group_id)
         return group
 

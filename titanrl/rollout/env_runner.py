@@ -20,7 +20,7 @@ from titanrl.rewards.batch_scoring import RewardScorer, ToScore
 from titanrl.rewards.scoring import row_fields
 from titanrl.rollout.episode import Episode, EpisodeBudget, env_error, failed_episode, run_episode
 from titanrl.rollout.seeds import episode_seed
-from titanrl.rollout.single_turn import scored_summary
+from titanrl.rollout.single_turn import Scored, scored_summary
 from titanrl.rollout.vllm.async_engine import AsyncGenerator
 from titanrl.rollout.vllm.engine import VllmEngine
 from titanrl.types import Group, RolloutBatch, Sample, group_tokens
@@ -46,13 +46,14 @@ class EnvRunner:
         *,
         reward_timeout_s: float | None = 60.0,
         reward_error_value: float = 0.0,
+        reward_weights: list[float] | None = None,
     ) -> None:
         self.engine, self.env_factory, self.cfg, self.rc = engine, env_factory, env_config, rollout_config
         self.rewards, self.prompt_field = rewards, prompt_field
         # A failing reward function or environment gives its sample this instead of crashing.
         self.reward_timeout_s, self.reward_error_value = reward_timeout_s, reward_error_value
         self.scorer = RewardScorer(rewards, timeout_s=reward_timeout_s, error_value=reward_error_value,
-                                   concurrency=rollout_config.reward_concurrency)
+                                   concurrency=rollout_config.reward_concurrency, weights=reward_weights)
         self.tokenizer = engine.llm.get_tokenizer()
         # A turn ends at eos, or at <|im_end|> for chat models whose eos is <|endoftext|>.
         self.stop_token_ids = [t for t in (engine.model_config.eos_token_id, _token_id(self.tokenizer, "<|im_end|>"))
@@ -64,7 +65,7 @@ class EnvRunner:
 
             self.pool = SandboxPool(size=env_config.sandbox_pool_size)
             self.loop.run_until_complete(self.pool.start())
-        self.context = EnvContext(sandbox_pool=self.pool, worker_id=worker_id)
+        self.context = EnvContext(sandbox_pool=self.pool, worker_id=worker_id, tokenizer=self.tokenizer)
 
     def _budget(self) -> EpisodeBudget:
         return EpisodeBudget(
@@ -75,7 +76,7 @@ class EnvRunner:
         )
 
     async def _episodes(self, rows: list[dict[str, Any]], n: int, temperature: float, seed: int | None,
-                        generator: AsyncGenerator | None = None) -> list[tuple[Episode, tuple[float, str | None]]]:
+                        generator: AsyncGenerator | None = None) -> list[tuple[Episode, Scored]]:
         """Every episode of every row with its (reward, error), in row order (on `generator`, or
         on one made for this call)."""
         if generator is None:
@@ -100,7 +101,7 @@ class EnvRunner:
         return results
 
     async def _episode(self, row: dict[str, Any], generator: AsyncGenerator, temperature: float,
-                       seed: int | None) -> tuple[Episode, tuple[float, str | None]]:
+                       seed: int | None) -> tuple[Episode, Scored]:
         episode = await self._run(row, generator, temperature, seed)
         return episode, await self._score(episode, row)
 
@@ -119,22 +120,24 @@ class EnvRunner:
             self._budget(),
             temperature=temperature,
             top_p=self.rc.top_p if temperature > 0 else 1.0,
+            top_k=self.rc.top_k if temperature > 0 else 0,
             seed=seed,
             stop_token_ids=self.stop_token_ids,
             prompt_field=self.prompt_field,
             error_value=self.reward_error_value,
         )
 
-    async def _score(self, episode: Episode, row: dict[str, Any]) -> tuple[float, str | None]:
-        """The episode's reward plus the extra reward functions'; an env or reward error gives error_value."""
+    async def _score(self, episode: Episode, row: dict[str, Any]) -> Scored:
+        """The episode's reward plus the extra reward functions' (and their terms); an env or reward
+        error gives error_value."""
         if episode.error is not None:  # its reward is already error_value; rewards would see a broken transcript
             return episode.reward, episode.error
         if not self.rewards:
             return episode.reward, None
-        ((extra, error),) = await self.scorer.score_async(
+        ((extra, error, terms),) = await self.scorer.score_results_async(
             [ToScore(episode.prompt, episode.completion_text, row_fields(row, self.prompt_field))]
         )
-        return (extra, error) if error is not None else (episode.reward + extra, None)
+        return (extra, error, terms) if error is not None else (episode.reward + extra, None, terms)
 
     def generate(self, rows: list[dict[str, Any]], seed: int, first_group_id: int) -> RolloutBatch:
         """`seed` is `titanrl.rollout.seeds.request_seed(run_seed, first_group_id, group_size, env.max_turns)`."""
@@ -151,7 +154,7 @@ class EnvRunner:
         episodes = await self._episodes([row], self.rc.group_size, self.rc.temperature, seed, generator)
         return self._group(row, episodes, group_id)
 
-    def _group(self, row: dict[str, Any], episodes: list[tuple[Episode, tuple[float, str | None]]],
+    def _group(self, row: dict[str, Any], episodes: list[tuple[Episode, Scored]],
                group_id: int) -> Group:
         fields = row_fields(row, self.prompt_field)
         return Group([
@@ -161,19 +164,20 @@ class EnvRunner:
                 prompt_ids=ep.prompt_ids,
                 completion_ids=ep.completion_ids,
                 gen_logprobs=ep.gen_logprobs,
-                reward=reward,
+                reward=scored[0],
                 group_id=group_id,
                 policy_version=ep.policy_version,
                 fields=fields,
                 finished=ep.finished,
                 loss_mask=ep.loss_mask,
                 stats={"turns": float(ep.turns), **ep.stats},
-                reward_error=error,
+                reward_error=scored[1],
                 token_versions=ep.token_versions,
                 turns=ep.transcript,
                 routed_experts=ep.routed_experts,
+                reward_terms=scored[2] if len(scored) > 2 else None,
             )
-            for ep, (reward, error) in episodes
+            for ep, scored in episodes
         ])
 
     def evaluate(self, rows: list[dict[str, Any]], correct_threshold: float) -> dict[str, Any]:

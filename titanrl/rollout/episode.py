@@ -113,6 +113,7 @@ async def run_episode(
     *,
     prompt_field: str = "prompt",
     error_value: float = 0.0,
+    top_k: int = 0,
 ) -> Episode:
     """Alternates model turns and env steps until done or a budget runs out.
 
@@ -158,6 +159,7 @@ async def run_episode(
                 context,
                 temperature=temperature,
                 top_p=top_p,
+                top_k=top_k,
                 max_tokens=room,
                 seed=None if seed is None else seed + turns,
                 stop=env.stop_strings,

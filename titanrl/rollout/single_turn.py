@@ -12,15 +12,40 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from titanrl.rewards.batch_scoring import ToScore
+from titanrl.rewards.length import linear_overlong_penalty
 from titanrl.rewards.scoring import eval_summary, row_fields
-from titanrl.types import Group, Sample
+from titanrl.types import Group, RewardTerms, Sample
 
 if TYPE_CHECKING:
     from titanrl.config import RolloutConfig
     from titanrl.rollout.vllm.engine import Completion
 
-Scored = tuple[float, str | None]
-"""A completion's (reward, error): error is None, or why the reward failed (reward is then error_value)."""
+Scored = tuple[float, str | None] | tuple[float, str | None, RewardTerms]
+"""A completion's (reward, error[, terms]): error is None, or why the reward failed (reward is then
+error_value); `terms` as `RewardScorer.score_results` gives them."""
+
+OVERLONG_TERM = "overlong_penalty"
+"""The name of the soft overlong penalty among a sample's reward terms (`reward/overlong_penalty/mean`)."""
+
+
+@dataclass(frozen=True)
+class OverlongPenalty:
+    """DAPO's soft overlong penalty on training completions (`rollout.overlong_buffer`)."""
+
+    max_tokens: int
+    """rollout.max_new_tokens."""
+    buffer: int
+    """rollout.overlong_buffer (>= 1)."""
+    scale: float
+    """rollout.overlong_penalty."""
+
+    def __call__(self, num_tokens: int) -> float:
+        return self.scale * linear_overlong_penalty(num_tokens, self.max_tokens, self.buffer)
+
+    @classmethod
+    def of(cls, rc: RolloutConfig) -> OverlongPenalty | None:
+        """The penalty `rc` asks for, None when rollout.overlong_buffer is 0."""
+        return cls(rc.max_new_tokens, rc.overlong_buffer, rc.overlong_penalty) if rc.overlong_buffer > 0 else None
 
 
 @dataclass(frozen=True)
@@ -31,13 +56,15 @@ class SingleTurn:
     """The row key holding the prompt (data.prompt_field); the other keys go to the rewards."""
     stop_token_ids: list[int] | None
     """Tokens that end a completion (the model's eos), None when the model has none."""
+    overlong: OverlongPenalty | None = None
+    """Added to the reward of every training sample that `groups` makes (not to evaluation's)."""
 
     def prompt(self, row: dict[str, Any]) -> str:
         return row[self.prompt_field]
 
     def sampling(self, rc: RolloutConfig) -> dict[str, Any]:
         """Training-time sampling arguments (engine.generate and AsyncGenerator.generate take both)."""
-        return dict(temperature=rc.temperature, top_p=rc.top_p, max_tokens=rc.max_new_tokens,
+        return dict(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, max_tokens=rc.max_new_tokens,
                     stop_token_ids=self.stop_token_ids)
 
     def greedy(self, max_tokens: int) -> dict[str, Any]:
@@ -53,11 +80,20 @@ class SingleTurn:
                first_group_id: int) -> list[Group]:
         """One Group per row of its scored completions; `scored` is in `to_score`'s order."""
         flat = iter(scored)
-        return [Group([self.sample(row, c, *next(flat), first_group_id + j) for c in completions])
+        return [Group([self.sample(row, c, next(flat), first_group_id + j) for c in completions])
                 for j, (row, completions) in enumerate(zip(rows, outputs, strict=True))]
 
-    def sample(self, row: dict[str, Any], c: Completion, reward: float, error: str | None, group_id: int) -> Sample:
-        """A scored single-turn completion as a training sample."""
+    def sample(self, row: dict[str, Any], c: Completion, scored: Scored, group_id: int) -> Sample:
+        """A scored single-turn completion as a training sample (with the overlong penalty, if any,
+        added to a reward that did not fail)."""
+        reward, error = scored[0], scored[1]
+        terms = scored[2] if len(scored) > 2 else None
+        if self.overlong is not None:
+            terms = terms if terms is not None else RewardTerms()
+            penalty = self.overlong(len(c.token_ids))
+            terms.values[OVERLONG_TERM] = penalty
+            if error is None:
+                reward += penalty
         return Sample(
             prompt=self.prompt(row),
             completion=c.text,
@@ -72,9 +108,10 @@ class SingleTurn:
             reward_error=error,
             token_versions=c.token_versions,
             routed_experts=c.routed_experts,
+            reward_terms=terms,
         )
 
 
 def scored_summary(scored: list[Scored], correct_threshold: float, policy_version: int) -> dict[str, Any]:
     """What a worker's `evaluate` returns for greedy (reward, error) pairs (see `eval_summary`)."""
-    return eval_summary([r for r, _ in scored], correct_threshold, policy_version, [e for _, e in scored])
+    return eval_summary([s[0] for s in scored], correct_threshold, policy_version, [s[1] for s in scored])

@@ -17,7 +17,7 @@ import torch
 from titanrl.config import EnvConfig, ModelConfig, RolloutConfig, resolve_env_factory, resolve_reward
 from titanrl.memory import peak_rss_gib
 from titanrl.rewards.batch_scoring import RewardScorer
-from titanrl.rollout.single_turn import SingleTurn, scored_summary
+from titanrl.rollout.single_turn import OverlongPenalty, SingleTurn, scored_summary
 from titanrl.types import RolloutBatch, group_tokens
 
 
@@ -38,6 +38,7 @@ class RolloutWorker:
         reward_error_value: float = 0.0,
         batch_invariant: bool = False,
         dtype: str | None = None,
+        reward_weights: list[float] | None = None,
     ) -> None:
         """`reward_timeout_s` and `reward_error_value` are RunConfig's: a reward call (or an
         episode's environment) that fails gives its sample `reward_error_value` instead of
@@ -45,7 +46,8 @@ class RolloutWorker:
         are scored concurrently (`titanrl.rewards.batch_scoring`, `rollout.reward_concurrency`).
         `batch_invariant` runs the engine's model through `titanrl.kernels` (RunConfig.batch_invariant).
         `dtype` is the engine's (RunConfig.generator_dtype: the trainer's compute dtype, which
-        pushed weights arrive in); None: model_config.dtype."""
+        pushed weights arrive in); None: model_config.dtype. `reward_weights` is RunConfig's (one per
+        reward; None or empty: all 1)."""
         rc = rollout_config
         self.reward_timeout_s, self.reward_error_value = reward_timeout_s, reward_error_value
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,7 +69,7 @@ class RolloutWorker:
         self.rewards = [resolve_reward(r, i) for i, r in enumerate(rewards)]
         # Helper threads start on first use, so an episode worker (EnvRunner scores) pays nothing.
         self.scorer = RewardScorer(self.rewards, timeout_s=reward_timeout_s, error_value=reward_error_value,
-                                   concurrency=rc.reward_concurrency)
+                                   concurrency=rc.reward_concurrency, weights=reward_weights)
         self.engine = VllmEngine(
             VllmEngineConfig(
                 checkpoint=model_config.checkpoint,
@@ -78,11 +80,14 @@ class RolloutWorker:
                 seed=seed + 1000 * worker_id,
                 multiprocess=rc.vllm_multiprocess,
                 batch_invariant=batch_invariant,
+                # Untruncated, the processed logprobs are the full softmax at the temperature: 'raw' too.
+                logprobs=rc.logprobs if rc.top_k > 0 or rc.top_p < 1 else "sampled",
                 record_routed_experts=record_routing,
             )
         )
         self.eos_id = self.engine.model_config.eos_token_id
-        self.single_turn = SingleTurn(prompt_field, [self.eos_id] if self.eos_id is not None else None)
+        self.single_turn = SingleTurn(prompt_field, [self.eos_id] if self.eos_id is not None else None,
+                                      OverlongPenalty.of(rc))
         from titanrl.rollout.weight_receiver import WeightReceiver
 
         # object_store needs no set-up; the other transports are joined with open_weight_sync.
@@ -95,7 +100,7 @@ class RolloutWorker:
 
             self.env_runner = EnvRunner(
                 self.engine, self.env_factory, self.env_config, rc, self.rewards, prompt_field, worker_id,
-                reward_timeout_s=reward_timeout_s, reward_error_value=reward_error_value,
+                reward_timeout_s=reward_timeout_s, reward_error_value=reward_error_value, reward_weights=reward_weights,
             )
 
     def ready(self) -> dict[str, float]:
@@ -115,7 +120,7 @@ class RolloutWorker:
                                        seed=seed, **self.single_turn.sampling(self.cfg))
         # vLLM returns the whole batch at once, so scoring starts after generation (no overlap).
         scoring_s = self.scorer.seconds
-        scored = self.scorer.score(self.single_turn.to_score(rows, outputs))
+        scored = self.scorer.score_results(self.single_turn.to_score(rows, outputs))
         groups = self.single_turn.groups(rows, outputs, scored, first_group_id)
         return RolloutBatch(groups, sum(group_tokens(g) for g in groups), time.perf_counter() - start,
                             self.engine.policy_version, reward_seconds=self.scorer.seconds - scoring_s,

@@ -19,6 +19,20 @@ computes its shard's logits per chunk; the log-sum-exp (max, then sum of exp), t
 (from the rank that owns the target id) and the entropy's sum of p * z are combined with
 all-reduces over the group; the backward all-reduces the hidden states' gradient. No rank holds
 full-vocabulary logits.
+
+Truncated sampling (`truncation`, rollout.top_k / top_p with rollout.logprobs='sampled'): each
+token's log p is z_y - logsumexp(z over the kept set) and the entropy is the truncated
+distribution's, where the kept set is decided per chunk on the same float32 scaled logits z as
+vLLM decides it (`titanrl.trainer.truncation.kept_mask`, no gradient; the gradient flows through
+the kept logits). A target outside the trainer's kept set (possible once the weights differ from
+the generator's, or on prompt positions) is added to it: its log p is renormalised over
+kept + {target}, finite, and `outside_N` (if given) marks it. The backward recomputes the chunk's
+logits with the forward's kernels (same bits) and rebuilds the same kept set from two saved
+numbers per token (the smallest kept value; whether the sort split its ties, then that row alone
+is decided again), so only the forward sorts. The sort behind top-p adds about three
+[chunk_tokens, V] buffers (sorted values, int64 order) per chunk and dominates the head's time
+on CPU at Qwen's vocabulary (benchmarks/chunked_logprobs.py --truncations); top-k alone does not
+sort. Not available over vocabulary shards (config validation refuses tp > 1).
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titanrl import kernels
+from titanrl.trainer.truncation import Truncation, kept_mask
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
@@ -67,21 +82,62 @@ def _vocab_shard(weight: DTensor) -> tuple[torch.Tensor, dist.ProcessGroup, int]
     return local, mesh.get_group(), start
 
 
+def _kept_with_targets(z: torch.Tensor, targets: torch.Tensor, truncation: Truncation
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's kept set of each row of z [c, V] plus the row's target; which targets it lacked; and
+    per row the smallest kept value and whether the sort split that value's ties (some dropped)."""
+    kept = kept_mask(z, truncation)
+    low = z.masked_fill(~kept, float("inf")).amin(-1)
+    split = ((z == low[:, None]) & ~kept).any(-1)
+    outside = ~kept.gather(-1, targets[:, None]).squeeze(-1)
+    kept.scatter_(-1, targets[:, None], True)
+    return kept, outside, low, split
+
+
+def _kept_again(z: torch.Tensor, targets: torch.Tensor, low: torch.Tensor, split: torch.Tensor,
+                truncation: Truncation) -> torch.Tensor:
+    """The forward's kept set (+ targets) of the same z, without sorting again: every value >= the
+    row's smallest kept one, except in rows whose ties at that value the sort split (decided anew)."""
+    kept = z >= low[:, None]
+    rows = split.nonzero().squeeze(-1)
+    if rows.numel():
+        kept[rows] = kept_mask(z[rows], truncation)
+    return kept.scatter_(-1, targets[:, None], True)
+
+
 class ChunkedTokenLogprobs(torch.autograd.Function):
     """Autograd Function behind `chunked_token_logprobs` (saves hidden, weight, targets, lse, entropy)."""
 
     @staticmethod
     def forward(ctx, hidden_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor,  # noqa: ANN001
                 temperature: float, chunk_tokens: int, batch_invariant: bool,
-                vocab_group: dist.ProcessGroup | None, vocab_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+                vocab_group: dist.ProcessGroup | None, vocab_start: int, truncation: Truncation | None,
+                outside_N: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         N = hidden_ND.shape[0]
         out_dtype = torch.float64 if hidden_ND.dtype == torch.float64 else torch.float32
         logprobs, entropy, lse = (torch.empty(N, dtype=out_dtype, device=hidden_ND.device) for _ in range(3))
+        # Truncation: what the backward needs to rebuild each row's kept set without a sort.
+        low = torch.empty(N if truncation is not None else 0, dtype=out_dtype, device=hidden_ND.device)
+        split = torch.empty(low.shape, dtype=torch.bool, device=hidden_ND.device)
         for lo in range(0, N, chunk_tokens):
             hi = min(lo + chunk_tokens, N)
             # Fresh [c, V] buffers, reused in place: at most three exist at once.
             logits = _logits(hidden_ND[lo:hi], weight_VD, batch_invariant)
-            if vocab_group is None:
+            if truncation is not None:
+                z = logits.div_(temperature).contiguous()  # vLLM's float32 logits / temperature, bitwise
+                kept, outside, low[lo:hi], split[lo:hi] = _kept_with_targets(z, targets_N[lo:hi], truncation)
+                if outside_N is not None:
+                    outside_N[lo:hi] = outside
+                masked = z.masked_fill_(~kept, float("-inf"))
+                # vLLM's processed logprobs: log_softmax of the masked row.
+                logp = kernels.log_softmax(masked) if batch_invariant else torch.log_softmax(masked, -1)
+                logprobs[lo:hi] = logp.gather(-1, targets_N[lo:hi, None]).squeeze(-1)
+                top = logp.argmax(-1, keepdim=True)  # always a kept token
+                lse[lo:hi] = (masked.gather(-1, top) - logp.gather(-1, top)).squeeze(-1)
+                del logits, z, masked
+                entropy[lo:hi] = -logp.exp().mul_(logp.masked_fill_(~kept, 0.0)).sum(-1)
+                del logp, kept
+            elif vocab_group is None:
                 # The unchunked reference's ops, row for row (same bits in batch-invariant mode).
                 if batch_invariant:
                     logprobs[lo:hi] = kernels.token_logprobs(logits, targets_N[lo:hi], temperature)
@@ -101,15 +157,15 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 logprobs[lo:hi], entropy[lo:hi], lse[lo:hi] = _local_stats(
                     logits.div_(temperature), targets_N[lo:hi], vocab_start, vocab_group)
                 del logits
-        ctx.save_for_backward(hidden_ND, weight_VD, targets_N, lse, entropy)
+        ctx.save_for_backward(hidden_ND, weight_VD, targets_N, lse, entropy, low, split)
         ctx.temperature, ctx.chunk_tokens, ctx.batch_invariant = temperature, chunk_tokens, batch_invariant
-        ctx.vocab_group, ctx.vocab_start = vocab_group, vocab_start
+        ctx.vocab_group, ctx.vocab_start, ctx.truncation = vocab_group, vocab_start, truncation
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None):  # noqa: ANN001, ANN205
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy, low, split = ctx.saved_tensors
         T, group = ctx.temperature, ctx.vocab_group
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
@@ -117,14 +173,22 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         grad_weight = (torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
                                    device=weight.device) if need_weight else None)
         if grad_logprobs is None and grad_entropy is None:
-            return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), *[None] * 6
+            return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), *[None] * 8
         V_local = weight.shape[0]
         for lo in range(0, hidden.shape[0], ctx.chunk_tokens):
             hi = min(lo + ctx.chunk_tokens, hidden.shape[0])
             h = hidden[lo:hi]
             # Two [c, V] buffers: log p (then the gradient) and p.
-            logp = _logits(h, weight, False).div_(T).sub_(lse[lo:hi, None])
-            p = logp.exp()
+            if ctx.truncation is None:
+                logp = _logits(h, weight, False).div_(T).sub_(lse[lo:hi, None])
+                p = logp.exp()
+            else:
+                # The forward's kernels give the forward's bits, hence its kept set; p is 0 outside it.
+                z = _logits(h, weight, ctx.batch_invariant).div_(T).contiguous()
+                kept = _kept_again(z, targets[lo:hi], low[lo:hi], split[lo:hi], ctx.truncation)
+                logp = z.sub_(lse[lo:hi, None])
+                p = logp.exp().masked_fill_(~kept, 0.0)
+                del kept
             if grad_entropy is not None:
                 # dH/dz = -p (log p + H), built in log p's buffer
                 grad_z = logp.add_(entropy[lo:hi, None]).mul_(p).mul_(-grad_entropy[lo:hi, None])
@@ -147,21 +211,29 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         if need_hidden and group is not None:
             # Each rank holds its vocabulary shard's share of d(loss)/d(hidden).
             dist.all_reduce(grad_hidden, group=group)
-        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), *[None] * 6
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), *[None] * 8
 
 
 def chunked_token_logprobs(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor,
                            temperature: float = 1.0, chunk_tokens: int = 1024, batch_invariant: bool = False,
-                           vocab_group: dist.ProcessGroup | None = None, vocab_start: int = 0
+                           vocab_group: dist.ProcessGroup | None = None, vocab_start: int = 0,
+                           truncation: Truncation | None = None, outside_N: torch.Tensor | None = None,
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and entropy under softmax(hidden @ weight.T / temperature), chunk by chunk.
 
     hidden_ND: final-norm hidden states of N tokens (a plain tensor, whole on every vocabulary
     rank); weight_VD: the LM head, or this rank's vocabulary shard of it (rows from id
     `vocab_start`, combined over `vocab_group`), or a DTensor sharded on rows over a 1-D mesh
-    (vocabulary parallel, group and start taken from it); targets_N: token ids. Returns float32
-    [N] logprobs and entropies (float64 for float64 inputs).
+    (vocabulary parallel, group and start taken from it); targets_N: token ids. truncation: score
+    under the generator's top-k / top-p truncated, renormalised distribution instead (None or
+    inactive: the full softmax); outside_N: a bool [N] tensor to fill with whether each target
+    was outside the kept set (it is then scored over kept + {target}). Returns float32 [N]
+    logprobs and entropies (float64 for float64 inputs).
     """
+    if truncation is not None and not truncation.active:
+        truncation = None
+    if outside_N is not None:
+        outside_N.zero_()
     if isinstance(weight_VD, DTensor):
         weight_VD, vocab_group, vocab_start = _vocab_shard(weight_VD)
     if chunk_tokens <= 0:
@@ -170,5 +242,7 @@ def chunked_token_logprobs(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, tar
         raise ValueError(f"temperature must be positive, got {temperature}")
     if batch_invariant and vocab_group is not None:
         raise ValueError("batch-invariant logprobs cannot be computed from vocabulary shards")
+    if truncation is not None and vocab_group is not None:
+        raise ValueError("top-k / top-p truncated logprobs cannot be computed from vocabulary shards")
     return ChunkedTokenLogprobs.apply(hidden_ND, weight_VD, targets_N.long(), float(temperature), int(chunk_tokens),
-                                      bool(batch_invariant), vocab_group, int(vocab_start))
+                                      bool(batch_invariant), vocab_group, int(vocab_start), truncation, outside_N)

@@ -15,6 +15,7 @@ tests use it in-process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from pathlib import Path
@@ -27,17 +28,19 @@ from titanrl.errors import ConfigError
 from titanrl.memory import peak_rss_gib
 from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
 from titanrl.trainer import checkpoint as ckpt_io
-from titanrl.trainer.batch import PackedBatch, minibatch_row_ranges, pack
+from titanrl.trainer.batch import PackedBatch, advantages, minibatch_row_ranges, pack
+from titanrl.trainer.kl import kl_metrics, kl_reward_penalty
 from titanrl.trainer.losses.measures import combine_passes, loss_metrics
 from titanrl.trainer.lr_schedule import build_scheduler, load_scheduler_state
 from titanrl.trainer.optimizer import build_optimizers
 from titanrl.trainer.parallel.checkpoint import load_model_optim, save_training_checkpoint
 from titanrl.trainer.parallel.gather import GatheredWeights, iter_full_weights
 from titanrl.trainer.parallel.mesh import barrier, build_mesh, global_rank, init_distributed, resolve_device_type
-from titanrl.trainer.parallel.parallelize import parallelize
-from titanrl.trainer.parallel.sharded_load import build_sharded_policy
 from titanrl.trainer.parallel.step import ParallelGRPOStep
+from titanrl.trainer.policy import build_policy
+from titanrl.trainer.reference import REFERENCE_STATE_KEY, ReferencePolicy, build_reference, reference_source
 from titanrl.trainer.stats import GradStats, LogprobParity
+from titanrl.trainer.truncation import Truncation
 from titanrl.types import Group, PolicyVersion
 from titanrl.models.qwen3_moe import routing_buffers, zero_routing_buffers
 
@@ -52,12 +55,13 @@ class GRPOTrainer:
     """Owns the policy, optimizer and lr schedule; `step` consumes groups and returns metrics.
 
     `model_config.checkpoint` is an HF checkpoint directory or a training checkpoint written by
-    `save_state` (then the policy is rebuilt from it; call `load_state` for the rest).
+    `save_state` (then the policy is rebuilt from it; call `load_state` for the rest). With
+    train.kl_coef > 0 the trainer also holds the frozen reference policy (`reference`).
     """
 
     def __init__(
         self, model_config: ModelConfig, train_config: TrainConfig, temperature: float, seed: int,
-        batch_invariant: bool = False, *, device_type: str | None = None,
+        batch_invariant: bool = False, *, device_type: str | None = None, truncation: Truncation | None = None,
     ) -> None:
         """Loads the policy onto the device; for a parallel layout, joins the world (blocks until
         every rank has) and loads only this rank's shards (no rank holds the full model).
@@ -65,6 +69,8 @@ class GRPOTrainer:
         batch_invariant: run the model and the logprobs through `titanrl.kernels`, so they match
         a batch-invariant generator bit for bit.
         device_type: 'cpu' or 'cuda'; None resolves `train.device` ('auto': CUDA when present).
+        truncation: the generator's top-k / top-p when its logprobs are the truncated distribution's
+        (`Truncation.scored_by_trainer(rollout)`); the trainer then scores tokens under it too.
         A parallel layout (`train.parallel.world_size > 1`) needs the torch.distributed env vars
         (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) set: `ParallelTrainerRank` does.
         """
@@ -86,23 +92,30 @@ class GRPOTrainer:
                               activation_checkpointing=train_config.activation_checkpointing,
                               activation_checkpointing_every=train_config.activation_checkpointing_every)
         parallel = train_config.parallel
+        policy: str | ckpt_io.InitialPolicy = model_config.checkpoint
+        mesh = None
         if parallel.world_size > 1:
             # Config and tensor names / shapes are checked before joining the world; then each
             # rank builds the model on the meta device and reads only its shards.
             policy = ckpt_io.open_initial_policy(model_config.checkpoint)
-            self.model_config, self.tokenizer_dir = policy.config, policy.tokenizer_dir
             init_distributed(device_type)
-            self.pm = build_sharded_policy(policy, self.dtype, parallel, build_mesh(parallel, device_type),
-                                           **layout_options)
-        else:
-            model, self.model_config, self.tokenizer_dir = ckpt_io.load_initial_policy(
-                model_config.checkpoint, self.dtype)
-            self.pm = parallelize(model, parallel, None, device_type=device_type, **layout_options)
+            mesh = build_mesh(parallel, device_type)
+        self.pm, self.model_config, self.tokenizer_dir = build_policy(policy, self.dtype, parallel, mesh, device_type,
+                                                                      **layout_options)
         self.pad_id = self.model_config.eos_token_id or 0
         self.rank = global_rank()
         self.optimizers = build_optimizers(self.pm, train_config)
         self.schedulers = [build_scheduler(opt, train_config) for opt in self.optimizers]
-        self.grpo = ParallelGRPOStep(self.pm, self.optimizers, train_config, temperature, batch_invariant)
+        self.grpo = ParallelGRPOStep(self.pm, self.optimizers, train_config, temperature, batch_invariant,
+                                     truncation)
+        # The reference scores tokens under the same (truncated) distribution as the policy.
+        self._build_reference = functools.partial(build_reference, policy=self.pm, dtype=self.dtype,
+                                                  train_config=train_config, temperature=temperature,
+                                                  batch_invariant=batch_invariant, truncation=truncation,
+                                                  device_type=device_type, **layout_options)
+        self.reference: ReferencePolicy | None = (
+            self._build_reference(*reference_source(model_config.checkpoint)) if train_config.kl_coef > 0 else None)
+        """The frozen reference policy of train.kl_coef (titanrl.trainer.reference); None when 0."""
         self._init_expert_bias()
         self.version: PolicyVersion = 0
         self.skipped_steps = 0
@@ -173,6 +186,19 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------- step
 
+    def prepare_batch(self, groups: list[Group]) -> PackedBatch:
+        """The groups packed for `step`: tokens, masks, generator logprobs and advantages; with a
+        reference policy (train.kl_coef > 0) its logprobs (one no-grad forward), and with
+        train.kl_in_reward the advantages of the rewards less kl_coef x each sample's KL."""
+        scale = self.grpo.loss.scale_by_std  # train.scale_advantages_by_std, resolved for train.loss
+        batch = pack(groups, self.pad_id, scale, current_version=self.version)
+        if self.reference is None:
+            return batch
+        batch = dataclasses.replace(batch, reference_BT=self.reference.logprobs(batch))
+        if self.cfg.kl_in_reward:
+            batch = dataclasses.replace(batch, advantages_B=advantages(groups, scale, kl_reward_penalty(batch, self.cfg)))
+        return batch
+
     def step(self, groups: list[Group]) -> dict[str, float] | None:
         """One policy update (version + 1) from rollout groups; returns its metrics.
 
@@ -193,7 +219,10 @@ class GRPOTrainer:
           loss/*, offpolicy/*: what the loss clipped, masked or truncated, over the same forwards
             (titanrl.trainer.losses.measures.loss_metrics says which appear for which loss).
           train/entropy: token-mean entropy of the trainer's sampling distribution softmax(logits /
-            temperature) over the trained tokens of every forward of the call (all passes).
+            temperature) (truncated and renormalised under top-k / top-p) over the trained tokens of
+            every forward of the call (all passes).
+          train/truncation_outside_frac (top-k / top-p only): the share of those tokens whose target
+            was outside the trainer's kept set (scored over the kept set plus the target).
           train/mismatch_mean_abs, train/mismatch_max_abs: |trainer - generator| logprob on the
             first minibatch of the first pass, the only forward at the generator's weights.
           train/tokens: trained tokens in the groups; train/advantage_nonzero_frac.
@@ -201,6 +230,10 @@ class GRPOTrainer:
           train/skipped: 1.0 when the call was skipped; train/skipped_steps: skipped calls so far;
           train/consecutive_skipped: skipped calls since the last update; policy_version: after it.
           memory/trainer_peak_gib: peak resident memory of this (rank 0's) process so far.
+          With train.kl_coef > 0 (titanrl.trainer.kl.kl_metrics): kl/mean, kl/max: token-mean and
+            max of the train.kl_estimator estimate of KL(pi || pi_ref) over the batch's trained
+            tokens, pi's logprobs being the generator's; with train.kl_in_reward,
+            kl/reward_penalty: mean over samples of kl_coef x their summed KL (taken off the rewards).
           Mixture-of-experts policies (not pipelined) add (titanrl.trainer.moe):
           moe/route_agreement: fraction of the generator-recorded completion tokens (x sparse
             layers) whose trainer top-k set, from its live scores (also when replaying), equals the
@@ -216,7 +249,7 @@ class GRPOTrainer:
         if not groups:
             raise ValueError("GRPOTrainer.step needs at least one group")
         start = time.perf_counter()
-        batch = pack(groups, self.pad_id, self.grpo.loss.scale_by_std, current_version=self.version)
+        batch = self.prepare_batch(groups)
         ranges = minibatch_row_ranges([len(g.samples) for g in groups], self.cfg.minibatches)
         # With one minibatch the first forward sees every row at the generator's weights;
         # with several, later minibatches run after an update, so measure parity up front.
@@ -225,7 +258,7 @@ class GRPOTrainer:
         # The batch-start weights' logprobs, when the loss takes its ratio around them.
         proximal = self.proximal_logprobs(batch) if self.grpo.loss.at_proximal and several_updates else None
         taken_loss, taken_norm, skipped_loss, skipped_norm = [], [], [], []
-        clipped = seen_tokens = entropy = 0.0
+        clipped = seen_tokens = entropy = outside = 0.0
         first: GradStats | None = None
         moe_passes: list = []
         loss_passes: list[dict[str, float]] = []
@@ -238,6 +271,7 @@ class GRPOTrainer:
                     first = stats
                 clipped += stats.clipped_tokens
                 entropy += stats.entropy_sum
+                outside += stats.truncation_outside_tokens
                 if stats.moe is not None:
                     moe_passes.append(stats.moe)
                 loss_passes.append(stats.loss_measures)
@@ -257,10 +291,13 @@ class GRPOTrainer:
         parity = parity or first.parity
         if self.rank != 0:
             return None  # every rank computed the same numbers; rank 0 reports them
+        truncated = {} if self.grpo.truncation is None else {"train/truncation_outside_frac": outside / seen_tokens}
         return {
             **parity.metrics(),
+            **truncated,
             **_moe_metrics(moe_passes),
             **loss_metrics(self.grpo.loss, combine_passes(loss_passes), seen_tokens),
+            **(kl_metrics(batch, self.cfg) if self.reference is not None else {}),
             "loss": sum(losses) / len(losses),
             "grad_norm": sum(norms) / len(norms),
             "lr": lr,
@@ -349,6 +386,7 @@ class GRPOTrainer:
             "optimizer_stepped": optimizer_stepped,
             "scheduler": self.scheduler.state_dict(),
             "rng": ckpt_io.rng_state(),
+            **({REFERENCE_STATE_KEY: self.reference.checkpoint} if self.reference is not None else {}),
         }
 
     def open_checkpoint(self, dir: str) -> tuple[Path, dict]:
@@ -385,7 +423,16 @@ class GRPOTrainer:
             # the schedule's current lr is the one the next step must use.
             for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
                 group["lr"] = lr
+        self._restore_reference(state, ckpt)
         return self.restore_counters(state)
+
+    def _restore_reference(self, state: dict, ckpt: Path) -> None:
+        """Rebuilds the reference from the checkpoint the saved run recorded, when it is another."""
+        recorded = state.get(REFERENCE_STATE_KEY)
+        if self.reference is None or recorded is None or recorded == self.reference.checkpoint:
+            return
+        self.reference = None  # freed before the other is loaded
+        self.reference = self._build_reference(recorded, recorded_in=str(ckpt / ckpt_io.TRAINER_STATE_FILE))
 
     # ------------------------------------------------------------------------- weight sync
 

@@ -24,6 +24,7 @@ from typing import Any
 from titanrl.config.schema import ModelConfig, TrainConfig
 from titanrl.errors import ConfigError
 from titanrl.trainer.trainer import GRPOTrainer
+from titanrl.trainer.truncation import Truncation
 from titanrl.types import Group, PolicyVersion
 
 RENDEZVOUS_TIMEOUT_S = 120.0
@@ -83,7 +84,7 @@ class ParallelTrainerRank(GRPOTrainer):
     def __init__(
         self, rank: int, world_size: int, master_addr: str, master_port: int, device_type: str,
         model_config: ModelConfig, train_config: TrainConfig, temperature: float, seed: int,
-        batch_invariant: bool = False,
+        batch_invariant: bool = False, truncation: Truncation | None = None,
     ) -> None:
         """Loads the full policy, joins the world (blocks until every rank has), then shards it.
 
@@ -93,7 +94,8 @@ class ParallelTrainerRank(GRPOTrainer):
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size),
             LOCAL_RANK="0" if device_type == "cuda" else str(rank),
         )
-        super().__init__(model_config, train_config, temperature, seed, batch_invariant, device_type=device_type)
+        super().__init__(model_config, train_config, temperature, seed, batch_invariant, device_type=device_type,
+                         truncation=truncation)
 
     def ready(self) -> int:
         """This actor's rank, once the world is joined and the model sharded."""
@@ -106,7 +108,7 @@ class TrainerGroup:
     def __init__(
         self, model_config: ModelConfig, train_config: TrainConfig, temperature: float, seed: int,
         batch_invariant: bool = False, *, rank_options: list[dict[str, Any]] | None = None,
-        device_type: str | None = None,
+        device_type: str | None = None, truncation: Truncation | None = None,
     ) -> None:
         """Starts the rank actors and waits until every one has joined the world and sharded the model.
 
@@ -132,7 +134,8 @@ class TrainerGroup:
             addr, port = rank0_rendezvous_point(rank_options[0])
         self.ranks = [
             ray.remote(ParallelTrainerRank).options(**rank_options[r]).remote(
-                r, n, addr, port, device_type, model_config, train_config, temperature, seed, batch_invariant
+                r, n, addr, port, device_type, model_config, train_config, temperature, seed, batch_invariant,
+                truncation,
             )
             for r in range(n)
         ]

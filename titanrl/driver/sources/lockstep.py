@@ -15,6 +15,12 @@ replacement loads the trainer's current weights and is handed the dead worker's 
 queued request, same rows, seeds and group ids. A part issued with the current weights (every
 part, with max_staleness=0) yields the very samples the dead worker would have; one issued with
 an older policy is generated from the current weights instead (fresher, not the same bits).
+
+Dynamic sampling (`rollout.dynamic_sampling`, `sources.dynamic_sampling`) asks for extra
+requests of fresh prompts while a step waits for its rollouts, with the current weights. They draw
+from the stream after every queued request and before the next one is queued, so a queued
+request's recorded stream position stays right, and a resume draws them again in the same order.
+With max_staleness > 0 an extra request waits on each worker behind the requests queued there.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from collections.abc import Callable
 
 from titanrl.data import PromptStream
 from titanrl.driver.sources.base import RolloutSource
+from titanrl.driver.sources.dynamic_sampling import informative_groups
 from titanrl.driver.sources.workers import MAX_DEATHS_IN_A_ROW, WorkerPool
 from titanrl.rollout.seeds import request_seed
-from titanrl.types import RolloutBatch, StepRollouts
+from titanrl.types import Group, RolloutBatch, StepRollouts
 from titanrl.weight_sync import WeightPush
 
 log = logging.getLogger("titanrl")
@@ -101,6 +108,8 @@ class RequestQueue:
         self.pool, self.stream = pool, stream
         self.run_seed, self.group_size, self.turns_per_sample = run_seed, group_size, turns_per_sample
         self.pending: deque[Request] = deque()
+        self.extras: list[Request] = []
+        """Dynamic sampling's extra requests being waited for (handed over too when a worker dies)."""
         self.next_index = 0
         self.next_group_id = 0
 
@@ -109,9 +118,26 @@ class RequestQueue:
 
     def submit(self, policy_version: int) -> None:
         """Queues the next request behind everything already queued on each worker."""
+        self.pending.append(self._issue(self.next_index, policy_version))
+        self.next_index += 1
+
+    def extra(self, index: int) -> list[RolloutBatch]:
+        """Dynamic sampling: a request of fresh prompts for request `index`'s step, outside the
+        queue, with the newest pushed weights, waited for. Its prompts and group ids come after
+        everything drawn so far; the queue's checkpoint keeps no trace of it (a resume that
+        generates request `index` again asks for its extra requests again)."""
+        request = self._issue(index, self.pool.version)
+        self.extras.append(request)
+        try:
+            return self._results(request)
+        finally:
+            self.extras.remove(request)
+
+    def _issue(self, index: int, policy_version: int) -> Request:
+        """Draws the next prompts and splits them over the workers, each part behind what is queued on it."""
         state = self.stream.state_dict()
         rows = self.stream.next_batch()
-        request = Request(self.next_index, self.next_group_id, policy_version, state)
+        request = Request(index, self.next_group_id, policy_version, state)
         n = len(self.pool.workers)
         for i, worker in enumerate(self.pool.workers):
             chunk = rows[i::n]
@@ -122,17 +148,20 @@ class RequestQueue:
                 request.refs.append(worker.generate.remote(chunk, seed, first))
                 request.parts.append(part)
                 self.next_group_id += len(chunk)
-        self.next_index += 1
-        self.pending.append(request)
+        return request
 
     def peek(self) -> tuple[Request, list[RolloutBatch]]:
-        """Waits for the oldest request's results without removing it; a part whose worker died is
-        generated again by the replacement, a part run with other weights than it was issued for
-        (its worker missed a push) again by its worker, now holding the current ones."""
+        """Waits for the oldest request's results without removing it (see `_results`)."""
+        request = self.pending[0]
+        return request, self._results(request)
+
+    def _results(self, request: Request) -> list[RolloutBatch]:
+        """Waits for `request`'s results; a part whose worker died is generated again by the
+        replacement, a part run with other weights than it was issued for (its worker missed a
+        push) again by its worker, now holding the current ones."""
         import ray
         from ray.exceptions import RayActorError
 
-        request = self.pending[0]
         results: list[RolloutBatch] = []
         for k in range(len(request.refs)):
             while True:
@@ -157,7 +186,7 @@ class RequestQueue:
                          f"{batch.policy_version}, not {part.version} (a push it missed); generating them again")
                 self._reissue(request, k)
             results.append(batch)
-        return request, results
+        return results
 
     def _hand_over(self, slot: int) -> None:
         """Gives slot's new actor the parts of every queued request that its dead actor had not
@@ -165,7 +194,7 @@ class RequestQueue:
         import ray
 
         actor = self.pool.workers[slot]
-        for request in self.pending:
+        for request in [*self.pending, *self.extras]:
             for k, part in enumerate(request.parts):
                 if part.slot != slot or part.actor is actor:
                     continue
@@ -244,12 +273,14 @@ class LockstepRollouts(RolloutSource):
 
     def __init__(self, make_worker: Callable[[int], Any], num_workers: int, stream: PromptStream, run_seed: int,
                  group_size: int, turns_per_sample: int, max_staleness: int, steps: int,
-                 max_deaths_in_a_row: int = MAX_DEATHS_IN_A_ROW) -> None:
+                 max_deaths_in_a_row: int = MAX_DEATHS_IN_A_ROW, dynamic_sampling_max_requests: int = 0) -> None:
         """`make_worker(i)` starts the actor of worker slot i (a `RolloutWorker`), again for a
-        replacement; see `WorkerPool` for `max_deaths_in_a_row`."""
+        replacement; see `WorkerPool` for `max_deaths_in_a_row`. `dynamic_sampling_max_requests`
+        > 0 turns on dynamic sampling (`sources.dynamic_sampling`) with that bound."""
         self.pool = WorkerPool(make_worker, num_workers, max_deaths_in_a_row)
         self.queue = RequestQueue(self.pool, stream, run_seed, group_size, turns_per_sample)
         self.max_staleness, self.steps = max_staleness, steps
+        self.dynamic_sampling_max_requests = dynamic_sampling_max_requests
 
     @property
     def workers(self) -> list[Any]:
@@ -263,14 +294,29 @@ class LockstepRollouts(RolloutSource):
         request, batches = self.queue.peek()
         if request.index != step - 1:
             raise RuntimeError(f"the oldest queued request feeds step {request.index + 1}, not step {step}")
+        groups = [g for b in batches for g in b.groups]
+        gen_seconds = max(b.gen_seconds for b in batches)
+        metrics: dict[str, float] = {}
+        if self.dynamic_sampling_max_requests > 0:
+            every = list(batches)
+
+            def more() -> list[Group]:
+                nonlocal gen_seconds
+                extra = self.queue.extra(request.index)
+                every.extend(extra)
+                gen_seconds += max(b.gen_seconds for b in extra)  # after the step's own request
+                return [g for b in extra for g in b.groups]
+
+            groups, metrics = informative_groups(groups, more, self.dynamic_sampling_max_requests)
+            batches = every
         return StepRollouts(
-            [g for b in batches for g in b.groups],
-            sum(b.gen_tokens for b in batches),
-            max(b.gen_seconds for b in batches),
+            groups,
+            sum(b.gen_tokens for b in batches),  # extra requests' tokens too: they were generated
+            gen_seconds,
             # Summed over the step's requests (workers score in parallel, so it can exceed gen_s).
             sum(b.reward_seconds for b in batches),
             {"workers/restarts": float(self.pool.restarts),
-             "memory/worker_peak_gib": max(b.peak_rss_gib for b in batches)},
+             "memory/worker_peak_gib": max(b.peak_rss_gib for b in batches), **metrics},
         )
 
     def trained(self, step: int) -> None:

@@ -5,11 +5,14 @@
     engine.update_weights(trainer_state_dict, version=1)   # no restart
     engine.close()
 
-Log-probabilities: the engine is created with `logprobs_mode="processed_logprobs"`, so the
-logprob returned for each sampled token is `log_softmax(logits / temperature)` in float32,
-exactly what the trainer recomputes, as long as top_p == 1 and top_k is off. With
-top_p < 1 vLLM renormalises over the nucleus (tokens outside get -inf) and the numbers
-differ from the trainer's. Greedy requests (temperature 0) report `log_softmax(logits)`.
+Log-probabilities (`VllmEngineConfig.logprobs`): 'sampled' creates the engine with
+`logprobs_mode="processed_logprobs"`, so the logprob returned for each sampled token is that of
+the distribution it was sampled from: log_softmax(logits / temperature) in float32, with top-k /
+top-p renormalised over the kept tokens (the others at -inf), which the trainer recomputes
+(`titanrl.trainer.truncation`). 'raw' creates it with `logprobs_mode="raw_logprobs"`: log_softmax
+of the logits before temperature, penalties and truncation (vLLM's Sampler computes it first),
+the full softmax at temperature 1. Greedy requests (temperature 0) report log_softmax(logits)
+in both modes.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ class VllmEngineConfig:
     batch_invariant: bool = False
     """Run our model through `titanrl.kernels` (including attention over the paged cache), so
     its logprobs equal the trainer's bit for bit; see `titanrl.rollout.vllm.paged_attention`."""
+    logprobs: str = "sampled"
+    """Which logprobs generated tokens carry: 'sampled' (vLLM's processed logprobs, after
+    temperature and top-k / top-p) or 'raw' (vLLM's raw logprobs, before both); rollout.logprobs."""
     record_routed_experts: bool = False
     """Record the experts each token was routed through (mixture-of-experts checkpoints only):
     every Completion then carries `routed_experts`; see `titanrl.rollout.vllm.routing_record`."""
@@ -80,6 +86,8 @@ class VllmEngineConfig:
             raise ValueError(f"VllmEngineConfig.checkpoint={self.checkpoint!r} has no config.json")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"VllmEngineConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.logprobs not in ("sampled", "raw"):
+            raise ValueError(f"VllmEngineConfig.logprobs must be 'sampled' or 'raw', got {self.logprobs!r}")
         if self.max_model_len <= 0 or self.max_num_seqs <= 0 or self.kv_cache_gib <= 0:
             raise ValueError("VllmEngineConfig.max_model_len, max_num_seqs and kv_cache_gib must be positive")
 
@@ -179,7 +187,7 @@ class VllmEngine:
                 enforce_eager=config.enforce_eager,
                 enable_prefix_caching=config.enable_prefix_caching,
                 seed=config.seed,
-                logprobs_mode="processed_logprobs",
+                logprobs_mode="processed_logprobs" if config.logprobs == "sampled" else "raw_logprobs",
                 worker_extension_cls=EXTENSION_QUALNAME,
                 enable_chunked_prefill=config.enable_chunked_prefill,
             )
@@ -210,6 +218,7 @@ class VllmEngine:
         max_tokens: int = 64,
         seed: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        top_k: int = 0,
     ) -> list[list[Completion]]:
         """Samples `n` completions per prompt; returns one list of `n` Completions per prompt.
 
@@ -231,6 +240,7 @@ class VllmEngine:
                 n=1,
                 temperature=temperature,
                 top_p=top_p,
+                top_k=top_k,
                 max_tokens=max_tokens,
                 seed=None if seed is None else seed + r,
                 stop_token_ids=list(stop_token_ids) if stop_token_ids else None,

@@ -37,6 +37,7 @@ from titanrl.trainer.parallel.tied import tied_copies_equal
 from titanrl.config.parallel import validate_parallel
 from titanrl.trainer.batch import PackedBatch, pack
 from titanrl.trainer.trainer import GRPOTrainer
+from titanrl.trainer.truncation import Truncation
 from titanrl.types import Group, Sample
 
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -107,6 +108,8 @@ class Case:
     """Whether the policy ties its embedding and LM head."""
     moe: bool = False
     """Whether the policy is the tiny mixture of experts (TINY_MOE)."""
+    truncation: Truncation | None = None
+    """Top-k / top-p the trainer scores under (None: the full softmax)."""
 
 
 @dataclass
@@ -164,7 +167,8 @@ def make_case(workdir: str | Path, *, tied: bool = False, moe: bool = False, gro
 
 def reference(case: Case) -> Reference:
     """GRPOTrainer's loss and gradients on the case (one process, one thread)."""
-    trainer = GRPOTrainer(ModelConfig(checkpoint=case.checkpoint), case.train, case.temperature, seed=0)
+    trainer = GRPOTrainer(ModelConfig(checkpoint=case.checkpoint), case.train, case.temperature, seed=0,
+                          truncation=case.truncation)
     t0 = time.perf_counter()
     stats = trainer.accumulate_gradients(case.batch)
     t1 = time.perf_counter()
@@ -207,7 +211,7 @@ def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu"
                      activation_checkpointing_every=case.train.activation_checkpointing_every,
                      compute_dtype=getattr(torch, compute) if compute else None)
     optimizers = build_optimizers(pm, case.train)
-    step = ParallelGRPOStep(pm, optimizers, case.train, case.temperature)
+    step = ParallelGRPOStep(pm, optimizers, case.train, case.temperature, truncation=case.truncation)
     dist.barrier()
     t0 = time.perf_counter()
     stats = step.accumulate_gradients(case.batch)
@@ -252,6 +256,7 @@ def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu"
         "logprob_diff_sum_rel_diff": abs(stats.abs_logprob_diff_sum - ref.stats["abs_logprob_diff_sum"])
         / ref.stats["abs_logprob_diff_sum"],
         "parity_tokens_equal": stats.parity.checked == ref.stats["parity"].checked > 0,
+        "truncation_outside_equal": stats.truncation_outside_tokens == ref.stats["truncation_outside_tokens"],
         "step_s": round(elapsed[0].item(), 4),
         "warm_step_s": round(elapsed[1].item(), 4),
         "ref_step_s": round(ref.step_s, 4),

@@ -45,6 +45,7 @@ from titanrl.trainer.losses.measures import LossMeasures
 from titanrl.trainer.losses.off_policy import correction_weights
 from titanrl.trainer.losses.policy import policy_loss
 from titanrl.trainer.losses.settings import LossSettings, loss_settings
+from titanrl.trainer.kl import kl_loss_sum
 from titanrl.trainer.parallel.expert_parallel import sum_router_grads
 from titanrl.trainer.parallel.mesh import all_reduce, coord, dp_rank_and_size, owns
 from titanrl.trainer.parallel.parallelize import ParallelModel
@@ -53,6 +54,7 @@ from titanrl.trainer.parallel.row_sum import row_sums
 from titanrl.trainer.parallel.tied import sum_tied_grads
 from titanrl.config.parallel import check_batch_invariant, sequence_multiple
 from titanrl.trainer.stats import GradStats, LogprobParity, nan_max
+from titanrl.trainer.truncation import Truncation
 
 
 def _pad_rows(batch: PackedBatch, rows: int) -> PackedBatch:
@@ -98,7 +100,7 @@ class _Totals:
     """Per-rank sums of what GradStats reports, reduced over the world at the end."""
 
     def __init__(self, loss: LossSettings) -> None:
-        self.loss = self.clipped = self.diff_sum = self.entropy = 0.0
+        self.loss = self.clipped = self.diff_sum = self.entropy = self.outside = 0.0
         self.diff_max = float("-inf")
         self.parity = LogprobParity()
         self.moe: MoeTotals | None = None
@@ -115,6 +117,7 @@ class _Totals:
     def merge(self, other: _Totals) -> None:
         self.loss += other.loss
         self.entropy += other.entropy
+        self.outside += other.outside
         self.clipped += other.clipped
         self.diff_sum += other.diff_sum
         self.diff_max = nan_max(self.diff_max, other.diff_max)
@@ -142,11 +145,17 @@ class ParallelGRPOStep:
     The LM head runs in `chunked_token_logprobs` (train.logprob_chunk_tokens tokens at a time,
     with its own backward): the model returns final-norm hidden states and no rank ever holds a
     micro-batch's full [rows, T, V] logits.
+
+    truncation: the generator's top-k / top-p (rollout.logprobs='sampled'); logprobs and entropy
+    are then those of the truncated, renormalised distribution it sampled from.
     """
 
     def __init__(self, pm: ParallelModel, optimizers: list[torch.optim.Optimizer], train_config: TrainConfig,
-                 temperature: float, batch_invariant: bool = False) -> None:
+                 temperature: float, batch_invariant: bool = False, truncation: Truncation | None = None) -> None:
         self.pm, self.optimizers, self.cfg, self.temperature = pm, optimizers, train_config, temperature
+        self.truncation = truncation if truncation is not None and truncation.active else None
+        self._outside_BT: torch.Tensor | None = None
+        """The last head call's targets outside the truncated kept set (read by `_count_outside`)."""
         self.seq_multiple = sequence_multiple(pm.parallel)
         if batch_invariant:
             check_batch_invariant(pm.parallel)
@@ -206,15 +215,46 @@ class ParallelGRPOStep:
     @torch.no_grad()
     def proximal_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """The current weights' logprobs of every target token (the proximal policy of the
-        decoupled loss and of train.off_policy_correction), [B, T] on the batch's device. One
-        process only: `validate` refuses them for a parallel trainer that needs this (several
-        updates per batch)."""
-        if self.pm.mesh is not None:
-            raise NotImplementedError("the parallel trainer has no decoupled loss (train.decoupled_loss)")
-        out = torch.zeros_like(batch.old_logprobs_BT)
-        for lo, sub, logprobs, _, _ in self._logprobs_by_micro_batch(batch, backward=False):
-            out[lo:lo + sub.input_ids_BT.shape[0], :logprobs.shape[1]] = logprobs.to(out.device)
-        return out
+        decoupled loss and of train.off_policy_correction): `batch_logprobs`. `validate` refuses
+        them for a parallel trainer that needs this (several updates per batch)."""
+        return self.batch_logprobs(batch)
+
+    @torch.no_grad()
+    def batch_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        """This model's logprobs of the trained target tokens, [B, T] on the batch's device (0 where
+        the loss mask is), the same on every rank whatever the layout.
+
+        The forward of the gradient pass (rows split over data-parallel ranks, micro-batches,
+        trimming), without a backward; each rank writes its share (its rows; under CP its
+        chunks' positions; tp ranks, identical, once) into a zero tensor, summed over the world:
+        adding zeros, so the values are the computed bits. Not pipelined (its logprobs stay on
+        the last stage).
+        """
+        if self.pm.pipelined:
+            raise NotImplementedError("the pipelined trainer computes no per-token logprobs outside its loss")
+        B, T = batch.targets_BT.shape
+        first_row, local = self._local_rows(batch)
+        # One shape on every rank, with room for the zero rows padding the last share and for
+        # micro-batches padded to the sequence multiple.
+        width = -(-T // self.seq_multiple) * self.seq_multiple
+        out = torch.zeros((B + local.targets_BT.shape[0], width), device=self.pm.device)
+        counts = coord(self.pm.mesh, "tp") == 0
+        for lo, sub, logprobs, _, _ in self._logprobs_by_micro_batch(local, backward=False):
+            rows = slice(first_row + lo, first_row + lo + sub.input_ids_BT.shape[0])
+            cols = (self.pm.context.positions(logprobs.shape[1], out.device) if self.pm.context
+                    else slice(0, logprobs.shape[1]))
+            if counts:  # untrained positions 0: which ones a micro-batch computes depends on the layout
+                out[rows, cols] = torch.where(sub.loss_mask_BT > 0, logprobs.float(), 0.0)
+        all_reduce(out, self.pm.mesh)
+        return out[:B, :T].to(batch.old_logprobs_BT.device)
+
+    def _local_rows(self, batch: PackedBatch) -> tuple[int, PackedBatch]:
+        """This data-parallel rank's equal, contiguous share of the rows (zero-mask rows pad the
+        batch to a multiple of the dp degree) and the index of its first row."""
+        dp_rank, dp_size = dp_rank_and_size(self.pm.mesh)
+        per_rank = -(-batch.input_ids_BT.shape[0] // dp_size)
+        return dp_rank * per_rank, _pad_rows(batch, per_rank * dp_size).rows(dp_rank * per_rank,
+                                                                              (dp_rank + 1) * per_rank)
 
     def _forward(self, batch: PackedBatch, backward: bool) -> tuple[_Totals, _BatchScale]:
         """Runs this rank's share of the batch (with backward, or forward only): its totals and
@@ -223,9 +263,7 @@ class ParallelGRPOStep:
         # Whole-row token counts, before rows split over ranks and cp chunks (the loss's normalisers).
         batch = dataclasses.replace(batch, row_tokens_B=batch.loss_mask_BT.sum(1))
         scale = _BatchScale(total_tokens, batch_sequences(batch.row_tokens_B))
-        dp_rank, dp_size = dp_rank_and_size(self.pm.mesh)
-        per_rank = -(-batch.input_ids_BT.shape[0] // dp_size)
-        local = _pad_rows(batch, per_rank * dp_size).rows(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        _, local = self._local_rows(batch)
         totals = _Totals(self.loss)
         if self.moe is not None:
             totals.moe = MoeTotals(len(self.moe.sparse_layers), self.moe.num_experts, self.pm.device)
@@ -237,6 +275,7 @@ class ParallelGRPOStep:
             for _, sub, logprobs, entropy, aux in self._logprobs_by_micro_batch(local, backward, totals.moe,
                                                                                  real_total):
                 loss_sum = self._loss(logprobs, entropy, sub, totals, scale)
+                self._count_outside(sub.loss_mask_BT, totals)
                 if backward:
                     loss = loss_sum / total_tokens.to(loss_sum.device)
                     if aux is not None and self.moe.aux_loss_coef:
@@ -257,12 +296,23 @@ class ParallelGRPOStep:
             B, T, D = hidden_BTD.shape
             # A vocabulary-parallel head's rows are split over tp: size chunks by this rank's share.
             vocab_rows = -(-weight_VD.shape[0] // self.pm.parallel.tp)
+            outside = None
+            if self.truncation is not None:
+                outside = self._outside_BT = torch.zeros(B, T, dtype=torch.bool, device=hidden_BTD.device)
             logprobs, entropy = chunked_token_logprobs(
                 hidden_BTD.reshape(B * T, D), weight_VD, targets_BT.reshape(B * T), self.temperature,
-                chunk_tokens_for(vocab_rows, self.cfg.logprob_chunk_tokens), self.batch_invariant)
+                chunk_tokens_for(vocab_rows, self.cfg.logprob_chunk_tokens), self.batch_invariant,
+                truncation=self.truncation, outside_N=None if outside is None else outside.view(B * T))
             return logprobs.view(B, T), entropy.view(B, T)
 
         return head
+
+    def _count_outside(self, mask_BT: torch.Tensor, totals: _Totals) -> None:
+        """Adds the trained tokens of the last head call whose target was outside the trainer's
+        truncated kept set (scored over kept + {target}; see chunked_logprobs)."""
+        if self._outside_BT is not None:
+            totals.outside += (self._outside_BT.to(mask_BT.device) & (mask_BT > 0)).sum().item()
+            self._outside_BT = None
 
     def _loss(self, logprobs: torch.Tensor, entropy: torch.Tensor, sub: PackedBatch, totals: _Totals,
               scale: _BatchScale) -> torch.Tensor:
@@ -285,7 +335,8 @@ class ParallelGRPOStep:
         if s.entropy_coef:
             per_token = entropy * mask if rows_B1 is None else entropy * mask * rows_B1
             loss_sum = loss_sum - s.entropy_coef * per_token.sum()
-        # Further terms (a KL to a reference) add here, weighted per token by `rows_B1` as above.
+        # train.kl_coef: KL to the reference (kl.py), a token-mean whatever the aggregation.
+        loss_sum = loss_sum + kl_loss_sum(logprobs, sub, self.cfg)
         with torch.no_grad():  # the mismatch stats stay trainer vs generator
             gap = (logprobs - old).abs() * mask
             stats["abs_logprob_diff_sum"], stats["max_abs_logprob_diff"] = gap.sum(), gap.max()
@@ -380,6 +431,7 @@ class ParallelGRPOStep:
             # Through the stage module: FSDP gathers the head's weight, mixed precision casts it.
             logprobs, entropy = last(hidden, head=self._head(t.long()))
             loss_sum = self._loss(logprobs, entropy, sub, calls[-1], scale)
+            self._count_outside(m, calls[-1])
             return loss_sum / scale.tokens.to(loss_sum.device)
 
         schedule = build_schedule(pm.parts, pm.parallel, pm.mesh, pm.device, n_micro, loss_fn)
@@ -417,18 +469,19 @@ class ParallelGRPOStep:
         par = totals.parity
         # A NaN max travels as a count (a max-reduction would drop it).
         mine = [totals.loss, totals.clipped, totals.diff_sum, float(math.isnan(totals.diff_max)),
-                par.diff_sum, par.different, par.checked, float(math.isnan(par.diff_max)), totals.entropy]
+                par.diff_sum, par.different, par.checked, float(math.isnan(par.diff_max)), totals.entropy,
+                totals.outside]
         sums = torch.tensor(mine if counts else [0.0] * len(mine), dtype=torch.float64, device=pm.device)
         all_reduce(sums, pm.mesh)
         tops = [totals.diff_max, par.diff_max if par.checked else float("-inf")]
         top = torch.tensor([t if counts and not math.isnan(t) else float("-inf") for t in tops],
                            dtype=torch.float64, device=pm.device)
         all_reduce(top, pm.mesh, op=dist.ReduceOp.MAX)
-        loss, clipped, diff_sum, nan, p_sum, p_diff, p_checked, p_nan, entropy = sums.tolist()
+        loss, clipped, diff_sum, nan, p_sum, p_diff, p_checked, p_nan, entropy, outside = sums.tolist()
         diff_max, p_max = top.tolist()
         parity = LogprobParity(p_sum, float("nan") if p_nan else max(p_max, 0.0), p_diff, p_checked)
         return GradStats(loss, total_tokens.item(), clipped, diff_sum, float("nan") if nan else diff_max, parity,
-                         entropy, self._global_moe_stats(totals.moe, counts),
+                         entropy, self._global_moe_stats(totals.moe, counts), outside,
                          self._global_loss_measures(totals.measures, counts))
 
     def _global_loss_measures(self, m: LossMeasures, counts: bool) -> dict[str, float]:

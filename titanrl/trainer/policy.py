@@ -1,0 +1,31 @@
+"""Builds a policy's `ParallelModel` from a checkpoint under the trainer's layout: the trainer's
+own policy, and the frozen reference policy of the KL penalty (titanrl.trainer.reference)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from titanrl.config.schema import ParallelConfig
+from titanrl.models.qwen3 import Qwen3Config
+from titanrl.trainer import checkpoint as ckpt_io
+from titanrl.trainer.parallel.parallelize import ParallelModel, parallelize
+from titanrl.trainer.parallel.sharded_load import build_sharded_policy
+
+
+def build_policy(source: str | ckpt_io.InitialPolicy, dtype: torch.dtype, parallel: ParallelConfig,
+                 mesh: DeviceMesh | None, device_type: str, **layout_options: Any
+                 ) -> tuple[ParallelModel, Qwen3Config, str]:
+    """This rank's share of the policy in an HF or training checkpoint directory (`source`, or
+    its `open_initial_policy` for a parallel layout), in `dtype`; returns it, its config and the
+    directory of its tokenizer files. A parallel layout (call on every rank, `mesh` built) reads
+    only this rank's shards; one process loads the whole model onto `device_type`.
+    `layout_options` go to `parallelize` (compute dtype, activation checkpointing)."""
+    if parallel.world_size > 1:
+        policy = ckpt_io.open_initial_policy(source) if isinstance(source, str) else source
+        pm = build_sharded_policy(policy, dtype, parallel, mesh, **layout_options)
+        return pm, policy.config, policy.tokenizer_dir
+    model, config, tokenizer_dir = ckpt_io.load_initial_policy(source, dtype)
+    return parallelize(model, parallel, None, device_type=device_type, **layout_options), config, tokenizer_dir
