@@ -199,7 +199,7 @@ def test_loss_metrics_from_measures():
     two = dict(one, offpolicy_ratio_max=5.0, offpolicy_ratio_neg_min=-0.25)
     m = loss_metrics(s, combine_passes([one, two]), tokens=8.0)
     assert m["loss/clip_low_fraction"] == 2 / 8 and m["loss/clip_high_fraction"] == 4 / 8
-    assert m["loss/seq_clip_fraction"] == 2 / 4
+    assert m["loss/clip_seq_fraction"] == 2 / 4
     assert (m["offpolicy/ratio_mean"], m["offpolicy/ratio_max"], m["offpolicy/ratio_min"]) == (1.0, 5.0, 0.25)
     assert (m["offpolicy/weight_mean"], m["offpolicy/clipped_fraction"]) == (6 / 8, 2 / 8)
 

@@ -61,8 +61,8 @@ def loss_metrics(s: LossSettings, m: dict[str, float], tokens: float) -> dict[st
     loss/clip_low_fraction, loss/clip_high_fraction: tokens whose ratio was clipped below / above
       (gspo: tokens of sequences clipped; cispo: high is the weight truncation, low is 0); their
       sum is train/clip_fraction.
-    loss/seq_clip_fraction (gspo): sequences whose ratio was clipped.
-    loss/cispo_weight_clip_fraction (cispo): tokens whose weight was truncated.
+    loss/clip_seq_fraction (gspo): sequences whose ratio was clipped.
+    loss/clip_weight_fraction (cispo): tokens whose weight was truncated.
     offpolicy/ratio_mean, _max, _min: pi_trainer / pi_generator per trained token (with an
       off-policy correction or decoupled_loss); offpolicy/weight_mean: the weight applied;
       offpolicy/clipped_fraction: tokens truncated (tis_*); offpolicy/masked_fraction: dropped (mis_*).
@@ -73,9 +73,9 @@ def loss_metrics(s: LossSettings, m: dict[str, float], tokens: float) -> dict[st
     out = {"loss/clip_low_fraction": m["clip_low_tokens"] / tokens,
            "loss/clip_high_fraction": m["clip_high_tokens"] / tokens}
     if s.loss == "gspo":
-        out["loss/seq_clip_fraction"] = m["clipped_sequences"] / max(m["sequences"], 1e-12)
+        out["loss/clip_seq_fraction"] = m["clipped_sequences"] / max(m["sequences"], 1e-12)
     if s.loss == "cispo":
-        out["loss/cispo_weight_clip_fraction"] = m["clip_high_tokens"] / tokens
+        out["loss/clip_weight_fraction"] = m["clip_high_tokens"] / tokens
     if s.at_proximal:
         out.update({
             "offpolicy/ratio_mean": m["offpolicy_ratio_sum"] / tokens,
