@@ -48,6 +48,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("response length", ("completion/len*",), "tokens"),
     Panel("clip fractions", ("train/clip*", "loss/clip*"), "fraction of tokens"),
     Panel("trainer vs generator logprobs", ("parity/logprob_diff_*",), "|logprob difference|"),
+    Panel("off-policy correction", ("offpolicy/ratio_*", "offpolicy/weight_*"), "pi_trainer / pi_generator",
+          ("offpolicy/clipped_fraction", "offpolicy/masked_fraction"), "fraction of tokens"),
     Panel("throughput", ("throughput/*",), "tokens / s", ratios=(Ratio("train/tokens", "time/train_s"),)),
     Panel("environment", ("env/tool_calls", "env/errors"), "per step", ("env/turns_mean",), "turns / episode"),
     Panel("MoE routing", ("moe/route_agreement", "moe/route_agreement_used"), "trainer vs generator",
