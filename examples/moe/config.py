@@ -33,7 +33,7 @@ config = titanrl.RunConfig(
         max_num_seqs=512,
     ),
     train=titanrl.TrainConfig(
-        steps=600,
+        steps=650,
         lr=1e-3,
         warmup_steps=5,
         lr_decay="cosine",
