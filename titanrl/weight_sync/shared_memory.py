@@ -172,7 +172,7 @@ def _wait_written(seg: Segment, nbytes: int, version: int, deadline: float) -> N
                 "publish_weights, concurrently with the workers' receive_weights"
             )
         time.sleep(pause)
-        pause = min(pause * 2, 2.5e-4)  # the writer fills a chunk in ~0.4 ms: follow it closely
+        pause = min(pause * 2, 1e-3)
 
 
 def load_from_segment(target: ParameterTarget, announcement: WeightAnnouncement, rank: int,
