@@ -85,7 +85,9 @@ def test_transport_delivers_trainer_weights_bit_exact(transport, ray_session, tr
     """Each transport loads the trainer's weights into the vLLM engine bit for bit, twice in a row
     (the second push reuses what the first set up: segment, group, bucket buffers), with the
     engine reset to its own weights in between so the second push has to move every byte again.
-    Broadcast runs with buckets smaller than the largest tensor (tensors span buckets).
+    Broadcast runs with buckets smaller than the largest tensor: tensors of at least half the
+    largest go in broadcasts of their own (straight into the parameters), smaller ones are packed
+    and some span buckets.
     Shared memory: the segment's name is gone as soon as the worker has mapped it, and nothing
     of the trainer's is left in /dev/shm after close."""
     ray = ray_session
@@ -94,7 +96,7 @@ def test_transport_delivers_trainer_weights_bit_exact(transport, ray_session, tr
     total = sum(t.numel() * t.element_size() for t in target.values())
     bucket = (largest // 3) // 64 * 64
     assert bucket < largest < total
-    plan = make_plan(transport, 1, bucket_bytes=bucket, timeout_s=60)
+    plan = make_plan(transport, 1, bucket_bytes=bucket, direct_bytes=largest // 2, timeout_s=60)
     receiver = WeightReceiver(vllm_engine)
     start = vllm_engine.policy_version
     try:
@@ -229,6 +231,33 @@ def test_layout_buckets_cover_every_byte_once():
     assert all(bool((c == 1).all()) for c in covered)
 
 
+def test_broadcast_ops_send_every_byte_once_in_one_order():
+    """Every member derives the same broadcasts from the layout: each large tensor once, in place;
+    the small ones packed exactly once; bucket k issued once its last piece is packed, in order."""
+    from titanrl.weight_sync.broadcast import push_ops
+
+    tensors = [("a", torch.zeros(3, 100)), ("b", torch.zeros(5, dtype=torch.bfloat16)), ("c", torch.zeros(1000)),
+               ("d", torch.zeros(90)), ("e", torch.zeros(7, 10))]
+    layout = layout_of(tensors)
+    plan = push_ops(layout, 256, direct_bytes=1000)
+    direct = [n for kind, n in plan.ops if kind == "direct"]
+    buckets = [n for kind, n in plan.ops if kind == "bucket"]
+    assert direct == [0, 2] and buckets == list(range(len(plan.buckets)))
+    assert [layout.tensors[i].name for i in plan.small] == ["b", "d", "e"]
+    covered = [torch.zeros(layout.tensors[i].numel, dtype=torch.int32) for i in plan.small]
+    for k, bucket in enumerate(plan.buckets):
+        assert plan.lengths[k] <= 256
+        for p in bucket:
+            assert p.start + p.count * plan.packed.tensors[p.index].itemsize <= plan.lengths[k]
+            covered[p.index][p.first : p.first + p.count] += 1
+        position = plan.ops.index(("bucket", k))  # after the op of the tensor that completes it
+        completing = plan.small[bucket[-1].index]
+        assert all(i <= completing for kind, i in plan.ops[:position] if kind == "direct")
+        assert all(i > completing for kind, i in plan.ops[position:] if kind == "direct")
+    assert all(bool((c == 1).all()) for c in covered)
+    assert len(plan.buckets) > 1  # "d" spans buckets
+
+
 @pytest.mark.slow
 def test_multiprocess_engine_receives_tensors_from_every_transport(tmp_path, ray_session, trainer, other_checkpoint):
     """The multiprocess engine (engine core in its own process) loads the trainer's weights bit
@@ -282,3 +311,23 @@ def test_parallel_trainer_group_publishes_gathered_weights(ray_session, vllm_eng
         receiver.close()
         ray_session.kill(group)
         _restore(vllm_engine, vllm_tiny_checkpoint)
+
+
+def test_parameter_shapes_follow_each_models_config():
+    """The publisher's layout comes from cached shapes (a meta model costs ~10 ms per push):
+    alternating two configs, each gets its own model's names and shapes, and callers cannot
+    alter the cached list."""
+    from types import SimpleNamespace
+
+    from titanrl.models.architectures import build_model
+    from titanrl.models.tiny import tiny_config
+    from titanrl.trainer.parallel.gather import hf_parameter_shapes
+
+    configs = [tiny_config(), tiny_config(hidden_size=64, num_hidden_layers=3, tie_word_embeddings=False)]
+    expected = [[(n, p.shape) for n, p in build_model(c).named_parameters()] for c in configs]
+    assert expected[0] != expected[1]
+    for _ in range(2):
+        for config, shapes in zip(configs, expected):
+            got = hf_parameter_shapes(SimpleNamespace(config=config))
+            assert got == shapes
+            got.clear()

@@ -38,6 +38,8 @@ class WeightAnnouncement:
     """shared_memory: every segment the sender still owns; receivers unmap the others."""
     bucket_bytes: int = 0
     """broadcast: bytes per broadcast bucket."""
+    direct_bytes: int = 1 << 20
+    """broadcast: tensors of at least this many bytes are broadcast one by one, in place."""
     timeout_s: float = 300.0
     """shared_memory: longest a receiver waits for the trainer to write what it announced."""
 
@@ -63,14 +65,15 @@ class WeightAnnouncement:
         """Plain data for vLLM's multiprocess RPC (tensors never go this way)."""
         return {"transport": self.transport, "version": self.version, "layout": self.layout.to_wire(),
                 "segment": self.segment, "sender_id": self.sender_id, "live_segments": list(self.live_segments),
-                "bucket_bytes": self.bucket_bytes, "timeout_s": self.timeout_s}
+                "bucket_bytes": self.bucket_bytes, "direct_bytes": self.direct_bytes, "timeout_s": self.timeout_s}
 
     @staticmethod
     def from_wire(wire: dict) -> WeightAnnouncement:
         return WeightAnnouncement(wire["transport"], int(wire["version"]), WeightLayout.from_wire(wire["layout"]),
                                   segment=wire["segment"], sender_id=wire["sender_id"],
                                   live_segments=tuple(wire["live_segments"]),
-                                  bucket_bytes=int(wire["bucket_bytes"]), timeout_s=float(wire["timeout_s"]))
+                                  bucket_bytes=int(wire["bucket_bytes"]), direct_bytes=int(wire["direct_bytes"]),
+                                  timeout_s=float(wire["timeout_s"]))
 
 
 def _bytes_view(tensor: torch.Tensor) -> Any:

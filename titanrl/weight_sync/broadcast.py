@@ -5,24 +5,29 @@ The group is a standalone process-group object built on its own TCPStore, not
 worker's process, and a parallel trainer's ranks have their own world; neither is touched.
 gloo sends CPU buckets over TCP; NCCL (untested here: this machine has no GPU) sends CUDA buckets.
 
-Every push streams the flat layout (`titanrl.weight_sync.layout`) in buckets of `bucket_bytes`
-through two reusable bucket buffers per side, so no side ever holds a second copy of the model:
-the sender packs bucket k+1 while bucket k is in flight, a receiver writes bucket k into the
-parameters while bucket k+1 arrives. Before the first bucket, one all-reduce lets any receiver
-refuse the push (wrong model, wrong version) so that every side fails with an error instead
-of waiting on a peer that will never come.
+Every push is one sequence of broadcasts that each member derives from the layout alone
+(`push_ops`): a tensor of at least `direct_bytes` is broadcast straight from the trainer's tensor
+into the engine's parameter (no bucket copies on either side: on loopback TCP each copy costs
+about a memory copy of its bytes); the small ones (norms, biases) are packed, in buckets of
+`bucket_bytes`, through two reusable bucket buffers per side: the sender packs bucket k+1 while
+bucket k is in flight, a receiver unpacks bucket k while k+1 arrives. No side ever holds a second
+copy of the model (the sender keeps at most two buckets' worth of direct sends in flight).
+Before the first broadcast, one all-reduce lets any receiver refuse the push (wrong model, wrong
+version) so that every side fails with an error instead of waiting on a peer that will never come.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from titanrl.weight_sync.announcement import WeightAnnouncement
-from titanrl.weight_sync.layout import WeightSyncError, bucket_pieces, torch_dtype
+from titanrl.weight_sync.layout import Piece, WeightLayout, WeightSyncError, bucket_pieces, build_layout, torch_dtype
 from titanrl.weight_sync.plan import WeightSyncPlan
 from titanrl.weight_sync.source import WeightSource, in_layout_order
 from titanrl.weight_sync.target import ParameterTarget, write_piece
@@ -91,8 +96,45 @@ class BroadcastGroup:
         self._buffers = []
 
 
-def _bucket_len(k: int, total: int, bucket_bytes: int) -> int:
-    return min(bucket_bytes, total - k * bucket_bytes)
+@dataclass(frozen=True)
+class PushOps:
+    """The broadcasts of one push, in the order every member issues them."""
+
+    ops: tuple[tuple[str, int], ...]
+    """("direct", i): tensor i of the layout, in place; ("bucket", k): bucket k of the packed small tensors."""
+    small: tuple[int, ...]
+    """Layout index of each packed tensor (position j in `packed`)."""
+    packed: WeightLayout
+    """The small tensors' own flat layout, cut into `buckets`."""
+    buckets: tuple[tuple[Piece, ...], ...]
+    """Per bucket, its pieces (indices into `packed.tensors`)."""
+    lengths: tuple[int, ...]
+    """Bytes broadcast for each bucket (up to its last piece)."""
+
+
+def push_ops(layout: WeightLayout, bucket_bytes: int, direct_bytes: int) -> PushOps:
+    """Tensors of at least `direct_bytes` go one broadcast each; the others are packed into
+    buckets, each broadcast as soon as the tensor that completes it has been packed."""
+    small = tuple(i for i, s in enumerate(layout.tensors) if s.nbytes < direct_bytes)
+    packed = build_layout((layout.tensors[i].name, layout.tensors[i].shape, layout.tensors[i].dtype) for i in small)
+    buckets = tuple(tuple(b) for b in bucket_pieces(packed, bucket_bytes) if b) if small else ()
+    lengths = tuple(max(p.start + p.count * packed.tensors[p.index].itemsize for p in b) for b in buckets)
+    completes: dict[int, list[int]] = {}
+    for k, b in enumerate(buckets):
+        completes.setdefault(b[-1].index, []).append(k)
+    position = {i: j for j, i in enumerate(small)}
+    ops: list[tuple[str, int]] = []
+    for i in range(len(layout.tensors)):
+        if i in position:
+            ops += [("bucket", k) for k in completes.get(position[i], [])]
+        else:
+            ops.append(("direct", i))
+    return PushOps(tuple(ops), small, packed, buckets, lengths)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as flat uint8 (gloo broadcasts any dtype this way)."""
+    return t.view(-1).view(torch.uint8)
 
 
 class BroadcastSender:
@@ -103,17 +145,18 @@ class BroadcastSender:
 
     def __init__(self, plan: WeightSyncPlan) -> None:
         self.group = BroadcastGroup(plan, 0)
-        self.bucket_bytes = plan.bucket_bytes
+        self.bucket_bytes, self.direct_bytes = plan.bucket_bytes, plan.direct_bytes
         self._published: tuple[int, object] | None = None
 
     def publish(self, version: int, source: WeightSource) -> WeightAnnouncement:
-        """Only announces (layout, bucket size): the bytes move in `send`, once the workers listen."""
+        """Only announces (layout, bucket and direct sizes): the bytes move in `send`, once the workers listen."""
         layout = source.layout()
         self._published = (version, layout)
-        return WeightAnnouncement("broadcast", version, layout, bucket_bytes=self.bucket_bytes)
+        return WeightAnnouncement("broadcast", version, layout, bucket_bytes=self.bucket_bytes,
+                                  direct_bytes=self.direct_bytes)
 
     def send(self, version: int, source: WeightSource) -> float:
-        """Streams `version` to every worker; returns once the last bucket is handed to the group."""
+        """Streams `version` to every worker; returns once the last broadcast has completed."""
         t0 = time.perf_counter()
         if self._published is None or self._published[0] != version:
             raise WeightSyncError(f"send_weights({version}) must follow publish_weights({version})")
@@ -122,39 +165,38 @@ class BroadcastSender:
         if self.group.max_over_members(0):
             raise WeightSyncError(f"a rollout worker refused weight version {version} (its own error says why); "
                                   "nothing was sent")
-        B, total = self.bucket_bytes, layout.total_bytes
-        per_tensor: list[list[tuple[int, object]]] = [[] for _ in layout.tensors]
-        for k, pieces in enumerate(bucket_pieces(layout, B)):
-            for p in pieces:
-                per_tensor[p.index].append((k, p))
-        buffers = self.group.buffers(B)
-        works: list[dist.Work | None] = [None, None]
-        filling = 0  # the bucket being packed
-
-        def flush(k: int) -> None:
-            works[k % 2] = self.group.broadcast(buffers[k % 2][: _bucket_len(k, total, B)])
-
+        plan = push_ops(layout, self.bucket_bytes, self.direct_bytes)
+        position = {i: j for j, i in enumerate(plan.small)}
+        pieces_of: list[list[tuple[int, Piece]]] = [[] for _ in plan.small]
+        for k, bucket in enumerate(plan.buckets):
+            for p in bucket:
+                pieces_of[p.index].append((k, p))
+        buffers = self.group.buffers(self.bucket_bytes) if plan.buckets else []
+        bucket_works: dict[int, dist.Work] = {}
+        direct: deque[tuple[dist.Work, torch.Tensor]] = deque()  # kept alive until sent
+        direct_inflight = 0
         for i, tensor in in_layout_order(layout, source):
             spec = layout.tensors[i]
+            j = position.get(i)
+            if j is None:
+                t = tensor.detach().to(self.group.device).contiguous()  # a live parameter: no copy
+                direct.append((self.group.broadcast(_as_bytes(t)), t))
+                direct_inflight += spec.nbytes
+                while direct_inflight > 2 * self.bucket_bytes and len(direct) > 1:
+                    work, sent = direct.popleft()  # bound what a gathered (sharded) source keeps alive
+                    work.wait()
+                    direct_inflight -= sent.numel() * sent.element_size()
+                continue
             flat = tensor.detach().reshape(-1)
-            for k, p in per_tensor[i]:
-                while filling < k:
-                    flush(filling)
-                    filling += 1
-                    if works[filling % 2] is not None:
-                        works[filling % 2].wait()  # the buffer's previous bucket has left
-                        works[filling % 2] = None
+            for k, p in pieces_of[j]:
+                if k - 2 in bucket_works:
+                    bucket_works.pop(k - 2).wait()  # the buffer's previous bucket has left
                 dst = buffers[k % 2][p.start : p.start + p.count * spec.itemsize].view(torch_dtype(spec.dtype))
                 dst.copy_(flat[p.first : p.first + p.count])
-        num_buckets = -(-total // B)
-        while filling < num_buckets:
-            flush(filling)
-            filling += 1
-            if filling < num_buckets and works[filling % 2] is not None:
-                works[filling % 2].wait()
-        for work in works:
-            if work is not None:
-                work.wait()
+                if p is plan.buckets[k][-1]:  # bucket k is full: off it goes, before its buffer is reused
+                    bucket_works[k] = self.group.broadcast(buffers[k % 2][: plan.lengths[k]])
+        for work in [*bucket_works.values(), *(w for w, _ in direct)]:
+            work.wait()
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -163,9 +205,9 @@ class BroadcastSender:
 
 def receive_broadcast(group: BroadcastGroup, target: ParameterTarget, announcement: WeightAnnouncement,
                       version: int) -> int:
-    """Receiver side: takes part in the push of `announcement` and writes it into the parameters;
-    returns how many tensors were loaded. A problem found here is first reported to the whole
-    group (so the trainer does not wait forever), then raised."""
+    """Receiver side: takes part in the push of `announcement` and writes it into the parameters
+    (large tensors land in them directly); returns how many tensors were loaded. A problem found
+    here is first reported to the whole group (so the trainer does not wait forever), then raised."""
     ann = announcement
     problem: WeightSyncError | None = None
     dests: list[torch.Tensor | None] = []
@@ -182,26 +224,40 @@ def receive_broadcast(group: BroadcastGroup, target: ParameterTarget, announceme
         raise problem
     if refused:
         raise WeightSyncError(f"another rollout worker refused weight version {version}; nothing was loaded")
-    B, total = ann.bucket_bytes, ann.layout.total_bytes
-    pieces = bucket_pieces(ann.layout, B)
-    buffers = group.buffers(B)
-    works: dict[int, dist.Work] = {}
+    plan = push_ops(ann.layout, ann.bucket_bytes, ann.direct_bytes)
+    buffers = group.buffers(ann.bucket_bytes) if plan.buckets else []
+    bucket_works: dict[int, dist.Work] = {}
+    direct_works: list[dist.Work] = []
+    staged: list[tuple[int, torch.Tensor]] = []  # direct tensors that cannot land in place
 
-    def post(k: int) -> None:
-        if k < len(pieces):
-            works[k] = group.broadcast(buffers[k % 2][: _bucket_len(k, total, B)])
-
-    post(0)
-    post(1)
-    loaded = set()
-    for k, bucket in enumerate(pieces):
-        works.pop(k).wait()
-        buf = buffers[k % 2]
-        for p in bucket:
-            spec, dest = ann.layout.tensors[p.index], dests[p.index]
+    def unpack(k: int) -> None:
+        bucket_works.pop(k).wait()
+        for p in plan.buckets[k]:
+            i = plan.small[p.index]
+            spec, dest = ann.layout.tensors[i], dests[i]
             if dest is not None:
-                src = buf[p.start : p.start + p.count * spec.itemsize].view(torch_dtype(spec.dtype))
+                src = buffers[k % 2][p.start : p.start + p.count * spec.itemsize].view(torch_dtype(spec.dtype))
                 write_piece(dest, p.first, src)
-                loaded.add(p.index)
-        post(k + 2)
-    return len(loaded)
+
+    for kind, n in plan.ops:
+        if kind == "bucket":
+            if n - 2 in bucket_works:
+                unpack(n - 2)  # frees the buffer bucket n arrives in
+            bucket_works[n] = group.broadcast(buffers[n % 2][: plan.lengths[n]])
+            continue
+        spec, dest = ann.layout.tensors[n], dests[n]
+        dtype = torch_dtype(spec.dtype)
+        if dest is not None and dest.dtype == dtype and dest.device == group.device and dest.is_contiguous():
+            landing = dest
+        else:  # a tied LM head the engine does not hold, or a cast
+            landing = torch.empty(spec.shape, dtype=dtype, device=group.device)
+            staged.append((n, landing))
+        direct_works.append(group.broadcast(_as_bytes(landing)))
+    for k in sorted(bucket_works):
+        unpack(k)
+    for work in direct_works:
+        work.wait()
+    for n, landing in staged:
+        if dests[n] is not None:
+            write_piece(dests[n], 0, landing.reshape(-1))
+    return sum(d is not None for d in dests)

@@ -31,6 +31,9 @@ class WeightSyncPlan:
     trainer rank 0 and every engine on a GPU; not tested on this CPU-only machine)."""
     bucket_bytes: int = 32 << 20
     """broadcast: bytes per bucket; each side holds two bucket buffers, never a second model copy."""
+    direct_bytes: int = 1 << 20
+    """broadcast: a tensor of at least this many bytes goes in a broadcast of its own, straight from
+    the trainer's tensor into the engine's parameter; smaller ones are packed into buckets."""
     timeout_s: float = 300.0
     """Longest wait for a peer: group set-up, one bucket, or a free shared-memory segment."""
     group_name: str = "titanrl_weight_sync"
@@ -52,6 +55,8 @@ class WeightSyncPlan:
         if self.bucket_bytes <= 0 or self.bucket_bytes % ALIGN:
             raise ValueError(f"WeightSyncPlan.bucket_bytes must be a positive multiple of {ALIGN}, "
                              f"got {self.bucket_bytes}")
+        if self.direct_bytes <= 0:
+            raise ValueError(f"WeightSyncPlan.direct_bytes must be positive, got {self.direct_bytes}")
         if self.timeout_s <= 0:
             raise ValueError(f"WeightSyncPlan.timeout_s must be positive, got {self.timeout_s}")
 

@@ -25,11 +25,19 @@ from titanrl.weight_sync.layout import WeightLayout, build_layout
 Bucket = list[tuple[str, torch.Tensor]]
 
 
+_SHAPES: dict[str, list[tuple[str, torch.Size]]] = {}
+"""hf_parameter_shapes by repr(config): building even a meta model costs ~10 ms (a 25M model), on
+the critical path of every weight push (a shared-memory push of that model takes ~15 ms)."""
+
+
 def hf_parameter_shapes(pm: ParallelModel) -> list[tuple[str, torch.Size]]:
     """Names and shapes of the full model's parameters in HF order (tied LM head omitted, as in HF files)."""
-    with torch.device("meta"):
-        ref = build_model(pm.config)
-    return [(n, p.shape) for n, p in ref.named_parameters()]  # named_parameters lists a tied weight once
+    key = repr(pm.config)
+    if key not in _SHAPES:
+        with torch.device("meta"):
+            ref = build_model(pm.config)
+        _SHAPES[key] = [(n, p.shape) for n, p in ref.named_parameters()]  # a tied weight is listed once
+    return list(_SHAPES[key])
 
 
 def _owner_stage(name: str, pm: ParallelModel) -> int:
