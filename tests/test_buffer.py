@@ -152,14 +152,16 @@ chaos = st.builds(Chaos, st.integers(0, 2**32), st.sampled_from([0.0, 0.3]), st.
 
 @contextmanager
 def hang_guard(seconds: int):
-    """Fails the test instead of hanging when a lost group is never generated again."""
+    """Fails the test instead of hanging when a lost group is never generated again. Yields a
+    function to call on progress (a step's groups arrived): it re-arms the alarm, so a slow but
+    live run (replacement actors start slowly on a loaded machine) is not mistaken for a lost group."""
     def fail(*_: Any) -> None:
         raise TimeoutError(f"the run made no progress for {seconds} s: a group was lost")
 
     old = signal.signal(signal.SIGALRM, fail)
     signal.alarm(seconds)
     try:
-        yield
+        yield lambda: signal.alarm(seconds)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
@@ -185,11 +187,12 @@ def run(fleet: Fleet, ch: Chaos, prompts_per_step: int, max_staleness: int, step
     admitted_at: dict[int, int] = {}  # group id -> steps completed when it was admitted
     version, restarts = 0, 0
     try:
-        with hang_guard(HANG_GUARD_S):
+        with hang_guard(HANG_GUARD_S) as progressed:
             source.fill(0, version)
             admitted_at.update({gid: 0 for gid in source.buffer.tasks})
             for step in range(1, steps + 1):
                 groups = source.next_step(step).groups
+                progressed()
                 trained[step] = [g.samples[0] for g in groups]
                 staleness += [version - g.policy_version for g in groups]
                 source.trained(step)
