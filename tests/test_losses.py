@@ -406,7 +406,12 @@ def test_validation_accepts_the_variants(run_config):
                dict(loss_aggregation="seq-mean-token-mean", entropy_coef=0.01),
                dict(off_policy_correction="mis_sequence", off_policy_low=0.1, ppo_epochs=2)]:
         run_config.train = TrainConfig(**kw)
-        validate(run_config)
+        validate(run_config)  # raises ConfigError on refusal
+        resolved = loss_settings(run_config.train)
+        assert resolved.loss == kw.get("loss", "grpo")
+        assert resolved.correction == kw.get("off_policy_correction", "none")
+        if "loss_aggregation" in kw:
+            assert resolved.aggregation == kw["loss_aggregation"]
 
 
 def test_driver_resolves_the_length_norm(run_config):
