@@ -169,7 +169,7 @@ class GRPOTrainer:
     def proximal_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """The current weights' logprobs of every target token (the proximal policy of the
         decoupled loss and of train.off_policy_correction)."""
-        return self.grpo.proximal_logprobs(batch)
+        return self.grpo.batch_logprobs(batch)
 
     def measure_parity(self, batch: PackedBatch) -> LogprobParity:
         """Trainer vs generator logprobs on the current-weights rows, without a backward."""

@@ -213,12 +213,6 @@ class ParallelGRPOStep:
         return self._global_stats(totals, scale.tokens).parity
 
     @torch.no_grad()
-    def proximal_logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        """The current weights' logprobs of every target token (the proximal policy of the
-        decoupled loss and of train.off_policy_correction): `batch_logprobs`. `validate` refuses
-        them for a parallel trainer that needs this (several updates per batch)."""
-        return self.batch_logprobs(batch)
-
     @torch.no_grad()
     def batch_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """This model's logprobs of the trained target tokens, [B, T] on the batch's device (0 where
