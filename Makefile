@@ -1,6 +1,8 @@
 # One-command set-up: `make demo` runs the embedded GRPO example, `make test` the suite.
 # Both create .venv if missing and install once; the install is redone only when
 # pyproject.toml changes (the stamp file records the last install).
+# `make test` also builds .venv-xla (the XLA trainer's environment, torch_xla pins its own torch)
+# and runs tests/xla in it; where that build fails, it says so and the XLA tests skip.
 
 VENV ?= .venv
 PYTHON ?= python3
@@ -10,8 +12,15 @@ TORCH_INDEX ?=
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.titanrl-install-stamp
 PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
+# The XLA trainer's venv: pyproject's `xla` extra (torch 2.9, torch_xla 2.9, Ray), no vLLM.
+# On a TPU VM: make xla-venv XLA_EXTRA=tpu (adds libtpu).
+XLA_VENV ?= .venv-xla
+XLA_EXTRA ?= xla
+XLA_STAMP := $(XLA_VENV)/.titanrl-install-stamp
+# `make demo DEVICE=xla` trains the example with its trainer on XLA.
+DEVICE ?= cpu
 
-.PHONY: install system-deps demo test clean-venv
+.PHONY: install system-deps demo test test-xla xla-venv clean-venv
 
 # bubblewrap: the code-execution sandbox (titanrl.envs). Debian's package; needs root.
 system-deps:
@@ -32,11 +41,27 @@ $(STAMP): pyproject.toml
 
 install: system-deps $(STAMP)
 
-demo: install
-	$(VENV)/bin/titanrl train examples/arithmetic/config.py
+$(XLA_STAMP): pyproject.toml
+	@test -x $(XLA_VENV)/bin/python || $(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/python -m pip install -q -e '.[$(XLA_EXTRA),dev]'
+	$(XLA_VENV)/bin/python -c "import torch, torch_xla, ray; print('installed: torch', torch.__version__, '| torch_xla', torch_xla.__version__, '| ray', ray.__version__)"
+	@touch $(XLA_STAMP)
 
+xla-venv: $(XLA_STAMP)
+
+demo: install $(if $(filter xla,$(DEVICE)),xla-venv)
+	$(VENV)/bin/titanrl train examples/arithmetic/config.py $(if $(filter xla,$(DEVICE)),--train.device=xla)
+
+# The XLA venv is built first: main-suite tests that start the XLA trainer actor need it.
 test: install
+	@$(MAKE) --no-print-directory xla-venv \
+		|| echo "SKIPPING XLA: building $(XLA_VENV) failed (output above); its tests skip"
 	$(VENV)/bin/python -m pytest -q
+	@$(MAKE) --no-print-directory test-xla
+
+test-xla:
+	@if test -f $(XLA_STAMP); then $(XLA_VENV)/bin/python -m pytest -q tests/xla; \
+	else echo "SKIPPED tests/xla: $(XLA_VENV) is not built (make xla-venv)"; fi
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(XLA_VENV)

@@ -1,5 +1,6 @@
 """Shared pytest fixtures."""
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# tests/xla runs under the XLA venv's own pytest (`make test-xla`), never in the main suite.
+collect_ignore = [] if importlib.util.find_spec("torch_xla") is not None else ["xla"]
 
 
 # --- vLLM rollout engine ----------------------------------------------------------------

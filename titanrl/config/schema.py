@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 Dtype = Literal["float32", "bfloat16"]
 """Floating dtypes of parameters (model.dtype) and of compute (train.compute_dtype)."""
-Device = Literal["auto", "cpu", "cuda"]
-"""Trainer devices: 'auto' is CUDA when present, else CPU."""
+Device = Literal["auto", "cpu", "cuda", "xla"]
+"""Trainer devices: 'auto' is CUDA when present, else CPU; 'xla' runs the trainer in the XLA venv."""
 WeightTransport = Literal["object_store", "shared_memory", "broadcast"]
 """How new weights reach the rollout workers."""
 PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
@@ -251,7 +251,8 @@ class TrainConfig:
     threads: int = 1
     """Intra-op threads of the trainer process."""
     device: Device = "auto"
-    """Trainer device: 'auto' (CUDA when present, else CPU), 'cpu' or 'cuda'."""
+    """Trainer device: 'auto' (CUDA when present, else CPU), 'cpu', 'cuda', or 'xla' (torch_xla: TPU,
+    or XLA's CPU device; the trainer actor runs under train.xla_python, the rollout workers stay)."""
     compute_dtype: Dtype | None = None
     """float32, bfloat16 or None (model.dtype): the dtype the trainer's forward/backward and the
     generators (vLLM) compute in. bfloat16 with model.dtype=float32 is mixed precision: each
@@ -348,6 +349,10 @@ class TrainConfig:
     off_policy_low: float | None = None
     """Lower bound of the off-policy ratio for 'mis_*' (below it a token or sequence is dropped);
     None: 1 / off_policy_cap."""
+    xla_python: str = ""
+    """train.device='xla': the Python interpreter of the XLA environment (torch_xla pins its own
+    torch, so the trainer actor runs there); empty: .venv-xla/bin/python in the current directory or
+    the titanrl checkout (`make xla-venv` builds it)."""
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Any
 
 from titanrl.config.values import check_type, type_name
 from titanrl.config.schema import RewardFn, RunConfig
+from titanrl.config.xla_env import validate_xla
 from titanrl.errors import ConfigError
 
 
@@ -164,6 +165,7 @@ def validate(config: RunConfig) -> None:
         resolve_reward(spec, i)
     _validate_rewards(config)
     _validate_trainer_layout(config, model_config)
+    validate_xla(config)
 
 
 SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from titanrl.config import RunConfig
+from titanrl.config.xla_env import xla_runtime_env
 from titanrl.data import PromptStream
 from titanrl.driver.placement import Placement
 from titanrl.driver.sources.base import RolloutSource
@@ -18,8 +19,13 @@ from titanrl.driver.sources.lockstep import LockstepRollouts
 from titanrl.rollout.seeds import request_seed
 
 
-def start_trainer(config: RunConfig, placement: Placement) -> Any:
-    """The trainer actor: `GRPOTrainer`, or `TrainerGroup` (same interface) for a parallel layout."""
+def start_trainer(config: RunConfig, placement: Placement, *, xla_device_type: str = "xla") -> Any:
+    """The trainer actor: `GRPOTrainer`, or `TrainerGroup` (same interface) for a parallel layout.
+
+    With train.device='xla' it is one `GRPOTrainer` (the parallel degrees are its SPMD mesh) under
+    the XLA environment's interpreter (`titanrl.config.xla_env`). xla_device_type: the device it
+    trains on there; tests pass 'cpu' to run that actor on torch_xla's torch without XLA.
+    """
     import ray
 
     from titanrl.trainer.trainer import GRPOTrainer
@@ -29,10 +35,16 @@ def start_trainer(config: RunConfig, placement: Placement) -> Any:
     from titanrl.trainer.losses.settings import with_length_norm
 
     tc = with_length_norm(config)
-    trainer_cls = TrainerGroup if tc.parallel.world_size > 1 else GRPOTrainer
-    return ray.remote(trainer_cls).options(**placement.trainer_options()).remote(
+    options, kwargs = placement.trainer_options(), placement.trainer_kwargs()
+    if tc.device == "xla":
+        options["runtime_env"] = xla_runtime_env(tc)
+        kwargs["device_type"] = xla_device_type
+        trainer_cls: type = GRPOTrainer
+    else:
+        trainer_cls = TrainerGroup if tc.parallel.world_size > 1 else GRPOTrainer
+    return ray.remote(trainer_cls).options(**options).remote(
         config.model, tc, config.rollout.temperature, config.seed, batch_invariant=config.batch_invariant,
-        truncation=Truncation.scored_by_trainer(config.rollout), **placement.trainer_kwargs(),
+        truncation=Truncation.scored_by_trainer(config.rollout), **kwargs,
     )
 
 

@@ -68,7 +68,7 @@ class Layout:
     num_workers: int
     """Rollout workers (the bundles after the trainer's)."""
     trainer_device: str
-    """'cpu' or 'cuda': where the trainer ranks run."""
+    """'cpu', 'cuda' or 'xla' (one process driving the XLA devices): where the trainer ranks run."""
     rollout_device: str
     """'cpu' or 'cuda': where the workers' engines run."""
     rank_bundle: dict[str, float]
@@ -91,13 +91,18 @@ def plan_layout(config: RunConfig, cluster_gpus: float, *, reserve_cpus: bool = 
     """
     from titanrl.trainer.trainer_group import trainer_device_type
 
-    n, workers = config.train.parallel.world_size, config.rollout.num_workers
+    xla = config.train.device == "xla"
+    # On XLA the degrees describe the SPMD mesh of one trainer process: one bundle.
+    n, workers = 1 if xla else config.train.parallel.world_size, config.rollout.num_workers
     rollout = rollout_device or rollout_device_type(cluster_gpus)
     if rollout not in ("cpu", "cuda"):
         raise ConfigError(f"rollout_device must be 'cpu' or 'cuda', got {rollout!r}")
     left = max(cluster_gpus - (workers if rollout == "cuda" else 0), 0)
     # 'cuda' is kept even when GPUs are short: check_fits then names every GPU the run needs.
-    trainer = "cuda" if config.train.device == "cuda" else trainer_device_type(config.train.device, n, left)
+    if xla or config.train.device == "cuda":
+        trainer = config.train.device
+    else:
+        trainer = trainer_device_type(config.train.device, n, left)
 
     def bundle(threads: int, on_gpu: bool) -> dict[str, float]:
         out = {"CPU": float(threads) if reserve_cpus else TOKEN_CPU}

@@ -42,6 +42,7 @@ from titanrl.trainer.reference import REFERENCE_STATE_KEY, ReferencePolicy, buil
 from titanrl.trainer.stats import GradStats, LogprobParity
 from titanrl.trainer.truncation import Truncation
 from titanrl.types import Group, PolicyVersion
+from titanrl.weight_sync.plain_tensors import PlainTensors
 from titanrl.models.qwen3_moe import routing_buffers, zero_routing_buffers
 
 if TYPE_CHECKING:
@@ -332,11 +333,12 @@ class GRPOTrainer:
         """HF-named full CPU tensors for rollout workers in the generator's dtype (the compute
         dtype; tied head omitted, as in HF files), gathered bucket by bucket in a parallel layout:
         rank 0 gets them, the others None. With train.moe_load_balance='bias' the routers'
-        float32 expert biases come too (`_pushed_buffers`)."""
+        float32 expert biases come too (`_pushed_buffers`). They cross to the workers as plain bytes
+        (`PlainTensors`): this actor may run on another torch version (train.device='xla')."""
         out = self._full_state_dict(self.compute_dtype)
         if out is not None:
             out.update({k: v.detach().to("cpu", copy=True) for k, v in self._pushed_buffers().items()})
-        return out
+        return PlainTensors(out) if out is not None else None
 
     def _full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
         out: dict[str, torch.Tensor] = {}

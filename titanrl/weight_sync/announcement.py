@@ -7,13 +7,13 @@ bucket size of the broadcast that follows (broadcast).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from titanrl.weight_sync.layout import WeightLayout
+from titanrl.weight_sync.plain_tensors import from_plain, to_plain
 
 
 @dataclass
@@ -50,15 +50,13 @@ class WeightAnnouncement:
         second copy of the model in the trainer, and again in each worker)."""
         state = dict(self.__dict__)
         if self.tensors is not None:
-            state["tensors"] = {name: (_bytes_view(t), str(t.dtype).removeprefix("torch."), tuple(t.shape))
-                                for name, t in self.tensors.items()}
+            state["tensors"] = {name: to_plain(t) for name, t in self.tensors.items()}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         tensors = state.get("tensors")
         if tensors is not None:
-            state = {**state, "tensors": {name: _from_bytes(array, dtype, shape)
-                                          for name, (array, dtype, shape) in tensors.items()}}
+            state = {**state, "tensors": {name: from_plain(plain) for name, plain in tensors.items()}}
         self.__dict__.update(state)
 
     def to_wire(self) -> dict:
@@ -74,18 +72,3 @@ class WeightAnnouncement:
                                   live_segments=tuple(wire["live_segments"]),
                                   bucket_bytes=int(wire["bucket_bytes"]), direct_bytes=int(wire["direct_bytes"]),
                                   timeout_s=float(wire["timeout_s"]))
-
-
-def _bytes_view(tensor: torch.Tensor) -> Any:
-    """The tensor's bytes as a uint8 NumPy array sharing its memory (a copy only if it must move
-    to the CPU or be made contiguous)."""
-    t = tensor.detach().to("cpu").contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _from_bytes(array: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor over `array`'s memory (the object store's, read-only: receivers only copy from it)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        raw = torch.from_numpy(array)
-    return raw.view(getattr(torch, dtype)).view(shape)

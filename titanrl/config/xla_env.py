@@ -1,0 +1,181 @@
+"""The XLA trainer's environment (train.device='xla'): its interpreter, its actor's env vars, its checks.
+
+torch_xla 2.9 pins torch 2.9 while vLLM's CPU build pins torch 2.13, so the trainer actor runs
+under another interpreter (`make xla-venv` builds .venv-xla) and the rollout workers stay in the
+driver's. What crosses between the two is plain data (titanrl.weight_sync.plain_tensors).
+`validate_xla` refuses, before any actor starts, what this path cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from titanrl.config.schema import RunConfig, TrainConfig
+from titanrl.errors import ConfigError
+
+XLA_VENV = ".venv-xla"
+"""The folder `make xla-venv` builds (pyproject's `xla` extra)."""
+
+XLA_TRANSPORTS = ("object_store", "shared_memory")
+"""Weight transports that work between the XLA trainer and the workers. broadcast is out: its
+gloo group would join two processes on different torch versions (a TCPStore of 2.9 and one of 2.13)."""
+
+XLA_ENV_PREFIXES = ("PJRT_", "XLA_", "TPU_", "LIBTPU", "CPU_NUM_DEVICES")
+"""The user's environment variables that reach the XLA trainer actor (device choice, device count, flags)."""
+
+_PROBE = """
+import importlib.metadata as m, importlib.util as u, json, sys
+def version(name):
+    try:
+        return m.version(name)
+    except m.PackageNotFoundError:
+        return None
+print(json.dumps({"torch": version("torch"), "torch_xla": version("torch_xla"), "ray": version("ray"),
+                  "titanrl": u.find_spec("titanrl") is not None, "python": sys.version.split()[0]}))
+"""
+"""Run by the XLA interpreter: what it holds, read from package metadata (importing torch costs seconds)."""
+
+
+@dataclass(frozen=True)
+class XlaEnvironment:
+    """What an XLA interpreter holds."""
+
+    python: str
+    """The interpreter's path."""
+    torch: str
+    """torch's version there."""
+    torch_xla: str
+    """torch_xla's version there."""
+    ray: str
+    """Ray's version there (must equal the driver's: the actors talk to the driver's Ray)."""
+
+
+def checkout_root() -> Path:
+    """The folder holding the titanrl package (a checkout's root for an editable install)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def xla_python(train: TrainConfig) -> Path:
+    """The interpreter of the XLA trainer actor: train.xla_python, else .venv-xla/bin/python in the
+    current directory or the titanrl checkout. Raises ConfigError when there is none."""
+    if train.xla_python:
+        path = Path(train.xla_python).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise ConfigError(f"train.xla_python={train.xla_python!r} is not an executable file: point it at the "
+                              f"python of an environment with torch_xla (`make xla-venv` builds {XLA_VENV})")
+        return path
+    candidates = [Path.cwd() / XLA_VENV / "bin" / "python", checkout_root() / XLA_VENV / "bin" / "python"]
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise ConfigError(
+        f"train.device='xla' runs the trainer in its own environment (torch_xla pins torch 2.9), but there is no "
+        f"{XLA_VENV} in {Path.cwd()} or {checkout_root()}: run `make xla-venv` in the titanrl checkout, or set "
+        f"train.xla_python to the python of an environment with torch_xla and ray, or set train.device='cpu'"
+    )
+
+
+def actor_pythonpath() -> str:
+    """PYTHONPATH for the XLA actor: the driver's own paths (its current directory, user code, a
+    titanrl checkout), never its environment's site-packages or stdlib, which hold another torch."""
+    prefixes = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+
+    def own(entry: str) -> bool:
+        path = Path(entry).resolve()
+        return not any(path == p or p in path.parents for p in prefixes)
+
+    roots = [os.getcwd(), str(checkout_root()), *sys.path]
+    kept: list[str] = []
+    for entry in roots:
+        if entry and own(entry) and entry not in kept:
+            kept.append(entry)
+    return os.pathsep.join(kept)
+
+
+def has_tpu() -> bool:
+    """A TPU VM's accelerator device files."""
+    return any(Path("/dev").glob("accel*")) or any(Path("/dev/vfio").glob("[0-9]*"))
+
+
+def actor_env_vars(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Env vars of the XLA trainer actor: PJRT_DEVICE (the user's; TPU on a TPU VM, else XLA's CPU
+    device), the user's XLA settings (CPU_NUM_DEVICES, XLA_FLAGS, ...) and `actor_pythonpath`."""
+    environ = dict(os.environ if environ is None else environ)
+    out = {k: v for k, v in environ.items() if k.startswith(XLA_ENV_PREFIXES)}
+    out.setdefault("PJRT_DEVICE", "TPU" if has_tpu() else "CPU")
+    out["PYTHONPATH"] = actor_pythonpath()
+    return out
+
+
+def xla_runtime_env(train: TrainConfig) -> dict[str, Any]:
+    """Ray `runtime_env` that starts the trainer actor under the XLA interpreter."""
+    return {"py_executable": str(xla_python(train)), "env_vars": actor_env_vars()}
+
+
+@functools.cache
+def probe_xla_environment(python: str) -> XlaEnvironment:
+    """Reads torch, torch_xla and Ray's versions in `python` (as the actor will see them); raises
+    ConfigError when one is missing or Ray's differs from the driver's."""
+    import importlib.metadata
+
+    env = {**os.environ, "PYTHONPATH": actor_pythonpath()}
+    try:
+        done = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120, env=env)
+        found = json.loads(done.stdout)
+    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
+        raise ConfigError(f"train.device='xla': could not run the XLA interpreter {python} ({e}): rebuild it "
+                          f"with `make xla-venv`, or set train.xla_python") from e
+    missing = [name for name in ("torch", "torch_xla", "ray") if found[name] is None]
+    if not found["titanrl"]:
+        missing.append("titanrl")
+    if missing:
+        raise ConfigError(f"train.device='xla': the XLA interpreter {python} lacks {', '.join(missing)}: rebuild "
+                          f"it with `make xla-venv` (pyproject's `xla` extra), or set train.xla_python")
+    ours = importlib.metadata.version("ray")
+    if found["ray"] != ours:
+        raise ConfigError(f"train.device='xla': the XLA interpreter {python} has ray {found['ray']}, this one ray "
+                          f"{ours}; they must be equal: install ray=={ours} there (`make xla-venv` pins it)")
+    return XlaEnvironment(python, found["torch"], found["torch_xla"], found["ray"])
+
+
+def validate_xla(config: RunConfig) -> None:
+    """train.device='xla': what the XLA path cannot run is refused first (no probing), then the
+    environment is checked."""
+    if config.train.device != "xla":
+        return
+    t, p = config.train, config.train.parallel
+    if config.batch_invariant:
+        raise ConfigError(
+            "batch_invariant=True runs titanrl's batch-invariant CPU/Triton kernels, which XLA does not: set "
+            "batch_invariant=False for train.device='xla', or train.device='cpu' for bitwise trainer/generator parity"
+        )
+    if config.rollout.weight_transport not in XLA_TRANSPORTS:
+        raise ConfigError(
+            f"rollout.weight_transport={config.rollout.weight_transport!r} does not work with train.device='xla': "
+            f"its gloo group would join the XLA trainer's torch 2.9 with the workers' torch. Set "
+            f"rollout.weight_transport to one of {', '.join(map(repr, XLA_TRANSPORTS))}"
+        )
+    unsupported = {name: getattr(p, name) for name in ("dp_replicate", "pp", "cp", "ep") if getattr(p, name) > 1}
+    if unsupported:
+        name, value = next(iter(unsupported.items()))
+        raise ConfigError(
+            f"train.parallel.{name}={value} is not supported on XLA: there train.parallel describes the SPMD mesh "
+            f"one trainer process drives, sharded by dp_shard (FSDP-style) and tp only. Set train.parallel.{name}=1"
+        )
+    env = {**os.environ}
+    if env.get("PJRT_DEVICE", "CPU" if not has_tpu() else "TPU") == "CPU":
+        devices = int(env.get("CPU_NUM_DEVICES", "1") or "1")
+        if p.world_size > devices:
+            raise ConfigError(
+                f"train.parallel asks for an XLA mesh of {p.world_size} devices (dp_shard x tp), but XLA's CPU "
+                f"device has {devices} (CPU_NUM_DEVICES={env.get('CPU_NUM_DEVICES', 'unset')}): export "
+                f"CPU_NUM_DEVICES={p.world_size}, or lower train.parallel.dp_shard / tp"
+            )
+    probe_xla_environment(str(xla_python(t)))
