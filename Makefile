@@ -60,7 +60,8 @@ test: install
 	@$(MAKE) --no-print-directory test-xla
 
 test-xla:
-	@if test -f $(XLA_STAMP); then $(XLA_VENV)/bin/python -m pytest -q tests/xla; \
+	@if ! test -d tests/xla; then echo "SKIPPED tests/xla: there is no such folder"; \
+	elif test -f $(XLA_STAMP); then $(XLA_VENV)/bin/python -m pytest -q tests/xla; \
 	else echo "SKIPPED tests/xla: $(XLA_VENV) is not built (make xla-venv)"; fi
 
 clean-venv:

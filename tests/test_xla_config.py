@@ -50,14 +50,12 @@ def _refused(config: RunConfig, *needles: str) -> str:
 
 
 def test_xla_refuses_what_it_cannot_run_naming_the_setting(xla_config, monkeypatch):
-    """Batch invariance, the broadcast transport, layouts other than dp_shard x tp, a mesh larger
-    than XLA's CPU device count, and an interpreter without torch_xla (here: this venv's own
-    python) each fail in validate, naming the setting to change."""
+    """Batch invariance, layouts other than dp_shard x tp, a mesh larger than XLA's CPU device
+    count, and an interpreter without torch_xla (here: this venv's own python) or none at all each
+    fail in validate, naming the setting to change."""
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     monkeypatch.delenv("CPU_NUM_DEVICES", raising=False)
     _refused(dataclasses.replace(xla_config, batch_invariant=True), "batch_invariant=False", "train.device='cpu'")
-    _refused(dataclasses.replace(xla_config, rollout=RolloutConfig(weight_transport="broadcast")),
-             "rollout.weight_transport", "'object_store'")
     for name in ("pp", "cp", "dp_replicate"):
         train = dataclasses.replace(xla_config.train, parallel=ParallelConfig(**{name: 2}))
         _refused(dataclasses.replace(xla_config, train=train), f"train.parallel.{name}=1")

@@ -4,7 +4,8 @@ driver and the vLLM engine on this venv's torch, and only plain data between the
 The actor starts through the run's own path (`start_trainer` in a real placement group, with
 train.device='xla') but trains on torch 2.9's CPU device (`xla_device_type='cpu'`), so its numbers
 are comparable with this venv's CPU trainer: same groups, same losses, same pushed weights, and
-those weights reach the session's vLLM engine through the object store and shared memory.
+those weights reach the session's vLLM engine through each transport (broadcast included: its gloo
+group joins torch 2.9 and this venv's torch).
 Skips, saying why, where .venv-xla is not built (`make xla-venv`).
 """
 
@@ -98,8 +99,8 @@ def test_actor_runs_under_the_xla_interpreter_and_trains_as_the_cpu_trainer(ray_
                                                                            vllm_engine, vllm_tiny_checkpoint):
     """The actor's process is the XLA venv's python with its torch 2.9 (not this venv's); two steps
     on the same groups give the CPU trainer's loss and gradient norm to 1e-5 and the same pushed
-    weights (to 1e-6); and a push through the object store and through shared memory loads
-    exactly the actor's weights into the session's vLLM engine (restored afterwards)."""
+    weights (to 1e-6); and a push through the object store, shared memory and the gloo broadcast
+    loads exactly the actor's weights into the session's vLLM engine (restored afterwards)."""
     from ray import cloudpickle
 
     from titanrl.rollout.weight_receiver import WeightReceiver
@@ -134,7 +135,7 @@ def test_actor_runs_under_the_xla_interpreter_and_trains_as_the_cpu_trainer(ray_
 
     receiver = WeightReceiver(vllm_engine)
     try:
-        for transport in ("object_store", "shared_memory"):
+        for transport in ("object_store", "shared_memory", "broadcast"):
             plan = make_plan(transport, 1, timeout_s=60)
             opened = xla_trainer.open_weight_sync.remote(plan)
             receiver.open(plan, 1)

@@ -2,7 +2,8 @@
 
 torch_xla 2.9 pins torch 2.9 while vLLM's CPU build pins torch 2.13, so the trainer actor runs
 under another interpreter (`make xla-venv` builds .venv-xla) and the rollout workers stay in the
-driver's. What crosses between the two is plain data (titanrl.weight_sync.plain_tensors).
+driver's. What crosses between the two is plain data (titanrl.weight_sync.plain_tensors); every
+weight transport works between them (broadcast's gloo group joins torch 2.9 and 2.13: measured).
 `validate_xla` refuses, before any actor starts, what this path cannot run.
 """
 
@@ -22,10 +23,6 @@ from titanrl.errors import ConfigError
 
 XLA_VENV = ".venv-xla"
 """The folder `make xla-venv` builds (pyproject's `xla` extra)."""
-
-XLA_TRANSPORTS = ("object_store", "shared_memory")
-"""Weight transports that work between the XLA trainer and the workers. broadcast is out: its
-gloo group would join two processes on different torch versions (a TCPStore of 2.9 and one of 2.13)."""
 
 XLA_ENV_PREFIXES = ("PJRT_", "XLA_", "TPU_", "LIBTPU", "CPU_NUM_DEVICES")
 """The user's environment variables that reach the XLA trainer actor (device choice, device count, flags)."""
@@ -155,12 +152,6 @@ def validate_xla(config: RunConfig) -> None:
         raise ConfigError(
             "batch_invariant=True runs titanrl's batch-invariant CPU/Triton kernels, which XLA does not: set "
             "batch_invariant=False for train.device='xla', or train.device='cpu' for bitwise trainer/generator parity"
-        )
-    if config.rollout.weight_transport not in XLA_TRANSPORTS:
-        raise ConfigError(
-            f"rollout.weight_transport={config.rollout.weight_transport!r} does not work with train.device='xla': "
-            f"its gloo group would join the XLA trainer's torch 2.9 with the workers' torch. Set "
-            f"rollout.weight_transport to one of {', '.join(map(repr, XLA_TRANSPORTS))}"
         )
     unsupported = {name: getattr(p, name) for name in ("dp_replicate", "pp", "cp", "ep") if getattr(p, name) > 1}
     if unsupported:
