@@ -16,6 +16,9 @@ PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 # On a TPU VM: make xla-venv XLA_EXTRA=tpu (adds libtpu).
 XLA_VENV ?= .venv-xla
 XLA_EXTRA ?= xla
+# PyPI's torch 2.9 is the CUDA build (~8 GB venv). A CPU torch from PyTorch's index is far smaller:
+#   make xla-venv XLA_TORCH_INDEX=https://download.pytorch.org/whl/cpu   (not reachable here: untested)
+XLA_TORCH_INDEX ?=
 XLA_STAMP := $(XLA_VENV)/.titanrl-install-stamp
 # `make demo DEVICE=xla` trains the example with its trainer on XLA.
 DEVICE ?= cpu
@@ -43,7 +46,7 @@ install: system-deps $(STAMP)
 
 $(XLA_STAMP): pyproject.toml
 	@test -x $(XLA_VENV)/bin/python || $(PYTHON) -m venv $(XLA_VENV)
-	$(XLA_VENV)/bin/python -m pip install -q -e '.[$(XLA_EXTRA),dev]'
+	$(XLA_VENV)/bin/python -m pip install -q $(if $(XLA_TORCH_INDEX),--extra-index-url $(XLA_TORCH_INDEX),) -e '.[$(XLA_EXTRA),dev]'
 	$(XLA_VENV)/bin/python -c "import torch, torch_xla, ray; print('installed: torch', torch.__version__, '| torch_xla', torch_xla.__version__, '| ray', ray.__version__)"
 	@touch $(XLA_STAMP)
 

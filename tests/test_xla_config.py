@@ -41,36 +41,50 @@ def xla_config(tmp_path, checkpoint) -> RunConfig:
                      rewards=[_reward], train=TrainConfig(device="xla", xla_python=sys.executable))
 
 
-def _refused(config: RunConfig, *needles: str) -> str:
+def _refused(config: RunConfig, *needles: str, model_config=None) -> str:
+    from titanrl.models.hf_checkpoint import read_config
+
     with pytest.raises(ConfigError) as info:
-        validate_xla(config)
+        validate_xla(config, model_config or read_config(config.model.checkpoint))
     for needle in needles:
         assert needle in str(info.value), f"{needle!r} not in {info.value}"
     return str(info.value)
 
 
 def test_xla_refuses_what_it_cannot_run_naming_the_setting(xla_config, monkeypatch):
-    """Batch invariance, layouts other than dp_shard x tp, a mesh larger than XLA's CPU device
-    count, and an interpreter without torch_xla (here: this venv's own python) or none at all each
-    fail in validate, naming the setting to change."""
+    """Batch invariance, the KL reference, a mixture-of-experts model, pp / cp / ep, a mesh that is
+    neither 1 nor XLA's CPU device count, and an interpreter without torch_xla (here: this venv's
+    own python) or none at all each fail in validate, naming the setting to change."""
+    from titanrl.models.qwen3_moe import Qwen3MoeConfig
+    from titanrl.models.tiny import tiny_config
+
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     monkeypatch.delenv("CPU_NUM_DEVICES", raising=False)
+
+    def train(**kw):
+        return dataclasses.replace(xla_config, train=dataclasses.replace(xla_config.train, **kw))
+
     _refused(dataclasses.replace(xla_config, batch_invariant=True), "batch_invariant=False", "train.device='cpu'")
-    for name in ("pp", "cp", "dp_replicate"):
-        train = dataclasses.replace(xla_config.train, parallel=ParallelConfig(**{name: 2}))
-        _refused(dataclasses.replace(xla_config, train=train), f"train.parallel.{name}=1")
+    _refused(train(kl_coef=0.1), "train.kl_coef=0")
+    moe = Qwen3MoeConfig(**{**dataclasses.asdict(tiny_config()), "num_experts": 4, "num_experts_per_tok": 2,
+                            "moe_intermediate_size": 64})
+    _refused(xla_config, "mixture-of-experts", "dense Qwen3", model_config=moe)
+    for name in ("pp", "cp", "ep"):
+        _refused(train(parallel=ParallelConfig(**{name: 2})), f"train.parallel.{name}=2", "set it to 1")
     if not has_tpu():
-        sharded = dataclasses.replace(xla_config.train, parallel=ParallelConfig(dp_shard=2))
-        _refused(dataclasses.replace(xla_config, train=sharded), "export CPU_NUM_DEVICES=2")
-        monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-        _refused(dataclasses.replace(xla_config, train=sharded), "lacks torch_xla", "make xla-venv")
+        _refused(train(parallel=ParallelConfig(dp_shard=2)), "export CPU_NUM_DEVICES=2")
+        monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+        _refused(train(parallel=ParallelConfig(dp_shard=2)), "export CPU_NUM_DEVICES=2")
+        # A mesh of every device, or of one, passes on to the environment check.
+        _refused(train(parallel=ParallelConfig(dp_shard=2, tp=2)), "lacks torch_xla", "make xla-venv")
+        _refused(train(parallel=ParallelConfig(dp_replicate=4)), "lacks torch_xla")
     _refused(xla_config, "lacks torch_xla", "make xla-venv", "train.xla_python")
-    missing = dataclasses.replace(xla_config.train, xla_python=str(Path(sys.executable).parent / "no-such-python"))
-    _refused(dataclasses.replace(xla_config, train=missing), "train.xla_python=", "make xla-venv")
+    _refused(train(xla_python=str(Path(sys.executable).parent / "no-such-python")), "train.xla_python=",
+             "make xla-venv")
     # validate runs these checks; the same config on the CPU trainer is fine: the refusals are XLA's.
     with pytest.raises(ConfigError, match="lacks torch_xla"):
         validate(xla_config)
-    validate(dataclasses.replace(xla_config, train=dataclasses.replace(xla_config.train, device="cpu")))
+    validate(train(device="cpu"))
 
 
 def test_default_interpreter_is_the_venv_in_the_working_directory(tmp_path, monkeypatch):

@@ -165,7 +165,7 @@ def validate(config: RunConfig) -> None:
         resolve_reward(spec, i)
     _validate_rewards(config)
     _validate_trainer_layout(config, model_config)
-    validate_xla(config)
+    validate_xla(config, model_config)
 
 
 SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from titanrl.config.schema import RunConfig, TrainConfig
+from titanrl.config.schema import ParallelConfig, RunConfig, TrainConfig
 from titanrl.errors import ConfigError
 
 XLA_VENV = ".venv-xla"
@@ -142,31 +142,51 @@ def probe_xla_environment(python: str) -> XlaEnvironment:
     return XlaEnvironment(python, found["torch"], found["torch_xla"], found["ray"])
 
 
-def validate_xla(config: RunConfig) -> None:
-    """train.device='xla': what the XLA path cannot run is refused first (no probing), then the
-    environment is checked."""
+XLA_UNSUPPORTED_DEGREES = ("pp", "cp", "ep")
+"""Parallel degrees with no SPMD form on XLA: pipeline, ring-attention context and expert parallel."""
+
+
+def check_xla_layout(parallel: ParallelConfig) -> None:
+    """Refuses the degrees the XLA trainer does not run (its SPMD mesh is dp_replicate x dp_shard x tp)."""
+    for name in XLA_UNSUPPORTED_DEGREES:
+        if getattr(parallel, name) != 1:
+            raise ConfigError(f"train.parallel.{name}={getattr(parallel, name)} is not supported with "
+                              f"train.device='xla' (SPMD shards dp_replicate, dp_shard and tp): set it to 1")
+
+
+def xla_cpu_devices(environ: dict[str, str] | None = None) -> int | None:
+    """The device count of XLA's CPU device (CPU_NUM_DEVICES, default 1) when the actor will run on
+    it (PJRT_DEVICE=CPU, or unset without a TPU); None on a TPU, whose count the actor finds."""
+    environ = os.environ if environ is None else environ
+    if environ.get("PJRT_DEVICE", "TPU" if has_tpu() else "CPU") != "CPU":
+        return None
+    value = environ.get("CPU_NUM_DEVICES", "") or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"CPU_NUM_DEVICES={value!r} must be a positive integer (XLA's CPU device count)")
+    return int(value)
+
+
+def validate_xla(config: RunConfig, model_config: Any) -> None:
+    """train.device='xla': what the XLA trainer does not run is refused first (no probing), then the
+    environment is checked. model_config: the checkpoint's config.json (`read_config`)."""
     if config.train.device != "xla":
         return
     t, p = config.train, config.train.parallel
     if config.batch_invariant:
+        raise ConfigError("batch_invariant=True is not supported with train.device='xla' (the invariant kernels "
+                          "are CPU/Triton ops, not XLA ones): set batch_invariant=False or train.device='cpu'")
+    if t.kl_coef > 0:
+        raise ConfigError("train.kl_coef > 0 is not supported with train.device='xla' yet (the reference policy "
+                          "runs outside the compiled step): set train.kl_coef=0 or train.device='cpu'")
+    if getattr(model_config, "num_experts", None) is not None:
+        raise ConfigError("a mixture-of-experts model (model.checkpoint holds Qwen3-MoE) is not supported with "
+                          "train.device='xla': use a dense Qwen3 checkpoint or train.device='cpu'")
+    check_xla_layout(p)
+    devices = xla_cpu_devices()
+    if devices is not None and p.world_size not in (1, devices):
         raise ConfigError(
-            "batch_invariant=True runs titanrl's batch-invariant CPU/Triton kernels, which XLA does not: set "
-            "batch_invariant=False for train.device='xla', or train.device='cpu' for bitwise trainer/generator parity"
+            f"train.parallel dp_replicate x dp_shard x tp = {p.world_size}, but XLA's CPU device has {devices} "
+            f"devices (CPU_NUM_DEVICES={os.environ.get('CPU_NUM_DEVICES', 'unset')}): export "
+            f"CPU_NUM_DEVICES={p.world_size}, or make the product 1"
         )
-    unsupported = {name: getattr(p, name) for name in ("dp_replicate", "pp", "cp", "ep") if getattr(p, name) > 1}
-    if unsupported:
-        name, value = next(iter(unsupported.items()))
-        raise ConfigError(
-            f"train.parallel.{name}={value} is not supported on XLA: there train.parallel describes the SPMD mesh "
-            f"one trainer process drives, sharded by dp_shard (FSDP-style) and tp only. Set train.parallel.{name}=1"
-        )
-    env = {**os.environ}
-    if env.get("PJRT_DEVICE", "CPU" if not has_tpu() else "TPU") == "CPU":
-        devices = int(env.get("CPU_NUM_DEVICES", "1") or "1")
-        if p.world_size > devices:
-            raise ConfigError(
-                f"train.parallel asks for an XLA mesh of {p.world_size} devices (dp_shard x tp), but XLA's CPU "
-                f"device has {devices} (CPU_NUM_DEVICES={env.get('CPU_NUM_DEVICES', 'unset')}): export "
-                f"CPU_NUM_DEVICES={p.world_size}, or lower train.parallel.dp_shard / tp"
-            )
     probe_xla_environment(str(xla_python(t)))
