@@ -18,9 +18,9 @@ from titanrl.models.hf_checkpoint import read_state_dict
 
 @pytest.mark.slow
 def test_run_with_the_trainer_on_xla(tmp_path, ray_session, tiny_run):
-    """Two synchronous steps: both logged with XLA's compile metrics, the first step's trainer
-    logprobs equal vLLM's at the initial weights to 1e-4 (the XLA forward is the model's), the
-    weights moved, and the held-out eval ran before and after."""
+    """One step (XLA compiles on CPU take tens of seconds): logged with XLA's compile metrics, its
+    trainer logprobs equal vLLM's at the initial weights to 1e-4 (the XLA forward is the model's),
+    the weights moved and were pushed (the eval after the step ran on version 1)."""
     try:
         probe_xla_environment(str(xla_python(titanrl.TrainConfig(device="xla"))))
     except ConfigError as e:
@@ -31,17 +31,18 @@ def test_run_with_the_trainer_on_xla(tmp_path, ray_session, tiny_run):
         model=titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)),
         data=titanrl.DataConfig(train_file=str(tiny_run.train_file), eval_file=str(tiny_run.eval_file(10))),
         rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=6, max_model_len=64),
-        train=titanrl.TrainConfig(steps=2, lr=3e-3, device="xla"),
-        eval=titanrl.EvalConfig(every_steps=2, correct_threshold=0.5),
+        train=titanrl.TrainConfig(steps=1, lr=3e-3, device="xla"),
+        eval=titanrl.EvalConfig(every_steps=1, correct_threshold=0.5),
         output=titanrl.OutputConfig(dir=str(tmp_path / "run"), progress_bar=False),
         rewards=[tiny_run.reward],
     )
     result = titanrl.train(config)
 
     steps = [m for m in result.metrics if m["step"] > 0]
-    assert [m["step"] for m in steps] == [1, 2]
-    assert all(isinstance(m["loss"], float) and "xla/compiles" in m for m in steps)
+    assert [m["step"] for m in steps] == [1]
+    assert isinstance(steps[0]["loss"], float) and steps[0]["xla/compiles"] >= 1
     assert steps[0]["train/mismatch_max_abs"] < 1e-4
-    assert sorted(m["step"] for m in result.metrics if "eval/accuracy" in m) == [0, 2]
+    evals = {m["step"]: m["eval/policy_version"] for m in result.metrics if "eval/accuracy" in m}
+    assert evals == {0: 0, 1: 1}
     before, after = read_state_dict(config.model.checkpoint), read_state_dict(result.final_checkpoint)
     assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
