@@ -197,7 +197,7 @@ def test_train_help_lists_every_field_with_type_default_and_docstring(capsys):
     assert "  --reward_timeout_s FLOAT|none\n" in out
     assert "  --env.factory MODULE:FUNCTION|none\n" in out
     assert "  --output.tensorboard {true,false}\n" in out
-    assert "  --train.device {auto,cpu,cuda}\n" in out
+    assert "  --train.device {auto,cpu,cuda,xla}\n" in out
     assert "--resume" in out and "--out RUN_DIR" in out
     assert max(len(line) for line in out.splitlines()) <= 100
 
