@@ -6,9 +6,14 @@ the kernels vLLM's built-in Qwen3 runs on CPU, on the same Parameters:
 - linear layers through vLLM's CPU GEMM dispatch (`dispatch_cpu_unquantized_gemm`: oneDNN on
   prepacked weights, SGL kernels on AMX, zentorch on Zen), with q/k/v and gate/up packed as
   one matrix each, as vLLM's QKVParallelLinear and MergedColumnParallelLinear do;
-- RMSNorm through `_C.rms_norm`, the post-attention residual add + RMSNorm through
-  `_C.fused_add_rms_norm`, rotary through `_C.rotary_embedding` on a precomputed cos/sin table.
-  (SiLU-and-mul stays torch's: vLLM's x86 CPU path runs it natively too.)
+- rotary through `_C.rotary_embedding` on a precomputed cos/sin table, as vLLM's
+  RotaryEmbedding.forward_cpu does.
+
+RMSNorm (with its residual add) and SiLU-and-mul stay ours: on x86 CPUs vLLM runs their native
+PyTorch form too (its `_C.rms_norm` / `fused_add_rms_norm` / `silu_and_mul` are registered for
+GPUs and POWER only), and ours compute the same bits. Swapping `_C.rms_norm` in anyway was
+measured to move logprobs ~4e-6 away from vLLM's built-in Qwen3; with these overrides they are
+equal to it bit for bit (tests/test_vllm_kernel_overrides.py).
 
 Module and parameter names do not change, so checkpoints, `load_weights` and in-place pushes
 see the same model. Packed copies go stale when a Parameter is written: `repack_vllm_kernels`
@@ -27,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanrl.models.qwen3 import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from titanrl.models.qwen3 import MLP, Attention, RotaryEmbedding
 
 Gemm = Callable[[torch.Tensor], torch.Tensor]
 
@@ -66,27 +71,6 @@ class VllmCpuLinear(nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
-class VllmRMSNorm(RMSNorm):
-    """RMSNorm through vLLM's `_C.rms_norm`; `add_and_norm` fuses the residual add before it."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:
-            return super().forward(x)
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        _c_ops().rms_norm(out, x, self.weight.data, self.variance_epsilon)
-        return out
-
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x), as `norm(residual + x)` would give (x is overwritten)."""
-        if self.batch_invariant:
-            summed = residual + x
-            return super().forward(summed), summed
-        x, residual = x.contiguous(), residual.contiguous().clone()
-        _c_ops().fused_add_rms_norm(x, residual, self.weight.data, self.variance_epsilon)
-        return x, residual
-
-
 class RotaryPositions(NamedTuple):
     """What `VllmRotaryEmbedding` hands the attention override in the `cos` slot: the flat
     positions and the cos/sin table `_C.rotary_embedding` reads (the override pair's contract)."""
@@ -118,7 +102,7 @@ class VllmRotaryEmbedding(RotaryEmbedding):
 
 
 class VllmAttention(Attention):
-    """Attention with one packed q/k/v GEMM, vLLM's q/k RMSNorm and rotary kernels."""
+    """Attention with one packed q/k/v GEMM and vLLM's rotary kernel."""
 
     qkv_gemm: Gemm | None = None
 
@@ -132,8 +116,8 @@ class VllmAttention(Attention):
         B, T, _ = x_BTD.shape
         D = self.head_dim
         q, k, v = self.qkv_gemm(x_BTD.reshape(B * T, -1)).split(self.qkv_sizes, dim=-1)
-        q = self.q_norm(q.view(B * T, -1, D)).view(B * T, -1)  # the norm's output is contiguous
-        k = self.k_norm(k.view(B * T, -1, D)).view(B * T, -1)
+        q = self.q_norm(q.view(B * T, -1, D)).reshape(B * T, -1)  # a new contiguous tensor: rotated in place
+        k = self.k_norm(k.view(B * T, -1, D)).reshape(B * T, -1)
         _c_ops().rotary_embedding(cos.positions_N, q, k, D, cos.cos_sin_cache, True)  # in place, neox style
         out_BTHD = self.backend(q.view(B, T, -1, D), k.view(B, T, -1, D), v.reshape(B, T, -1, D))
         return self.o_proj(out_BTHD.reshape(B, T, -1))
@@ -154,22 +138,9 @@ class VllmMLP(MLP):
         return self.down_proj(F.silu(gate) * up)
 
 
-class VllmDecoderLayer(DecoderLayer):
-    """The post-attention residual add fused into the following RMSNorm."""
-
-    def _block(self, x: torch.Tensor, cos, sin) -> torch.Tensor:  # type: ignore[override]
-        norm = self.post_attention_layernorm
-        if not isinstance(norm, VllmRMSNorm) or norm.batch_invariant:
-            return super()._block(x, cos, sin)
-        normed, x = norm.add_and_norm(self.self_attn(self.input_layernorm(x), cos, sin), x)
-        return x + self.mlp(normed)
-
-
 OVERRIDES: dict[type[nn.Module], type[nn.Module]] = {
     Attention: VllmAttention,
     MLP: VllmMLP,
-    DecoderLayer: VllmDecoderLayer,
-    RMSNorm: VllmRMSNorm,
     RotaryEmbedding: VllmRotaryEmbedding,
 }
 """Our module class -> its vLLM-kernel override (exact types only: subclasses are left alone)."""
