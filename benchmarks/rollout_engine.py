@@ -7,9 +7,13 @@ What it measures, on one freshly written random-init checkpoint per model size (
 tokenizer, float32):
 
 1. Generation throughput, completion tokens per second, of
-   - `builtin`: plain `vllm.LLM(model=ckpt)`, i.e. vLLM's own Qwen3ForCausalLM, and
+   - `builtin`: plain `vllm.LLM(model=ckpt)`, i.e. vLLM's own Qwen3ForCausalLM,
    - `ours`: `titanrl.rollout.vllm.engine.VllmEngine`, i.e. vLLM running TitanRL's Qwen3
-     modules (`hf_overrides architectures=["TitanRLQwen3ForCausalLM"]`),
+     modules (`hf_overrides architectures=["TitanRLQwen3ForCausalLM"]`) with vLLM's CPU kernels
+     swapped in (`VllmEngineConfig.vllm_kernels=True`, the default: oneDNN GEMMs on prepacked
+     weights, `_C` RMSNorm / fused add+RMSNorm / rotary), and
+   - `ours_torch_kernels`: the same engine with `vllm_kernels=False` (torch's F.linear etc.,
+     the state before the kernel overrides), measured side by side as the "before",
    with the same engine options (dtype float32, enforce_eager, max_model_len, max_num_seqs,
    1 GiB KV cache, prefix caching, logprobs_mode="processed_logprobs", in-process engine
    VLLM_ENABLE_V1_MULTIPROCESSING=0, OMP_NUM_THREADS=1).
@@ -20,18 +24,23 @@ tokenizer, float32):
    run through `VllmEngine.generate` (EOS allowed, so lengths vary) is reported separately
    as `ours_generate_api` to show the cost of its Completion conversion.
    Both engines live in the same process at the same time and the timed runs alternate
-   (builtin, ours, ours, builtin, ...) after one warm-up each, so load from other processes
-   on the machine hits both arms alike; `ratio_ours_over_builtin` = median(ours) /
-   median(builtin), `ratio_pairwise_median` = median of per-repeat ratios. `--sequential`
-   instead runs all of builtin, closes it, then all of ours.
-   `same_tokens_fraction`: completions with identical token ids in the two arms (same seeds);
-   `max_logprob_diff_on_same`: largest logprob difference over those.
+   (builtin, ours, ..., then reversed) after one warm-up each, so load from other processes
+   on the machine hits every arm alike; `ratio_ours_over_builtin` = median(ours) /
+   median(builtin), `ratio_pairwise_median` = median of per-repeat ratios (likewise
+   `ratio_ours_torch_kernels_over_builtin`). `cpu_time_ratio_*` is the same from tokens per
+   second of this process's CPU time (`time.process_time`), which moves much less than wall
+   time when other processes load the machine. `--sequential` instead runs the arms one after
+   the other, each closed before the next starts.
+   `same_tokens_fraction`: completions with identical token ids as builtin (same seeds);
+   `max_logprob_diff_on_same`: largest logprob difference over those (`..._vs_torch_kernels`:
+   the same between ours and ours_torch_kernels).
+   The report starts with the CPU's instruction-set flags (`cpu_flags`) and the load average.
 2. Weight-push time of `VllmEngine.update_weights` (full state dict, median of `--push-repeats`),
    with parameter counts, and the part of it spent serialising to safetensors bytes.
 
 Sizes: `tiny` (hidden 128, 2 layers, ~0.3M params) and `medium` (hidden 512, 8 layers,
 8 heads / 4 KV heads, head_dim 64, intermediate 1536, ~25M params); `--quick` runs tiny only.
-Runtime on a 2-core CPU: ~4-5 min full, ~1 min quick. Absolute numbers depend on machine load;
+Runtime on an idle 2-core CPU: ~6-7 min full, ~1.5 min quick (three engines). Absolute numbers depend on machine load;
 the ratios are what to compare.
 """
 
@@ -80,6 +89,11 @@ def _model_class(llm) -> str:
     return llm.collective_rpc(lambda worker: type(worker.get_model()).__name__)[0]
 
 
+def _module_classes(llm) -> list[str]:
+    """The module classes of the running model (shows whether the kernel overrides are in)."""
+    return llm.collective_rpc(lambda worker: sorted({type(m).__name__ for m in worker.get_model().modules()}))[0]
+
+
 class Builtin:
     """Plain vllm.LLM on the checkpoint: vLLM's own Qwen3 implementation."""
 
@@ -117,9 +131,10 @@ class Builtin:
 
 
 class Ours:
-    """TitanRL's VllmEngine (our Qwen3 modules inside vLLM)."""
+    """TitanRL's VllmEngine (our Qwen3 modules inside vLLM, vLLM's CPU kernels swapped in)."""
 
     name = "ours"
+    vllm_kernels = True
 
     def __init__(self, ckpt: str, max_num_seqs: int) -> None:
         from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
@@ -134,6 +149,7 @@ class Ours:
                 enforce_eager=True,
                 enable_prefix_caching=True,
                 seed=0,
+                vllm_kernels=self.vllm_kernels,
             )
         )
         self.llm = self.engine.llm
@@ -143,8 +159,18 @@ class Ours:
         self.engine.close()
 
 
+class OursTorchKernels(Ours):
+    """The same engine on torch's kernels (`vllm_kernels=False`): the before of the overrides."""
+
+    name = "ours_torch_kernels"
+    vllm_kernels = False
+
+
+ARMS = (Builtin, Ours, OursTorchKernels)
+
+
 def _run(llm, prompts, num_prompts: int, n: int, tokens: int, seed: int = 0):
-    """One timed LLM.generate call with fixed-length completions; returns (tok/s, outputs)."""
+    """One timed LLM.generate call with fixed-length completions; returns (tok/s, tok per CPU-s, outputs)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -153,14 +179,14 @@ def _run(llm, prompts, num_prompts: int, n: int, tokens: int, seed: int = 0):
         SamplingParams(n=n, temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=0, seed=seed + j * n)
         for j in range(num_prompts)
     ]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(inputs, params, use_tqdm=False)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     got = sum(len(c.token_ids) for o in outs for c in o.outputs)
     expected = num_prompts * n * tokens
     if got != expected:
         raise RuntimeError(f"expected {expected} completion tokens, got {got} (ignore_eos not honoured?)")
-    return got / dt, outs
+    return got / dt, got / cpu, outs
 
 
 def _compare(outs_a, outs_b) -> tuple[float, float | None]:
@@ -188,6 +214,7 @@ def _bench_generation(arms, prompts, repeats: int, interleaved: bool) -> dict:
     for num_prompts, n, tokens in WORKLOADS:
         key = f"{num_prompts}x{n}x{tokens}"
         runs: dict[str, list[float]] = {name: [] for name in arms}
+        cpu_runs: dict[str, list[float]] = {name: [] for name in arms}
         last: dict[str, object] = {}
         if interleaved:
             for name, llm in arms.items():  # warm-up: the same batch shape, a few tokens
@@ -195,29 +222,40 @@ def _bench_generation(arms, prompts, repeats: int, interleaved: bool) -> dict:
             for r in range(repeats):
                 order = list(arms) if r % 2 == 0 else list(arms)[::-1]
                 for name in order:
-                    tps, last[name] = _run(arms[name], prompts, num_prompts, n, tokens)
+                    tps, cpu_tps, last[name] = _run(arms[name], prompts, num_prompts, n, tokens)
                     runs[name].append(tps)
+                    cpu_runs[name].append(cpu_tps)
         else:
             for name, llm in arms.items():
                 _run(llm, prompts, num_prompts, n, 4, seed=1000)
                 for _ in range(repeats):
-                    tps, last[name] = _run(llm, prompts, num_prompts, n, tokens)
+                    tps, cpu_tps, last[name] = _run(llm, prompts, num_prompts, n, tokens)
                     runs[name].append(tps)
+                    cpu_runs[name].append(cpu_tps)
         entry = {
             "prompts": num_prompts,
             "n": n,
             "completion_tokens_per_call": num_prompts * n * tokens,
             "tok_per_s": {name: [round(x, 1) for x in v] for name, v in runs.items()},
             "median_tok_per_s": {name: round(_median(v), 1) for name, v in runs.items()},
+            "median_tok_per_cpu_s": {name: round(_median(v), 1) for name, v in cpu_runs.items()},
         }
         if "builtin" in runs and "ours" in runs:
-            entry["ratio_ours_over_builtin"] = round(_median(runs["ours"]) / _median(runs["builtin"]), 3)
-            entry["ratio_pairwise_median"] = round(
-                _median([o / b for o, b in zip(runs["ours"], runs["builtin"])]), 3
-            )
-            frac, diff = _compare(last["builtin"], last["ours"])
-            entry["same_tokens_fraction"] = round(frac, 4)
-            entry["max_logprob_diff_on_same"] = diff
+            for name in (n for n in runs if n != "builtin"):
+                suffix = "" if name == "ours" else f"_{name}"
+                entry[f"ratio_{name}_over_builtin"] = round(_median(runs[name]) / _median(runs["builtin"]), 3)
+                entry[f"cpu_time_ratio_{name}_over_builtin"] = round(
+                    _median(cpu_runs[name]) / _median(cpu_runs["builtin"]), 3)
+                entry[f"ratio_pairwise_median{suffix}"] = round(
+                    _median([o / b for o, b in zip(runs[name], runs["builtin"])]), 3
+                )
+                frac, diff = _compare(last["builtin"], last[name])
+                entry[f"same_tokens_fraction{suffix}"] = round(frac, 4)
+                entry[f"max_logprob_diff_on_same{suffix}"] = diff
+            if "ours_torch_kernels" in runs:
+                frac, diff = _compare(last["ours_torch_kernels"], last["ours"])
+                entry["same_tokens_fraction_vs_torch_kernels"] = round(frac, 4)
+                entry["max_logprob_diff_on_same_vs_torch_kernels"] = diff
         results[key] = entry
     return results
 
@@ -288,7 +326,7 @@ def bench_size(size: str, root: Path, repeats: int, push_repeats: int, sequentia
     }
     if sequential:
         gen: dict = {}
-        for cls in (Builtin, Ours):
+        for cls in ARMS:
             arm = cls(ckpt, max_num_seqs)
             result[f"{arm.name}_model_class"] = _model_class(arm.llm)
             result[f"{arm.name}_start_seconds"] = round(arm.start_seconds, 2)
@@ -297,30 +335,37 @@ def bench_size(size: str, root: Path, repeats: int, push_repeats: int, sequentia
                 g = gen.setdefault(key, {k: entry[k] for k in ("prompts", "n", "completion_tokens_per_call")})
                 g.setdefault("tok_per_s", {}).update(entry["tok_per_s"])
                 g.setdefault("median_tok_per_s", {}).update(entry["median_tok_per_s"])
+                g.setdefault("median_tok_per_cpu_s", {}).update(entry["median_tok_per_cpu_s"])
             if cls is Ours:
+                result["ours_module_classes"] = _module_classes(arm.llm)
                 result["ours_generate_api"] = _bench_generate_api(arm, prompts)
                 result["weight_push"] = _bench_push(arm, ckpt, push_repeats)
             arm.close()
         for g in gen.values():
             m = g["median_tok_per_s"]
-            g["ratio_ours_over_builtin"] = round(m["ours"] / m["builtin"], 3)
+            for name in (n for n in m if n != "builtin"):
+                g[f"ratio_{name}_over_builtin"] = round(m[name] / m["builtin"], 3)
+                c = g["median_tok_per_cpu_s"]
+                g[f"cpu_time_ratio_{name}_over_builtin"] = round(c[name] / c["builtin"], 3)
         result["generation"] = gen
         return result
 
-    builtin = Builtin(ckpt, max_num_seqs)
-    ours = Ours(ckpt, max_num_seqs)
+    arms = [cls(ckpt, max_num_seqs) for cls in ARMS]
+    ours = arms[1]
     try:
-        for arm in (builtin, ours):
+        for arm in arms:
             result[f"{arm.name}_model_class"] = _model_class(arm.llm)
             result[f"{arm.name}_start_seconds"] = round(arm.start_seconds, 2)
+        result["ours_module_classes"] = _module_classes(ours.llm)
         result["generation"] = _bench_generation(
-            {"builtin": builtin.llm, "ours": ours.llm}, prompts, repeats, interleaved=True
+            {arm.name: arm.llm for arm in arms}, prompts, repeats, interleaved=True
         )
         result["ours_generate_api"] = _bench_generate_api(ours, prompts)
         result["weight_push"] = _bench_push(ours, ckpt, push_repeats)
+        result["weight_push_torch_kernels"] = _bench_push(arms[2], ckpt, push_repeats)
     finally:
-        builtin.close()
-        ours.close()
+        for arm in arms:
+            arm.close()
     return result
 
 
@@ -337,11 +382,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
     import vllm
+    from trainer_step import _cpu_flags  # benchmarks/ is on sys.path when run as a script
 
     t_start = time.perf_counter()
     sizes = ["tiny"] if args.quick else list(SIZES)
     report: dict = {
         "benchmark": "rollout_engine",
+        "cpu_flags": _cpu_flags(),
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),

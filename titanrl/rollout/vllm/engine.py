@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from titanrl.rollout.vllm.names import BATCH_INVARIANT_KEY, VLLM_ARCHITECTURES
+from titanrl.rollout.vllm.names import BATCH_INVARIANT_KEY, VLLM_ARCHITECTURES, VLLM_KERNELS_KEY
 from titanrl.rollout.vllm.plugin import register
 from titanrl.rollout.vllm.routing_record import ROUTING_KEY, fit_routing
 from titanrl.rollout.vllm.worker_extension import EXTENSION_QUALNAME
@@ -80,6 +80,10 @@ class VllmEngineConfig:
     every Completion then carries `routed_experts`; see `titanrl.rollout.vllm.routing_record`."""
     extra_llm_kwargs: dict = field(default_factory=dict)
     """Passed to `vllm.LLM(...)` last, for options not surfaced here."""
+    vllm_kernels: bool = True
+    """On CPU, outside batch-invariant mode, run our model's linear layers, RMSNorms and rotary
+    through vLLM's own kernels (oneDNN on prepacked weights; `titanrl.rollout.vllm.kernel_overrides`);
+    False keeps torch's. Same weights and parameter names either way; pushes repack."""
 
     def __post_init__(self) -> None:
         if not (Path(self.checkpoint) / "config.json").is_file():
@@ -178,7 +182,7 @@ class VllmEngine:
                 model=str(config.checkpoint),
                 tokenizer=str(config.checkpoint),
                 hf_overrides={"architectures": [VLLM_ARCHITECTURES[self.model_config.HF_ARCHITECTURE]],
-                              BATCH_INVARIANT_KEY: config.batch_invariant},
+                              BATCH_INVARIANT_KEY: config.batch_invariant, VLLM_KERNELS_KEY: config.vllm_kernels},
                 dtype=config.dtype,
                 max_model_len=config.max_model_len,
                 max_num_seqs=config.max_num_seqs,

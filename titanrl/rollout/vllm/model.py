@@ -26,7 +26,8 @@ from vllm.model_executor.layers.attention import Attention
 
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from titanrl.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM, parse_expert_checkpoint_name, routing_buffers
-from titanrl.rollout.vllm.names import ARCHITECTURE, BATCH_INVARIANT_KEY, MOE_ARCHITECTURE
+from titanrl.rollout.vllm.kernel_overrides import apply_vllm_kernels, repack_vllm_kernels
+from titanrl.rollout.vllm.names import ARCHITECTURE, BATCH_INVARIANT_KEY, MOE_ARCHITECTURE, VLLM_KERNELS_KEY
 from titanrl.rollout.vllm.paged_attention import paged_batch_invariant_attention
 from titanrl.rollout.vllm.routing_record import RoutingRecorder
 
@@ -120,7 +121,15 @@ class VllmModelBoundary:
         super().__init__(config, attention_backend=attention_backend)  # type: ignore[call-arg]
         self.vllm_config = vllm_config
         hf = vllm_config.model_config.hf_config
-        self.set_batch_invariant(bool(getattr(hf, BATCH_INVARIANT_KEY, False)))  # type: ignore[attr-defined]
+        batch_invariant = bool(getattr(hf, BATCH_INVARIANT_KEY, False))
+        self.set_batch_invariant(batch_invariant)  # type: ignore[attr-defined]
+        if not batch_invariant and bool(getattr(hf, VLLM_KERNELS_KEY, True)) and _is_cpu():
+            apply_vllm_kernels(self)  # type: ignore[arg-type]
+
+    def process_weights_after_loading(self) -> None:
+        """vLLM's model-level post-load hook; the worker extension calls it after every push too:
+        rebuilds the packed weight copies of the vLLM-kernel overrides (none without them)."""
+        repack_vllm_kernels(self)  # type: ignore[arg-type]
 
     # --- vLLM model interface -------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -211,6 +220,12 @@ class TitanQwen3MoeForVLLM(VllmModelBoundary, Qwen3MoeForCausalLM):
         hidden = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
         recorder.end(positions, query_start_loc)
         return hidden
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _query_start_loc() -> torch.Tensor | None:

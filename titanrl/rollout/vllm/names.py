@@ -9,3 +9,6 @@ VLLM_ARCHITECTURES = {"Qwen3ForCausalLM": ARCHITECTURE, "Qwen3MoeForCausalLM": M
 BATCH_INVARIANT_KEY = "titanrl_batch_invariant"
 """HF-config key (set through `hf_overrides`) that builds the model in batch-invariant mode;
 it reaches spawned engine processes with the rest of the config."""
+VLLM_KERNELS_KEY = "titanrl_vllm_kernels"
+"""HF-config key (set through `hf_overrides`): False keeps our modules on torch's kernels inside
+vLLM instead of vLLM's own (`titanrl.rollout.vllm.kernel_overrides`); absent means True."""

@@ -33,6 +33,12 @@ def _find_titan_model(root: torch.nn.Module) -> torch.nn.Module:
 class TitanRLWorkerExtension:
     """Mixed into vLLM's worker; `self` is the worker (has `get_model()`)."""
 
+    def _titanrl_pushed(self, model: torch.nn.Module, version: int) -> None:
+        """The end of every push, whatever the transport: kernels that keep packed copies of the
+        weights repack them (see kernel_overrides), then the version is recorded."""
+        model.process_weights_after_loading()
+        self._titanrl_policy_version = int(version)
+
     def titanrl_update_weights(
         self, payload: bytes | dict[str, torch.Tensor], version: int, allow_partial: bool = False
     ) -> dict:
@@ -50,7 +56,7 @@ class TitanRLWorkerExtension:
         # Names and shapes all checked before the first copy: a bad push never half-loads.
         ParameterTarget(model).check(layout_of(state.items()), allow_partial)
         loaded = model.load_weights(state.items())
-        self._titanrl_policy_version = int(version)
+        self._titanrl_pushed(model, version)
         return {"version": int(version), "num_tensors": len(loaded), "seconds": time.perf_counter() - t0}
 
     def titanrl_policy_version(self) -> int | None:
@@ -111,7 +117,7 @@ class TitanRLWorkerExtension:
             self._titanrl_segments = SegmentCache()
         model = _find_titan_model(self.get_model())  # type: ignore[attr-defined]
         n = load_from_segment(ParameterTarget(model), ann, int(rank), self._titanrl_segments, allow_partial)
-        self._titanrl_policy_version = int(version)
+        self._titanrl_pushed(model, version)
         return {"version": int(version), "num_tensors": n, "seconds": time.perf_counter() - t0}
 
     def titanrl_open_weight_group(self, plan: dict, rank: int) -> None:
@@ -135,7 +141,7 @@ class TitanRLWorkerExtension:
             raise WeightSyncError("no broadcast group: open_weight_sync(plan, rank) first")
         model = _find_titan_model(self.get_model())  # type: ignore[attr-defined]
         n = receive_broadcast(group, ParameterTarget(model), WeightAnnouncement.from_wire(announcement), int(version))
-        self._titanrl_policy_version = int(version)
+        self._titanrl_pushed(model, version)
         return {"version": int(version), "num_tensors": n, "seconds": time.perf_counter() - t0}
 
     def titanrl_close_weight_sync(self, keep: list, segments: bool = True) -> None:

@@ -1,0 +1,180 @@
+"""vLLM's own CPU kernels for our model's modules, inside vLLM only (TorchTitan's "overrides").
+
+`apply_vllm_kernels(model)` swaps the classes of our modules for subclasses whose forward calls
+the kernels vLLM's built-in Qwen3 runs on CPU, on the same Parameters:
+
+- linear layers through vLLM's CPU GEMM dispatch (`dispatch_cpu_unquantized_gemm`: oneDNN on
+  prepacked weights, SGL kernels on AMX, zentorch on Zen), with q/k/v and gate/up packed as
+  one matrix each, as vLLM's QKVParallelLinear and MergedColumnParallelLinear do;
+- rotary through `_C.rotary_embedding` on a precomputed cos/sin table, as vLLM's
+  RotaryEmbedding.forward_cpu does.
+
+RMSNorm (with its residual add) and SiLU-and-mul stay ours: on x86 CPUs vLLM runs their native
+PyTorch form too (its `_C.rms_norm` / `fused_add_rms_norm` / `silu_and_mul` are registered for
+GPUs and POWER only), and ours compute the same bits. Swapping `_C.rms_norm` in anyway was
+measured to move logprobs ~4e-6 away from vLLM's built-in Qwen3; with these overrides they are
+equal to it bit for bit (tests/test_vllm_kernel_overrides.py).
+
+Module and parameter names do not change, so checkpoints, `load_weights` and in-place pushes
+see the same model. Packed copies go stale when a Parameter is written: `repack_vllm_kernels`
+rebuilds them (vLLM calls it after loading through `process_weights_after_loading`, the worker
+extension after every push). Batch-invariant mode keeps `titanrl.kernels`: every override hands
+back to the base class's forward while `batch_invariant` is set. The trainer never sees these
+classes; they are applied only by the vLLM wrapper (`titanrl.rollout.vllm.model`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanrl.models.qwen3 import MLP, Attention, RotaryEmbedding
+
+Gemm = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _c_ops() -> object:
+    import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+
+    return torch.ops._C
+
+
+def packed_gemm(weight_NK: torch.Tensor) -> Gemm:
+    """`x -> x @ weight.T` through vLLM's CPU GEMM dispatch on a packed copy of `weight` (made now)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    holder = nn.Module()  # what the dispatch expects: a layer with `weight` (and `bias`)
+    holder.weight = nn.Parameter(weight_NK.detach().contiguous(), requires_grad=False)
+    holder.bias = None
+    # remove_weight frees `holder.weight` where the kernel keeps its own packed copy; the
+    # fallback (torch's F.linear) reads the weight it is passed, so it stays there.
+    dispatch_cpu_unquantized_gemm(holder, remove_weight=True)
+    return lambda x: holder.cpu_linear(x, holder.weight, None)
+
+
+class VllmCpuLinear(nn.Linear):
+    """nn.Linear whose forward runs vLLM's CPU GEMM on a packed copy of `weight`."""
+
+    gemm: Gemm | None = None
+
+    def repack(self) -> None:
+        self.gemm = packed_gemm(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemm is None:
+            raise RuntimeError("VllmCpuLinear used before repack_vllm_kernels (no packed weight yet)")
+        out = self.gemm(x)
+        return out if self.bias is None else out + self.bias
+
+
+class RotaryPositions(NamedTuple):
+    """What `VllmRotaryEmbedding` hands the attention override in the `cos` slot: the flat
+    positions and the cos/sin table `_C.rotary_embedding` reads (the override pair's contract)."""
+
+    positions_N: torch.Tensor
+    cos_sin_cache: torch.Tensor
+
+
+class VllmRotaryEmbedding(RotaryEmbedding):
+    """Returns (RotaryPositions, None) instead of per-token cos/sin: `VllmAttention` rotates
+    q and k in place with vLLM's kernel, reading rows of one table built from our `_angles`."""
+
+    cache: torch.Tensor | None = None
+
+    def _table(self, span: int, dtype: torch.dtype) -> torch.Tensor:
+        cache = self.cache
+        if cache is None or cache.shape[0] < span or cache.dtype != dtype:
+            half = self.head_dim // 2
+            angles = self._angles(torch.arange(max(span, self.max_positions)))[:, :half]
+            cache = self.cache = torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)
+        return cache
+
+    def forward(self, positions_BT: torch.Tensor, dtype: torch.dtype):  # type: ignore[override]
+        if self.batch_invariant:
+            return super().forward(positions_BT, dtype)
+        positions = positions_BT.reshape(-1).long()
+        span = int(positions.max()) + 1 if positions.numel() else 1
+        return RotaryPositions(positions, self._table(span, dtype)), None
+
+
+class VllmAttention(Attention):
+    """Attention with one packed q/k/v GEMM and vLLM's rotary kernel."""
+
+    qkv_gemm: Gemm | None = None
+
+    def repack(self) -> None:
+        self.qkv_gemm = packed_gemm(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+        self.qkv_sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+
+    def forward(self, x_BTD: torch.Tensor, cos, sin) -> torch.Tensor:  # type: ignore[override]
+        if self.batch_invariant or not isinstance(cos, RotaryPositions):
+            return super().forward(x_BTD, cos, sin)
+        B, T, _ = x_BTD.shape
+        D = self.head_dim
+        q, k, v = self.qkv_gemm(x_BTD.reshape(B * T, -1)).split(self.qkv_sizes, dim=-1)
+        q = self.q_norm(q.view(B * T, -1, D)).reshape(B * T, -1)  # a new contiguous tensor: rotated in place
+        k = self.k_norm(k.view(B * T, -1, D)).reshape(B * T, -1)
+        _c_ops().rotary_embedding(cos.positions_N, q, k, D, cos.cos_sin_cache, True)  # in place, neox style
+        out_BTHD = self.backend(q.view(B, T, -1, D), k.view(B, T, -1, D), v.reshape(B, T, -1, D))
+        return self.o_proj(out_BTHD.reshape(B, T, -1))
+
+
+class VllmMLP(MLP):
+    """SwiGLU with gate and up packed as one GEMM."""
+
+    gate_up_gemm: Gemm | None = None
+
+    def repack(self) -> None:
+        self.gate_up_gemm = packed_gemm(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return super().forward(x)
+        gate, up = self.gate_up_gemm(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+OVERRIDES: dict[type[nn.Module], type[nn.Module]] = {
+    Attention: VllmAttention,
+    MLP: VllmMLP,
+    RotaryEmbedding: VllmRotaryEmbedding,
+}
+"""Our module class -> its vLLM-kernel override (exact types only: subclasses are left alone)."""
+
+
+def apply_vllm_kernels(model: nn.Module) -> nn.Module:
+    """Swaps our modules for their vLLM-kernel overrides, in place; returns `model`.
+
+    The swaps keep every attribute and Parameter (only the class changes). Linear layers that
+    run alone (o_proj, down_proj, lm_head) become `VllmCpuLinear`; q/k/v and gate/up keep
+    their nn.Linear (their Parameters are what pushes write) and run packed in their parent.
+    Call `repack_vllm_kernels` after the weights are loaded.
+    """
+    for module in model.modules():
+        override = OVERRIDES.get(type(module))
+        if override is not None:
+            module.__class__ = override
+    for module in model.modules():
+        if isinstance(module, VllmAttention):
+            module.o_proj.__class__ = VllmCpuLinear
+        if isinstance(module, VllmMLP):
+            module.down_proj.__class__ = VllmCpuLinear
+    lm_head = getattr(model, "lm_head", None)
+    if type(lm_head) is nn.Linear:
+        lm_head.__class__ = VllmCpuLinear
+    return model
+
+
+def repack_vllm_kernels(model: nn.Module) -> int:
+    """Rebuilds every packed weight copy from the current Parameters; returns how many."""
+    packed = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (VllmCpuLinear, VllmAttention, VllmMLP)):
+                module.repack()
+                packed += 1
+    return packed
