@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -189,8 +188,9 @@ class ParallelGRPOStep:
                  xla: Any = None) -> None:
         self.pm, self.optimizers, self.cfg, self.temperature = pm, optimizers, train_config, temperature
         self.xla = xla
-        """The XLA runtime (titanrl.trainer.xla.runtime.XlaRuntime) when the model is on XLA: batches run at bucketed
-        shapes, sharded over its SPMD mesh, and nothing is read back inside a step."""
+        """The XLA runtime (titanrl.trainer.xla.runtime.XlaRuntime) when the model is on XLA:
+        batches run at bucketed shapes, sharded over its SPMD mesh, and nothing is read back
+        inside a step. None on CPU and CUDA."""
         self.truncation = truncation if truncation is not None and truncation.active else None
         self._outside_BT: torch.Tensor | None = None
         """The last head call's targets outside the truncated kept set (read by `_count_outside`)."""
