@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from titanrl.config.schema import ModelConfig, TrainConfig, compute_dtype
+from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig, compute_dtype
 from titanrl.errors import ConfigError
 from titanrl.memory import peak_rss_gib
 from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
@@ -69,7 +69,9 @@ class GRPOTrainer:
 
         batch_invariant: run the model and the logprobs through `titanrl.kernels`, so they match
         a batch-invariant generator bit for bit.
-        device_type: 'cpu' or 'cuda'; None resolves `train.device` ('auto': CUDA when present).
+        device_type: 'cpu', 'cuda' or 'xla'; None resolves `train.device` ('auto': CUDA when present).
+        On 'xla' (a process with torch_xla) one process drives the SPMD mesh of train.parallel
+        (titanrl.trainer.xla) and each optimizer step is one compiled program per shape bucket.
         truncation: the generator's top-k / top-p when its logprobs are the truncated distribution's
         (`Truncation.scored_by_trainer(rollout)`); the trainer then scores tokens under it too.
         A parallel layout (`train.parallel.world_size > 1`) needs the torch.distributed env vars
@@ -93,6 +95,11 @@ class GRPOTrainer:
                               activation_checkpointing=train_config.activation_checkpointing,
                               activation_checkpointing_every=train_config.activation_checkpointing_every)
         parallel = train_config.parallel
+        self.xla = None
+        """The XLA runtime (titanrl.trainer.xla.runtime.XlaRuntime) on train.device='xla', else None."""
+        if device_type == "xla":
+            self.xla = _open_xla(model_config, train_config, batch_invariant)
+            parallel = ParallelConfig()  # torch sees one process; the degrees shape the SPMD mesh
         policy: str | ckpt_io.InitialPolicy = model_config.checkpoint
         mesh = None
         if parallel.world_size > 1:
@@ -103,12 +110,15 @@ class GRPOTrainer:
             mesh = build_mesh(parallel, device_type)
         self.pm, self.model_config, self.tokenizer_dir = build_policy(policy, self.dtype, parallel, mesh, device_type,
                                                                       **layout_options)
+        if self.xla is not None:
+            self.xla.check_model(self.model_config)
+            self.xla.shard_model(self.pm.parts[0])
         self.pad_id = self.model_config.eos_token_id or 0
         self.rank = global_rank()
         self.optimizers = build_optimizers(self.pm, train_config)
         self.schedulers = [build_scheduler(opt, train_config) for opt in self.optimizers]
         self.grpo = ParallelGRPOStep(self.pm, self.optimizers, train_config, temperature, batch_invariant,
-                                     truncation)
+                                     truncation, xla=self.xla)
         # The reference scores tokens under the same (truncated) distribution as the policy.
         self._build_reference = functools.partial(build_reference, policy=self.pm, dtype=self.dtype,
                                                   train_config=train_config, temperature=temperature,
@@ -180,10 +190,23 @@ class GRPOTrainer:
         """Clips and applies the accumulated gradient, then the lr schedule; skips both when loss or
         norm is non-finite. Returns (token-mean loss, pre-clip grad norm, taken)."""
         loss, norm, taken = self.grpo.clip_and_step(stats)
+        self._schedule(taken)
+        return loss, norm, taken
+
+    def accumulate_and_step(self, batch: PackedBatch, proximal_BT: torch.Tensor | None = None
+                            ) -> tuple[GradStats, float, float, bool]:
+        """`accumulate_gradients` then `optimizer_step` (on XLA one compiled program):
+        (stats, loss, pre-clip grad norm, taken)."""
+        if proximal_BT is not None:
+            batch = dataclasses.replace(batch, proximal_BT=proximal_BT)
+        stats, loss, norm, taken = self.grpo.accumulate_and_step(batch)
+        self._schedule(taken)
+        return stats, loss, norm, taken
+
+    def _schedule(self, taken: bool) -> None:
         if taken:
             for scheduler in self.schedulers:
                 scheduler.step()
-        return loss, norm, taken
 
     # ------------------------------------------------------------------------- step
 
@@ -231,6 +254,8 @@ class GRPOTrainer:
           train/skipped: 1.0 when the call was skipped; train/skipped_steps: skipped calls so far;
           train/consecutive_skipped: skipped calls since the last update; policy_version: after it.
           memory/trainer_peak_gib: peak resident memory of this (rank 0's) process so far.
+          xla/compiles, xla/compile_s (train.device='xla'): programs torch_xla compiled since the
+            trainer was built, and their seconds (one per shape bucket, plus the first step's).
           With train.kl_coef > 0 (titanrl.trainer.kl.kl_metrics): kl/mean, kl/max: token-mean and
             max of the train.kl_estimator estimate of KL(pi || pi_ref) over the batch's trained
             tokens, pi's logprobs being the generator's; with train.kl_in_reward,
@@ -267,7 +292,8 @@ class GRPOTrainer:
         for _ in range(self.cfg.ppo_epochs):
             for lo, hi in ranges:
                 lr = self.scheduler.get_last_lr()[0]
-                stats = self.accumulate_gradients(batch.rows(lo, hi), None if proximal is None else proximal[lo:hi])
+                stats, loss, norm, taken = self.accumulate_and_step(batch.rows(lo, hi),
+                                                                    None if proximal is None else proximal[lo:hi])
                 if first is None:
                     first = stats
                 clipped += stats.clipped_tokens
@@ -277,7 +303,6 @@ class GRPOTrainer:
                     moe_passes.append(stats.moe)
                 loss_passes.append(stats.loss_measures)
                 seen_tokens += stats.tokens
-                loss, norm, taken = self.optimizer_step(stats)
                 (taken_loss if taken else skipped_loss).append(loss)
                 (taken_norm if taken else skipped_norm).append(norm)
         skipped = not taken_loss
@@ -319,6 +344,7 @@ class GRPOTrainer:
             "time/train_s": time.perf_counter() - start,
             # Rank 0's process (in a parallel layout the others hold an equal share).
             "memory/trainer_peak_gib": peak_rss_gib(),
+            **(self.xla.compile_metrics() if self.xla is not None else {}),
         }
 
     # ------------------------------------------------------------------------- weights out
@@ -376,8 +402,18 @@ class GRPOTrainer:
         collectively in a parallel layout (DCP shards from every rank; loads into any layout)."""
         Path(dir).mkdir(parents=True, exist_ok=True)
         stepped = any(bool(opt.state) for opt in self.optimizers)
-        save_training_checkpoint(self.pm, self.optimizers, dir, dtype=self.dtype, tokenizer_dir=self.tokenizer_dir,
+        pm, optimizers = self._checkpoint_view()
+        save_training_checkpoint(pm, optimizers, dir, dtype=self.dtype, tokenizer_dir=self.tokenizer_dir,
                                  trainer_state=self.trainer_state(stepped))
+
+    def _checkpoint_view(self) -> tuple[Any, list[torch.optim.Optimizer]]:
+        """The policy and optimizers the checkpoint code reads and writes: the live ones, or on
+        XLA their CPU copies (titanrl.trainer.xla.checkpoint)."""
+        if self.xla is None:
+            return self.pm, self.optimizers
+        from titanrl.trainer.xla.checkpoint import host_copy
+
+        return host_copy(self.pm, self.optimizers, self.cfg)
 
     def trainer_state(self, optimizer_stepped: bool) -> dict:
         """Everything but model and optimizer that an exact resume needs (trainer_state.pt)."""
@@ -417,8 +453,12 @@ class GRPOTrainer:
         """Restores a `save_state` directory written under any layout (weights, optimizer, schedule,
         counters, RNG); returns the version."""
         ckpt, state = self.open_checkpoint(dir)
-        load_model_optim(self.pm, self.optimizers, ckpt / ckpt_io.MODEL_OPTIM_DIR,
-                         optimizer_stepped=state["optimizer_stepped"])
+        pm, optimizers = self._checkpoint_view()
+        load_model_optim(pm, optimizers, ckpt / ckpt_io.MODEL_OPTIM_DIR, optimizer_stepped=state["optimizer_stepped"])
+        if self.xla is not None:
+            from titanrl.trainer.xla.checkpoint import copy_to_device
+
+            copy_to_device(self.pm, self.optimizers, pm, optimizers)
         for scheduler in self.schedulers:
             load_scheduler_state(scheduler, state["scheduler"])
             # Param groups of older optimizer formats are not loaded (load_model_optim):
@@ -489,6 +529,19 @@ class GRPOTrainer:
         if self.cfg.moe_load_balance != "bias":
             return {}
         return {name: buf for part in self.pm.parts for name, buf in routing_buffers(part).items()}
+
+
+def _open_xla(model_config: ModelConfig, train_config: TrainConfig, batch_invariant: bool) -> Any:
+    """The XLA runtime for train.device='xla', after refusing what the XLA trainer does not run."""
+    if batch_invariant:
+        raise ConfigError("batch_invariant=True is not supported with train.device='xla' (the invariant kernels "
+                          "are CPU/Triton ops, not XLA ones): set batch_invariant=False or train.device='cpu'")
+    if train_config.kl_coef > 0:
+        raise ConfigError("train.kl_coef > 0 is not supported with train.device='xla' yet (the reference policy "
+                          "runs outside the compiled step): set train.kl_coef=0 or train.device='cpu'")
+    from titanrl.trainer.xla.runtime import XlaRuntime
+
+    return XlaRuntime(train_config.parallel)
 
 
 def _moe_metrics(passes: list) -> dict[str, float]:

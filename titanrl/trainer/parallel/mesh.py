@@ -36,11 +36,12 @@ EXPERT_DIMS = {"efsdp": ("dp_shard",), "ep": ("dp_shard",)}
 
 
 def resolve_device_type(device: str) -> str:
-    """'auto' | 'cpu' | 'cuda' -> 'cpu' or 'cuda' ('auto' picks CUDA when present)."""
+    """'auto' | 'cpu' | 'cuda' | 'xla' -> the device type ('auto' picks CUDA when present; 'xla'
+    is never picked automatically: it needs the torch_xla environment)."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"train.device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device not in ("cpu", "cuda", "xla"):
+        raise ValueError(f"train.device must be 'auto', 'cpu', 'cuda' or 'xla', got {device!r}")
     return device
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanrl.config.schema import ActivationCheckpointing, ParallelConfig
+from titanrl.models.hf_checkpoint import tie_head
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from titanrl.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from titanrl.trainer.parallel.fsdp import apply_fsdp
@@ -110,6 +111,7 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
     if not _is_meta(model):  # a meta model is materialised shard by shard after sharding (sharded_load.py)
         model = model.to(device)
+        tie_head(model)  # where tensors cannot be swapped in place (XLA), .to gives each module its own copy
     if compute_dtype == next(model.parameters()).dtype:
         compute_dtype = None
     context = None

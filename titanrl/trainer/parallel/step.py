@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,7 @@ from titanrl.trainer.parallel.tied import sum_tied_grads
 from titanrl.config.parallel import check_batch_invariant, sequence_multiple
 from titanrl.trainer.stats import GradStats, LogprobParity, nan_max
 from titanrl.trainer.truncation import Truncation
+from titanrl.trainer.shape_buckets import length_bucket, row_bucket
 
 
 def _pad_rows(batch: PackedBatch, rows: int) -> PackedBatch:
@@ -97,22 +98,54 @@ def _squared_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Totals:
-    """Per-rank sums of what GradStats reports, reduced over the world at the end."""
+    """Per-rank sums of what GradStats reports, reduced over the world at the end.
 
-    def __init__(self, loss: LossSettings) -> None:
+    On a lazy device (XLA) reading a value would run the graph traced so far, so measurements
+    are recorded and applied in `settle`, after the step's one program ran, on host copies.
+    """
+
+    def __init__(self, loss: LossSettings, xla: Any = None) -> None:
         self.loss = self.clipped = self.diff_sum = self.entropy = self.outside = 0.0
         self.diff_max = float("-inf")
         self.parity = LogprobParity()
         self.moe: MoeTotals | None = None
         self.measures = LossMeasures(loss)
+        self.xla = xla
+        self.loss_sums: list[torch.Tensor] = []
+        """The micro-batches' loss sums as device tensors (the lazy step's finite check)."""
+        self._recorded: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+
+    def record(self, measure: Callable[..., None], *tensors: Any) -> None:
+        """Calls `measure(*tensors)` now, or on a lazy device at `settle`."""
+        if self.xla is None:
+            measure(*tensors)
+        else:
+            self._recorded.append((measure, self.xla.own_buffers(tensors)))
+
+    def settle(self) -> None:
+        """Applies the recorded measurements: runs the traced program (a no-op once the step's
+        sync ran it) and reads every recorded tensor back to the host once."""
+        if not self._recorded:
+            return
+        self.xla.sync()
+        recorded, self._recorded = self._recorded, []
+        for measure, tensors in recorded:
+            measure(*self.xla.to_host(tensors))
 
     def add(self, loss_sum: torch.Tensor, stats: dict[str, torch.Tensor], entropy_sum: torch.Tensor) -> None:
+        self.loss_sums.append(loss_sum)
+        self.record(self._add, loss_sum, stats, entropy_sum)
+
+    def _add(self, loss_sum: torch.Tensor, stats: dict[str, torch.Tensor], entropy_sum: torch.Tensor) -> None:
         self.loss += loss_sum.item()
         self.entropy += entropy_sum.item()
         self.clipped += stats["clipped_tokens"].item()
         self.diff_sum += stats["abs_logprob_diff_sum"].item()
         self.diff_max = nan_max(self.diff_max, stats["max_abs_logprob_diff"].item())
         self.measures.add(stats)
+
+    def add_outside(self, outside: torch.Tensor) -> None:
+        self.outside += outside.item()
 
     def merge(self, other: _Totals) -> None:
         self.loss += other.loss
@@ -151,8 +184,13 @@ class ParallelGRPOStep:
     """
 
     def __init__(self, pm: ParallelModel, optimizers: list[torch.optim.Optimizer], train_config: TrainConfig,
-                 temperature: float, batch_invariant: bool = False, truncation: Truncation | None = None) -> None:
+                 temperature: float, batch_invariant: bool = False, truncation: Truncation | None = None,
+                 xla: Any = None) -> None:
         self.pm, self.optimizers, self.cfg, self.temperature = pm, optimizers, train_config, temperature
+        self.xla = xla
+        """The XLA runtime (titanrl.trainer.xla.runtime.XlaRuntime) when the model is on XLA:
+        batches run at bucketed shapes, sharded over its SPMD mesh, and nothing is read back
+        inside a step. None on CPU and CUDA."""
         self.truncation = truncation if truncation is not None and truncation.active else None
         self._outside_BT: torch.Tensor | None = None
         """The last head call's targets outside the truncated kept set (read by `_count_outside`)."""
@@ -191,6 +229,10 @@ class ParallelGRPOStep:
         token-mean's gradient. With `train.decoupled_loss`, `batch.proximal_BT` holds the
         logprobs before this step's first update (None: this forward is at those weights).
         """
+        totals, scale = self._gradients(batch)
+        return self._global_stats(totals, scale.tokens)
+
+    def _gradients(self, batch: PackedBatch) -> tuple[_Totals, _BatchScale]:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         totals, scale = self._forward(batch, backward=True)
@@ -199,7 +241,40 @@ class ParallelGRPOStep:
         if self.pm.tied_group is not None:
             # Before any norm or step: both copies of a split tied matrix need its full gradient.
             sum_tied_grads(self.pm.parts, self.pm.tied_group)
-        return self._global_stats(totals, scale.tokens)
+        return totals, scale
+
+    def accumulate_and_step(self, batch: PackedBatch) -> tuple[GradStats, float, float, bool]:
+        """`accumulate_gradients` then `clip_and_step`: (stats, loss, pre-clip norm, taken).
+
+        On XLA the same computation is traced without reading anything back, so forward, loss,
+        backward, clip and AdamW update compile into one program per shape bucket: the clip
+        coefficient is a tensor (a factor of 1 leaves a gradient's bits), and the update lands
+        only where loss and norm are finite (`XlaRuntime.masked_step`), decided on the device.
+        """
+        if self.xla is None:
+            stats = self.accumulate_gradients(batch)
+            return (stats, *self.clip_and_step(stats))
+        if self.moe is not None:
+            raise NotImplementedError("mixture-of-experts policies do not train on XLA")
+        totals, scale = self._gradients(batch)
+        sq = self._grad_squared_sum()
+        norm_t = sq.sqrt()
+        loss_t = torch.stack(totals.loss_sums).sum() / scale.tokens.to(norm_t.device)
+        finite = torch.isfinite(loss_t) & torch.isfinite(norm_t)
+        if self.cfg.grad_clip > 0:
+            coef = (self.cfg.grad_clip / (norm_t + 1e-6)).clamp(max=1.0)
+            for p in self.pm.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        undo = self.xla.masked_step(self.optimizers, finite)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        stats = self._global_stats(totals, scale.tokens)  # runs the program
+        loss, norm = stats.loss_sum / stats.tokens, math.sqrt(sq.item())
+        taken = math.isfinite(loss) and math.isfinite(norm)
+        if not taken:
+            undo()
+        return stats, loss, norm, taken
 
     @torch.no_grad()
     def measure_parity(self, batch: PackedBatch) -> LogprobParity:
@@ -229,9 +304,10 @@ class ParallelGRPOStep:
         B, T = batch.targets_BT.shape
         first_row, local = self._local_rows(batch)
         # One shape on every rank, with room for the zero rows padding the last share and for
-        # micro-batches padded to the sequence multiple.
+        # micro-batches padded to the sequence multiple; on XLA the local batch's bucketed shape.
         width = -(-T // self.seq_multiple) * self.seq_multiple
-        out = torch.zeros((B + local.targets_BT.shape[0], width), device=self.pm.device)
+        shape = local.targets_BT.shape if self.xla is not None else (B + local.targets_BT.shape[0], width)
+        out = torch.zeros(shape, device=self.pm.device)
         counts = coord(self.pm.mesh, "tp") == 0
         for lo, sub, logprobs, _, _ in self._logprobs_by_micro_batch(local, backward=False):
             rows = slice(first_row + lo, first_row + lo + sub.input_ids_BT.shape[0])
@@ -240,11 +316,16 @@ class ParallelGRPOStep:
             if counts:  # untrained positions 0: which ones a micro-batch computes depends on the layout
                 out[rows, cols] = torch.where(sub.loss_mask_BT > 0, logprobs.float(), 0.0)
         all_reduce(out, self.pm.mesh)
-        return out[:B, :T].to(batch.old_logprobs_BT.device)
+        return out.to(batch.old_logprobs_BT.device)[:B, :T]
 
     def _local_rows(self, batch: PackedBatch) -> tuple[int, PackedBatch]:
         """This data-parallel rank's equal, contiguous share of the rows (zero-mask rows pad the
         batch to a multiple of the dp degree) and the index of its first row."""
+        if self.xla is not None:
+            # One program per bucket: every micro-batch at the bucket's length (SPMD splits rows).
+            rows, _ = row_bucket(batch.input_ids_BT.shape[0], self.cfg.micro_batch_size)
+            T = length_bucket(trimmed_len(batch.loss_mask_BT), self.seq_multiple)
+            return 0, _fit_length(_pad_rows(batch, rows), T)
         dp_rank, dp_size = dp_rank_and_size(self.pm.mesh)
         per_rank = -(-batch.input_ids_BT.shape[0] // dp_size)
         return dp_rank * per_rank, _pad_rows(batch, per_rank * dp_size).rows(dp_rank * per_rank,
@@ -258,7 +339,7 @@ class ParallelGRPOStep:
         batch = dataclasses.replace(batch, row_tokens_B=batch.loss_mask_BT.sum(1))
         scale = _BatchScale(total_tokens, batch_sequences(batch.row_tokens_B))
         _, local = self._local_rows(batch)
-        totals = _Totals(self.loss)
+        totals = _Totals(self.loss, self.xla)
         if self.moe is not None:
             totals.moe = MoeTotals(len(self.moe.sparse_layers), self.moe.num_experts, self.pm.device)
         if self.pm.pipelined:
@@ -305,7 +386,7 @@ class ParallelGRPOStep:
         """Adds the trained tokens of the last head call whose target was outside the trainer's
         truncated kept set (scored over kept + {target}; see chunked_logprobs)."""
         if self._outside_BT is not None:
-            totals.outside += (self._outside_BT.to(mask_BT.device) & (mask_BT > 0)).sum().item()
+            totals.record(totals.add_outside, (self._outside_BT.to(mask_BT.device) & (mask_BT > 0)).sum())
             self._outside_BT = None
 
     def _loss(self, logprobs: torch.Tensor, entropy: torch.Tensor, sub: PackedBatch, totals: _Totals,
@@ -335,7 +416,7 @@ class ParallelGRPOStep:
             gap = (logprobs - old).abs() * mask
             stats["abs_logprob_diff_sum"], stats["max_abs_logprob_diff"] = gap.sum(), gap.max()
         totals.add(loss_sum.detach(), stats, (entropy.detach() * mask).sum())
-        totals.parity.add(logprobs, old, mask * sub.current_B.float()[:, None])
+        totals.record(totals.parity.add, logprobs.detach(), old, mask * sub.current_B.float()[:, None])
         return loss_sum
 
     def _row_sum(self, x_BT: torch.Tensor) -> torch.Tensor:
@@ -344,11 +425,15 @@ class ParallelGRPOStep:
 
     def _to_device(self, sub: PackedBatch) -> PackedBatch:
         """`sub` on this rank's device; its per-token fields sequence-sharded under CP."""
-        return sub.map(self._per_token, lambda t: t.to(self.pm.device))
+        return sub.map(self._per_token, lambda t: self._rows_to_device(t))
+
+    def _rows_to_device(self, t_B: torch.Tensor) -> torch.Tensor:
+        """A per-row tensor on this rank's device (on XLA split over the mesh's data-parallel axes)."""
+        return t_B.to(self.pm.device) if self.xla is None else self.xla.place_rows(t_B)
 
     def _per_token(self, t_BT: torch.Tensor) -> torch.Tensor:
         """A per-token tensor [B, T, ...] of whole rows on this rank's device, sequence-sharded under CP."""
-        t_BT = t_BT.to(self.pm.device)
+        t_BT = self._rows_to_device(t_BT)
         return self.pm.context.shard(t_BT, dim=1) if self.pm.context else t_BT
 
     def _logprobs_by_micro_batch(self, local: PackedBatch, backward: bool, moe: MoeTotals | None = None,
@@ -360,6 +445,8 @@ class ParallelGRPOStep:
         until the consumer asks for the next micro-batch, i.e. through its backward."""
         (model,) = self.pm.parts
         mb = self.cfg.micro_batch_size
+        if self.xla is not None:  # a batch below one micro-batch is at its own row bucket
+            mb = row_bucket(local.input_ids_BT.shape[0], mb)[1]
         starts = list(range(0, local.input_ids_BT.shape[0], mb))
         routing = MicroBatchRouting(model, self.moe) if self.moe is not None else None
         if moe is None and routing is not None:
@@ -367,7 +454,8 @@ class ParallelGRPOStep:
         real_total = local.loss_mask_BT.new_ones(()) if real_total is None else real_total
         for i, lo in enumerate(starts):
             whole = local.rows(lo, lo + mb)
-            whole = _fit_length(whole, trimmed_len(whole.loss_mask_BT, self.seq_multiple))
+            if self.xla is None:  # on XLA `local` is already at its bucket's length
+                whole = _fit_length(whole, trimmed_len(whole.loss_mask_BT, self.seq_multiple))
             sub = self._to_device(whole)
             positions = None
             if self.pm.context:
@@ -459,6 +547,7 @@ class ParallelGRPOStep:
     def _global_stats(self, totals: _Totals, total_tokens: torch.Tensor) -> GradStats:
         """Sums each rank's disjoint share: TP ranks (identical) and non-last pipeline ranks count nothing."""
         pm = self.pm
+        totals.settle()
         counts = coord(pm.mesh, "tp") == 0 and (not pm.pipelined or any(p.is_last for p in pm.parts))
         par = totals.parity
         # A NaN max travels as a count (a max-reduction would drop it).
@@ -513,6 +602,12 @@ class ParallelGRPOStep:
     def grad_norm(self) -> float:
         """Global L2 norm of the accumulated gradient (each element counted once across the world;
         a tied matrix split across pipeline stages once, as the single-process model's one parameter)."""
+        sq = self._grad_squared_sum()
+        all_reduce(sq, self.pm.mesh)
+        return math.sqrt(sq.item())
+
+    def _grad_squared_sum(self) -> torch.Tensor:
+        """This rank's share of the squared gradient norm, float64 on the device (not read back)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.pm.device)
         for p in self.pm.parameters(head_copy=False):
             g = p.grad
@@ -520,8 +615,7 @@ class ParallelGRPOStep:
                 continue
             local = g.to_local() if isinstance(g, DTensor) else g
             sq += _squared_sum(local)
-        all_reduce(sq, self.pm.mesh)
-        return math.sqrt(sq.item())
+        return sq
 
     def clip_and_step(self, stats: GradStats) -> tuple[float, float, bool]:
         """The finite check, clip and optimizer step: (token-mean loss, pre-clip norm, taken).

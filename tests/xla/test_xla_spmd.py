@@ -1,0 +1,56 @@
+"""SPMD on XLA: `train.parallel` degrees describe one device mesh that the single trainer
+process drives; the sharded step computes the unsharded one's loss and gradients."""
+
+import pytest
+import torch_xla
+
+from groups import make_groups
+from helpers import host_grads, max_diff, trainer
+from titanrl.config.schema import ParallelConfig
+from titanrl.errors import ConfigError
+
+GROUPS = [[5, 7, 3], [6, 2]]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    """The CPU trainer's loss and gradients on GROUPS (the unsharded result)."""
+    cpu = trainer(tiny_ckpt, "cpu")
+    batch = cpu.prepare_batch(make_groups(GROUPS))
+    stats = cpu.accumulate_gradients(batch)
+    return batch, stats.loss_sum / stats.tokens, host_grads(cpu)
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(dp_shard=4), ParallelConfig(dp_shard=2, tp=2)],
+                         ids=["dp_shard4", "dp_shard2_tp2"])
+def test_sharded_step_matches_unsharded(tiny_ckpt, reference, parallel):
+    """dp_shard=4, and dp_shard=2 x tp=2, over the four XLA CPU devices of one process (no
+    torch.distributed world): weights are sharded on the mesh, and loss and gradients equal the
+    unsharded trainer's to 1e-5."""
+    batch, loss, grads = reference
+    tr = trainer(tiny_ckpt, "xla", parallel)
+    weight = tr.model.model.layers[0].mlp.up_proj.weight
+    spec = torch_xla._XLAC._get_xla_sharding_spec(weight)
+    assert "devices=[" in spec and "replicated" not in spec.split("devices=")[1].split("]")[0], spec
+    stats = tr.accumulate_gradients(batch)
+    assert abs(stats.loss_sum / stats.tokens - loss) <= 1e-5
+    assert max_diff(host_grads(tr), grads) <= 1e-5
+
+
+def test_mesh_must_cover_the_devices(tiny_ckpt):
+    """dp_shard=2 with four XLA devices is refused with what to change (no world of processes
+    is asked for); pipeline parallel has no SPMD form here."""
+    with pytest.raises(ConfigError, match="torch_xla sees 4 devices"):
+        trainer(tiny_ckpt, "xla", ParallelConfig(dp_shard=2))
+    with pytest.raises(ConfigError, match="train.parallel.pp=2"):
+        trainer(tiny_ckpt, "xla", ParallelConfig(pp=2))
+
+
+def test_batch_invariant_mode_is_refused(tiny_ckpt):
+    """The batch-invariant kernels are CPU/Triton ops: on XLA the trainer refuses the mode."""
+    from titanrl.config import ModelConfig, TrainConfig
+    from titanrl.trainer.trainer import GRPOTrainer
+
+    with pytest.raises(ConfigError, match="batch_invariant=True is not supported with train.device='xla'"):
+        GRPOTrainer(ModelConfig(checkpoint=str(tiny_ckpt)), TrainConfig(device="xla"), temperature=1.0, seed=0,
+                    batch_invariant=True)
