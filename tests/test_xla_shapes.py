@@ -6,7 +6,7 @@ import pytest
 from titanrl.config.schema import ParallelConfig
 from titanrl.errors import ConfigError
 from titanrl.trainer.shape_buckets import length_bucket, row_bucket
-from titanrl.trainer.xla.layout import check_xla_layout
+from titanrl.config.xla_env import check_xla_layout
 
 
 def test_length_buckets_are_powers_of_two_from_16():

@@ -142,16 +142,31 @@ def probe_xla_environment(python: str) -> XlaEnvironment:
     return XlaEnvironment(python, found["torch"], found["torch_xla"], found["ray"])
 
 
+SPMD_DEGREES = ("dp_replicate", "dp_shard", "tp")
+"""Degrees that become axes of the XLA SPMD mesh (in this order)."""
+
 XLA_UNSUPPORTED_DEGREES = ("pp", "cp", "ep")
-"""Parallel degrees with no SPMD form on XLA: pipeline, ring-attention context and expert parallel."""
+"""Degrees with no SPMD form here: pipeline, ring-attention context and expert parallel."""
 
 
-def check_xla_layout(parallel: ParallelConfig) -> None:
-    """Refuses the degrees the XLA trainer does not run (its SPMD mesh is dp_replicate x dp_shard x tp)."""
+def check_xla_layout(parallel: ParallelConfig, devices: int | None = None) -> None:
+    """Refuses a layout the XLA trainer does not run. devices: what torch_xla sees (None: not
+    known here, e.g. on a TPU seen from the driver); the mesh must cover them all, or be 1."""
     for name in XLA_UNSUPPORTED_DEGREES:
         if getattr(parallel, name) != 1:
             raise ConfigError(f"train.parallel.{name}={getattr(parallel, name)} is not supported with "
-                              f"train.device='xla' (SPMD shards dp_replicate, dp_shard and tp): set it to 1")
+                              f"train.device='xla' (SPMD shards {', '.join(SPMD_DEGREES)}): set it to 1")
+    size = mesh_size(parallel)
+    if devices is not None and size not in (1, devices):
+        raise ConfigError(
+            f"train.parallel dp_replicate x dp_shard x tp = {size} but torch_xla sees {devices} devices "
+            f"(CPU_NUM_DEVICES={os.environ.get('CPU_NUM_DEVICES', 'unset')} on XLA's CPU device): export "
+            f"CPU_NUM_DEVICES={size}, or make the product 1")
+
+
+def mesh_size(parallel: ParallelConfig) -> int:
+    """Devices of the SPMD mesh `parallel` describes."""
+    return parallel.dp_replicate * parallel.dp_shard * parallel.tp
 
 
 def xla_cpu_devices(environ: dict[str, str] | None = None) -> int | None:
@@ -181,12 +196,5 @@ def validate_xla(config: RunConfig, model_config: Any) -> None:
     if getattr(model_config, "num_experts", None) is not None:
         raise ConfigError("a mixture-of-experts model (model.checkpoint holds Qwen3-MoE) is not supported with "
                           "train.device='xla': use a dense Qwen3 checkpoint or train.device='cpu'")
-    check_xla_layout(p)
-    devices = xla_cpu_devices()
-    if devices is not None and p.world_size not in (1, devices):
-        raise ConfigError(
-            f"train.parallel dp_replicate x dp_shard x tp = {p.world_size}, but XLA's CPU device has {devices} "
-            f"devices (CPU_NUM_DEVICES={os.environ.get('CPU_NUM_DEVICES', 'unset')}): export "
-            f"CPU_NUM_DEVICES={p.world_size}, or make the product 1"
-        )
+    check_xla_layout(p, xla_cpu_devices())
     probe_xla_environment(str(xla_python(t)))

@@ -19,7 +19,7 @@ from torch import nn
 
 from titanrl.config.schema import ParallelConfig
 from titanrl.errors import ConfigError
-from titanrl.trainer.xla.layout import SPMD_DEGREES, check_xla_layout, mesh_size
+from titanrl.config.xla_env import SPMD_DEGREES, check_xla_layout, mesh_size
 from titanrl.trainer.xla.update import masked_step
 
 try:
@@ -30,7 +30,7 @@ try:
 except ImportError as e:  # pragma: no cover - the main venv has no torch_xla
     raise ConfigError(
         f"train.device='xla' needs torch_xla in the trainer's Python environment ({e}); build it with "
-        f"`make .venv-xla` and run the trainer there, or set train.device='cpu'") from e
+        f"`make xla-venv` and run the trainer there, or set train.device='cpu'") from e
 
 ROW_AXES = ("dp_replicate", "dp_shard")
 """Mesh axes the batch's rows are split over (data parallel)."""
