@@ -90,7 +90,8 @@ class ContinuousRollouts(RolloutSource):
         self.version = version
         dispatched = {gid for call in self.in_flight.values() for gid in call.tasks}
         # Restored from a checkpoint, or never dispatched; then the newly admitted ones.
-        retried = [self.buffer.retry(t.group_id, version) for t in self.buffer.unfinished() if t.group_id not in dispatched]
+        retried = [self.buffer.retry(t.group_id, version) for t in self.buffer.unfinished()
+                   if t.group_id not in dispatched]
         self._dispatch(retried + self.buffer.admit(completed_steps, version))
 
     def next_step(self, step: int) -> StepRollouts:
@@ -205,7 +206,8 @@ class ContinuousRollouts(RolloutSource):
             try:
                 finished = ray.get(next(stream))
             except StopIteration:
-                raise RuntimeError(f"rollout worker {call.slot}'s stream ended without groups {sorted(call.tasks)[:5]}") from None
+                missing = sorted(call.tasks)[:5]
+                raise RuntimeError(f"rollout worker {call.slot}'s stream ended without groups {missing}") from None
             except RayActorError as e:
                 self._replace(call.slot, call.actor, e)
                 continue
@@ -230,7 +232,8 @@ class ContinuousRollouts(RolloutSource):
         self.pool.replace(i, dead, error)
         if lost:
             log.info(f"{len(lost)} group(s) of rollout worker {i} are generated again")
-        self._dispatch([self.buffer.retry(task.group_id, self.version) for task in sorted(lost, key=lambda t: t.group_id)])
+        lost.sort(key=lambda t: t.group_id)
+        self._dispatch([self.buffer.retry(task.group_id, self.version) for task in lost])
 
     def _push_metrics(self) -> dict[str, float]:
         """`time/weight_sync_s`: wall time of the newest push every worker has loaded (from its start to
