@@ -6,7 +6,8 @@ checkpoint and restore. The workers are stand-in Ray actors that honour the call
 makes of a `ContinuousRolloutWorker` without an engine: a group takes a random time and may kill
 its worker's process (`os._exit`, as an out-of-memory kill would); weights land after a random
 delay, in push order; `generate_group` waits for `min_version` with the product's own
-`AsyncGenerator.wait_for_version`. The test plays the GRPO loop (fill, next_step, trained,
+`AsyncGenerator.wait_for_version`, and the source's `generate_groups` streams are the product's
+own `GroupStream`. The test plays the GRPO loop (fill, next_step, trained,
 publish) with random skipped steps. Hypothesis draws the job's shape and the randomness.
 """
 
@@ -29,6 +30,7 @@ from titanrl.data import PromptStream
 from titanrl.driver.sources.base import RolloutWorkersFailed
 from titanrl.driver.sources.buffer import TrajectoryBuffer
 from titanrl.driver.sources.continuous import ContinuousRollouts
+from titanrl.rollout.group_stream import GroupStream
 from titanrl.types import Group, Sample
 
 ROWS = [{"prompt": f"row {i}"} for i in range(7)]
@@ -50,7 +52,7 @@ class _VersionOnlyEngine:
         self.policy_version = int(version)
 
 
-class StandInWorker:
+class StandInWorker(GroupStream):
     """A `ContinuousRolloutWorker` without an engine (see the module docstring)."""
 
     def __init__(self, seed: int, death_odds: float) -> None:

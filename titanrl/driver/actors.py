@@ -75,7 +75,8 @@ def start_rollouts(config: RunConfig, train_rows: list[dict[str, Any]],
                                 dynamic_sampling_max_requests=rc.dynamic_sampling_max_requests
                                 if rc.dynamic_sampling else 0)
 
-    # An async actor: every admitted group is a call in flight on it (see ContinuousRolloutWorker).
+    # An async actor: its group streams (at most one call per admitted group), weight loads and
+    # evaluations run on it at once (see ContinuousRolloutWorker).
     most_in_flight = (1 + tc.max_staleness) * rc.prompts_per_step
     worker_cls = ray.remote(ContinuousRolloutWorker)
 

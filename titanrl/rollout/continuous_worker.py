@@ -2,9 +2,10 @@
 
 It runs as an async Ray actor: every call awaits a coroutine on the worker's own event loop (a
 background thread, so the engine never blocks Ray's loop), where a single `AsyncGenerator`
-pump steps vLLM for every request in flight. So the driver's many
-`generate_group` calls share one continuous batch, a group that finishes is returned at once,
-and `update_weights` lands between two engine steps while the other groups keep going:
+pump steps vLLM for every request in flight. So the groups of the driver's `generate_groups`
+calls (`titanrl.rollout.group_stream`: a worker's share of an admission in one streaming call)
+share one continuous batch, a group that finishes is streamed back at once, and
+`update_weights` lands between two engine steps while the other groups keep going:
 
 - `rollout.on_weight_update="continue"` (partial rollouts): running requests keep their tokens,
   vLLM recomputes their KV cache with the new weights, and each token records the version that
@@ -19,6 +20,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from titanrl.rollout.group_stream import GroupStream
 from titanrl.rollout.single_turn import scored_summary
 from titanrl.rollout.vllm.async_engine import AsyncGenerator, WeightsChanged
 from titanrl.rollout.worker import RolloutWorker
@@ -27,7 +29,7 @@ from titanrl.types import Group
 T = TypeVar("T")
 
 
-class ContinuousRolloutWorker(RolloutWorker):
+class ContinuousRolloutWorker(GroupStream, RolloutWorker):
     """RolloutWorker's engine, rewards and environments, driven one group at a time."""
 
     def __init__(self, *args: Any, on_weight_update: str = "continue", **kwargs: Any) -> None:

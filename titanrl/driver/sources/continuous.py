@@ -1,9 +1,11 @@
 """Continuous rollouts: rollout worker actors generating group by group into the trajectory buffer.
 
-The driver hands every admitted group (`titanrl.driver.sources.buffer`) to the least-loaded worker as its own
-call, so a slow group holds back neither its worker nor the others, and collects groups as they
-finish. Workers take new weights between engine steps (`ContinuousRolloutWorker`), so pushing
-never waits for generation to drain.
+The driver hands every admitted group (`titanrl.driver.sources.buffer`) to the least-loaded worker;
+each worker gets its share of one admission in one streaming call (`generate_groups`,
+`titanrl.rollout.group_stream`), which hands every group back as soon as it finishes, so a slow
+group holds back neither its worker nor the others, and the driver pays one Ray call per worker
+per step instead of one per group. Workers take new weights between engine steps
+(`ContinuousRolloutWorker`), so pushing never waits for generation to drain.
 
 A worker that dies (its process killed, out of memory) is replaced by a new actor that loads
 the newest weights (`titanrl.driver.sources.workers.WorkerPool`, as in lock-step runs); the
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from titanrl.data import PromptStream
@@ -27,6 +30,17 @@ from titanrl.types import StepRollouts, group_tokens
 from titanrl.weight_sync import WeightPush
 
 log = logging.getLogger("titanrl")
+
+
+@dataclass
+class _StreamCall:
+    """One `generate_groups` call in flight: its worker, and the groups it has not returned yet."""
+
+    slot: int
+    actor: Any
+    """The actor running it (a replacement of the slot does not take it over)."""
+    tasks: dict[int, GroupTask] = field(default_factory=dict)
+    """Group id -> task, for the groups the stream has not yielded yet."""
 
 
 class ContinuousRollouts(RolloutSource):
@@ -40,8 +54,8 @@ class ContinuousRollouts(RolloutSource):
         for a replacement; see `WorkerPool` for `max_deaths_in_a_row`."""
         self.buffer = buffer
         self.pool = WorkerPool(make_worker, num_workers, max_deaths_in_a_row)
-        self.in_flight: dict[Any, tuple[GroupTask, int]] = {}
-        """Ray ref of a `generate_group` call -> (its task, its worker slot)."""
+        self.in_flight: dict[Any, _StreamCall] = {}
+        """Ray streaming generator of a `generate_groups` call -> what it still owes."""
         self.load = [0] * num_workers
         self.version = 0
         now = time.perf_counter()
@@ -74,12 +88,11 @@ class ContinuousRollouts(RolloutSource):
             self.idle_since = [self.last_step_at] * len(self.workers)
             self.idle_s = 0.0
         self.version = version
-        dispatched = {task.group_id for task, _ in self.in_flight.values()}
-        for task in self.buffer.unfinished():  # restored from a checkpoint, or never dispatched
-            if task.group_id not in dispatched:
-                self._dispatch(self.buffer.retry(task.group_id, version))
-        for task in self.buffer.admit(completed_steps, version):
-            self._dispatch(task)
+        dispatched = {gid for call in self.in_flight.values() for gid in call.tasks}
+        # Restored from a checkpoint, or never dispatched; then the newly admitted ones.
+        retried = [self.buffer.retry(t.group_id, version) for t in self.buffer.unfinished()
+                   if t.group_id not in dispatched]
+        self._dispatch(retried + self.buffer.admit(completed_steps, version))
 
     def next_step(self, step: int) -> StepRollouts:
         """Waits until every group of `step` has finished; they stay in the buffer until `trained`."""
@@ -152,12 +165,18 @@ class ContinuousRollouts(RolloutSource):
 
     # ------------------------------------------------------------------ dispatch and failures
 
-    def _dispatch(self, task: GroupTask) -> None:
-        i = min(range(len(self.workers)), key=lambda k: self.load[k])
-        task.attempts += 1
-        ref = self.workers[i].generate_group.remote(task.row, task.seed, task.group_id, task.min_version)
-        self.in_flight[ref] = (task, i)
-        self._busy(i, +1)
+    def _dispatch(self, tasks: list[GroupTask]) -> None:
+        """Each task to the least-loaded worker; one `generate_groups` call per worker that got any."""
+        shares: dict[int, list[GroupTask]] = {}
+        for task in tasks:
+            i = min(range(len(self.workers)), key=lambda k: self.load[k])
+            task.attempts += 1
+            shares.setdefault(i, []).append(task)
+            self._busy(i, +1)
+        for i, share in shares.items():
+            requests = [(t.row, t.seed, t.group_id, t.min_version) for t in share]
+            stream = self.workers[i].generate_groups.options(num_returns="streaming").remote(requests)
+            self.in_flight[stream] = _StreamCall(i, self.workers[i], {t.group_id: t for t in share})
 
     def _busy(self, i: int, change: int) -> None:
         now = time.perf_counter()
@@ -175,39 +194,46 @@ class ContinuousRollouts(RolloutSource):
 
         if not self.in_flight:
             return
-        refs = list(self.in_flight)
-        # Wake at the first finished group, then take every other one already finished.
-        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        streams = list(self.in_flight)
+        # Wake at the first stream with finished groups, then take every other one already there.
+        ready, _ = ray.wait(streams, num_returns=1, timeout=timeout)
         if ready:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        for ref in ready:
-            if ref not in self.in_flight:
-                continue  # its worker was replaced while handling an earlier ref
-            task, i = self.in_flight.pop(ref)
-            self._busy(i, -1)
+            ready, _ = ray.wait(streams, num_returns=len(streams), timeout=0)
+        for stream in ready:
+            call = self.in_flight.get(stream)
+            if call is None:
+                continue  # its worker was replaced while handling an earlier stream
             try:
-                group = ray.get(ref)
+                finished = ray.get(next(stream))
+            except StopIteration:
+                missing = sorted(call.tasks)[:5]
+                raise RuntimeError(f"rollout worker {call.slot}'s stream ended without groups {missing}") from None
             except RayActorError as e:
-                self._replace(i, self.workers[i], e, task)
+                self._replace(call.slot, call.actor, e)
                 continue
-            self.pool.served(i)
-            self.buffer.finish(task.group_id, group)
+            for group_id, group in finished:
+                call.tasks.pop(group_id)
+                self._busy(call.slot, -1)
+                self.pool.served(call.slot)
+                self.buffer.finish(group_id, group)
+            if not call.tasks:  # all of it returned: the stream has nothing more to say
+                del self.in_flight[stream]
 
-    def _replace(self, i: int, dead: Any, error: BaseException, first_lost: GroupTask | None = None) -> None:
-        """Slot i's actor `dead` died: the pool starts a replacement with the newest weights, which
-        is handed the groups the dead one had (`first_lost` and those still in flight on slot i)."""
-        lost = [first_lost] if first_lost is not None else []
-        for ref, (task, j) in list(self.in_flight.items()):
-            if j == i:
-                del self.in_flight[ref]
-                self._busy(i, -1)
-                lost.append(task)
-        if not self.pool.replace(i, dead, error):
-            lost = []  # replaced already; groups dispatched since then run on the new actor
-        elif lost:
+    def _replace(self, i: int, dead: Any, error: BaseException) -> None:
+        """Slot i's actor `dead` died: the pool starts a replacement with the newest weights (unless
+        it did already), which is handed the groups `dead` had not returned (from all its streams)."""
+        lost: list[GroupTask] = []
+        for stream, call in list(self.in_flight.items()):
+            if call.actor is dead:
+                del self.in_flight[stream]
+                for _ in call.tasks:
+                    self._busy(i, -1)
+                lost += call.tasks.values()
+        self.pool.replace(i, dead, error)
+        if lost:
             log.info(f"{len(lost)} group(s) of rollout worker {i} are generated again")
-        for task in sorted(lost, key=lambda t: t.group_id):
-            self._dispatch(self.buffer.retry(task.group_id, self.version))
+        lost.sort(key=lambda t: t.group_id)
+        self._dispatch([self.buffer.retry(task.group_id, self.version) for task in lost])
 
     def _push_metrics(self) -> dict[str, float]:
         """`time/weight_sync_s`: wall time of the newest push every worker has loaded (from its start to
