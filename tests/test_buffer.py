@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from titanrl.types import Group, Sample
 
 ROWS = [{"prompt": f"row {i}"} for i in range(7)]
 HANG_GUARD_S = 120
-"""Longest a run may make no progress (stand-in groups take milliseconds)."""
+"""Longest a run may go without starting a worker or finishing a group (stand-in groups take milliseconds)."""
 
 
 def _seed_of_group(group_id: int) -> int:
@@ -121,8 +122,11 @@ class Fleet:
         self.trainer = ray.remote(StandInTrainer).remote()
         self.rng = random.Random(0)
         self.death_odds = 0.0
+        self.started = 0
+        """Worker actors started so far (the hang guard counts a replacement as progress)."""
 
     def make_worker(self, slot: int) -> Any:
+        self.started += 1
         return self.worker_cls.remote(self.rng.randrange(2**32), self.death_odds)
 
     def release(self, actors: list[Any]) -> None:
@@ -151,17 +155,23 @@ chaos = st.builds(Chaos, st.integers(0, 2**32), st.sampled_from([0.0, 0.3]), st.
 
 
 @contextmanager
-def hang_guard(seconds: int):
-    """Fails the test instead of hanging when a lost group is never generated again. Yields a
-    function to call on progress (a step's groups arrived): it re-arms the alarm, so a slow but
-    live run (replacement actors start slowly on a loaded machine) is not mistaken for a lost group."""
-    def fail(*_: Any) -> None:
-        raise TimeoutError(f"the run made no progress for {seconds} s: a group was lost")
+def hang_guard(seconds: int, progress: Callable[[], object]):
+    """Fails the test instead of hanging when a lost group is never generated again. Every `seconds`
+    it compares `progress()` (workers started, groups finished) with its last look and fails only if
+    nothing moved: a slow but live run (actors start slowly on a loaded machine) is not a lost group."""
+    seen = [progress()]
 
-    old = signal.signal(signal.SIGALRM, fail)
+    def check(*_: Any) -> None:
+        now = progress()
+        if now == seen[0]:
+            raise TimeoutError(f"the run made no progress for {seconds} s: a group was lost")
+        seen[0] = now
+        signal.alarm(seconds)
+
+    old = signal.signal(signal.SIGALRM, check)
     signal.alarm(seconds)
     try:
-        yield lambda: signal.alarm(seconds)
+        yield
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
@@ -186,13 +196,13 @@ def run(fleet: Fleet, ch: Chaos, prompts_per_step: int, max_staleness: int, step
     staleness: list[int] = []
     admitted_at: dict[int, int] = {}  # group id -> steps completed when it was admitted
     version, restarts = 0, 0
+    live = [source]  # the source of the current attempt (a restore replaces it)
     try:
-        with hang_guard(HANG_GUARD_S) as progressed:
+        with hang_guard(HANG_GUARD_S, lambda: (fleet.started, len(trained), len(live[0].buffer.finished))):
             source.fill(0, version)
             admitted_at.update({gid: 0 for gid in source.buffer.tasks})
             for step in range(1, steps + 1):
                 groups = source.next_step(step).groups
-                progressed()
                 trained[step] = [g.samples[0] for g in groups]
                 staleness += [version - g.policy_version for g in groups]
                 source.trained(step)
@@ -204,7 +214,7 @@ def run(fleet: Fleet, ch: Chaos, prompts_per_step: int, max_staleness: int, step
                     restarts += source.restarts
                     source.close()
                     fleet.release(source.workers)
-                    source = _source(fleet, prompts_per_step, max_staleness, steps, workers)
+                    source = live[0] = _source(fleet, prompts_per_step, max_staleness, steps, workers)
                     source.restore(state, version)
                     source.publish(version)
                 source.fill(step, version)
@@ -277,7 +287,8 @@ def test_a_slot_that_keeps_dying_stops_the_run(fleet):
     fleet.rng, fleet.death_odds = random.Random(1), 1.0
     source = _source(fleet, 1, 0, 2, 1, max_deaths_in_a_row=3)
     try:
-        with hang_guard(120), pytest.raises(RolloutWorkersFailed, match="died 3 times in a row"):
+        with hang_guard(HANG_GUARD_S, lambda: fleet.started), \
+                pytest.raises(RolloutWorkersFailed, match="died 3 times in a row"):
             source.fill(0, 0)
             source.next_step(1)
         assert source.restarts == 2
