@@ -7,8 +7,10 @@ makes of a `ContinuousRolloutWorker` without an engine: a group takes a random t
 its worker's process (`os._exit`, as an out-of-memory kill would); weights land after a random
 delay, in push order; `generate_group` waits for `min_version` with the product's own
 `AsyncGenerator.wait_for_version`, and the source's `generate_groups` streams are the product's
-own `GroupStream`. The test plays the GRPO loop (fill, next_step, trained,
-publish) with random skipped steps. Hypothesis draws the job's shape and the randomness.
+own `GroupStream`. Live workers of a finished run serve the next one after a `reset` (an actor
+start costs seconds); a replacement is a kept one or a new actor. The test plays the GRPO loop
+(fill, next_step, trained, publish) with random skipped steps. Hypothesis draws the job's shape
+and the randomness.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import random
 import signal
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +37,10 @@ from titanrl.rollout.group_stream import GroupStream
 from titanrl.types import Group, Sample
 
 ROWS = [{"prompt": f"row {i}"} for i in range(7)]
+MAX_IDLE_WORKERS = 3
+"""Workers of finished runs the fleet keeps for the next run (a run has at most 3)."""
 HANG_GUARD_S = 120
-"""Longest a run may make no progress (stand-in groups take milliseconds)."""
+"""Longest a run may go without starting a worker or finishing a group (stand-in groups take milliseconds)."""
 
 
 def _seed_of_group(group_id: int) -> int:
@@ -56,17 +61,26 @@ class StandInWorker(GroupStream):
     """A `ContinuousRolloutWorker` without an engine (see the module docstring)."""
 
     def __init__(self, seed: int, death_odds: float) -> None:
+        self._start_run(seed, death_odds)
+
+    def _start_run(self, seed: int, death_odds: float) -> None:
         from titanrl.rollout.vllm.async_engine import AsyncGenerator
 
         self.rng, self.death_odds = random.Random(seed), death_odds
         self.generator = AsyncGenerator(_VersionOnlyEngine())  # type: ignore[arg-type]
         self.updates = asyncio.Lock()  # weights land in push order, as the real worker's lock makes them
 
+    async def reset(self, seed: int, death_odds: float) -> None:
+        """A new run's state (weights at version 0) for a kept actor. Calls of the earlier run that are
+        still running finish on that run's objects and do not die: a reused actor is a fresh worker."""
+        self._start_run(seed, death_odds)
+
     async def generate_group(self, row: dict[str, Any], seed: int, group_id: int, min_version: int) -> Group:
-        await self.generator.wait_for_version(min_version)
-        started = self.generator.engine.policy_version
-        await asyncio.sleep(self.rng.uniform(0.0, 0.01))
-        if self.rng.random() < self.death_odds:
+        generator, rng = self.generator, self.rng
+        await generator.wait_for_version(min_version)
+        started = generator.engine.policy_version
+        await asyncio.sleep(rng.uniform(0.0, 0.01))
+        if rng.random() < self.death_odds and generator is self.generator:
             os._exit(1)
         sample = Sample(prompt=row["prompt"], completion="c", prompt_ids=[1], completion_ids=[2], gen_logprobs=[0.0],
                         reward=0.0, group_id=group_id, policy_version=started,
@@ -74,9 +88,10 @@ class StandInWorker(GroupStream):
         return Group([sample])
 
     async def _load(self, version: int, delay: float) -> float:
-        async with self.updates:
+        generator, updates = self.generator, self.updates
+        async with updates:
             await asyncio.sleep(delay)
-            await self.generator.update_weights({}, version)
+            await generator.update_weights({}, version)
         return delay
 
     async def update_weights(self, state_dict: dict, version: int) -> float:
@@ -112,7 +127,8 @@ class StandInTrainer:
 
 
 class Fleet:
-    """Starts the stand-in actors (one trainer for the whole module)."""
+    """Starts the stand-in actors (one trainer for the whole module) and keeps the live workers of
+    finished runs for the next ones: starting an actor (a process importing Ray) costs seconds."""
 
     def __init__(self, ray: Any) -> None:
         from ray import cloudpickle
@@ -123,18 +139,40 @@ class Fleet:
         self.trainer = ray.remote(StandInTrainer).remote()
         self.rng = random.Random(0)
         self.death_odds = 0.0
+        self.started = 0
+        """Workers handed out so far (the hang guard counts a replacement as progress)."""
+        self.idle: list[Any] = []
+        """Live workers of finished runs, reset before they are handed out again."""
 
     def make_worker(self, slot: int) -> Any:
-        return self.worker_cls.remote(self.rng.randrange(2**32), self.death_odds)
+        from ray.exceptions import RayActorError
 
-    def release(self, actors: list[Any]) -> None:
+        self.started += 1
+        seed = self.rng.randrange(2**32)
+        while self.idle:
+            worker = self.idle.pop()
+            try:
+                self.ray.get(worker.reset.remote(seed, self.death_odds))  # before any call of the new run
+                return worker
+            except RayActorError:  # died after its run finished
+                continue
+        return self.worker_cls.remote(seed, self.death_odds)
+
+    def release(self, actors: list[Any], reuse: bool = True) -> None:
+        """Keeps `actors` for later runs (up to a few), or kills them."""
         for actor in actors:
-            self.ray.kill(actor)
+            if reuse and len(self.idle) < MAX_IDLE_WORKERS:
+                self.idle.append(actor)
+            else:
+                self.ray.kill(actor)
 
 
 @pytest.fixture(scope="module")
 def fleet(ray_session):
-    return Fleet(ray_session)
+    fleet = Fleet(ray_session)
+    yield fleet
+    idle, fleet.idle = fleet.idle, []
+    fleet.release(idle, reuse=False)
 
 
 @dataclass
@@ -153,17 +191,23 @@ chaos = st.builds(Chaos, st.integers(0, 2**32), st.sampled_from([0.0, 0.3]), st.
 
 
 @contextmanager
-def hang_guard(seconds: int):
-    """Fails the test instead of hanging when a lost group is never generated again. Yields a
-    function to call on progress (a step's groups arrived): it re-arms the alarm, so a slow but
-    live run (replacement actors start slowly on a loaded machine) is not mistaken for a lost group."""
-    def fail(*_: Any) -> None:
-        raise TimeoutError(f"the run made no progress for {seconds} s: a group was lost")
+def hang_guard(seconds: int, progress: Callable[[], object]):
+    """Fails the test instead of hanging when a lost group is never generated again. Every `seconds`
+    it compares `progress()` (workers started, groups finished) with its last look and fails only if
+    nothing moved: a slow but live run (actors start slowly on a loaded machine) is not a lost group."""
+    seen = [progress()]
 
-    old = signal.signal(signal.SIGALRM, fail)
+    def check(*_: Any) -> None:
+        now = progress()
+        if now == seen[0]:
+            raise TimeoutError(f"the run made no progress for {seconds} s: a group was lost")
+        seen[0] = now
+        signal.alarm(seconds)
+
+    old = signal.signal(signal.SIGALRM, check)
     signal.alarm(seconds)
     try:
-        yield lambda: signal.alarm(seconds)
+        yield
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
@@ -188,13 +232,13 @@ def run(fleet: Fleet, ch: Chaos, prompts_per_step: int, max_staleness: int, step
     staleness: list[int] = []
     admitted_at: dict[int, int] = {}  # group id -> steps completed when it was admitted
     version, restarts = 0, 0
+    live = [source]  # the source of the current attempt (a restore replaces it)
     try:
-        with hang_guard(HANG_GUARD_S) as progressed:
+        with hang_guard(HANG_GUARD_S, lambda: (fleet.started, len(trained), len(live[0].buffer.finished))):
             source.fill(0, version)
             admitted_at.update({gid: 0 for gid in source.buffer.tasks})
             for step in range(1, steps + 1):
                 groups = source.next_step(step).groups
-                progressed()
                 trained[step] = [g.samples[0] for g in groups]
                 staleness += [version - g.policy_version for g in groups]
                 source.trained(step)
@@ -205,8 +249,8 @@ def run(fleet: Fleet, ch: Chaos, prompts_per_step: int, max_staleness: int, step
                     state = source.checkpoint(version)
                     restarts += source.restarts
                     source.close()
-                    fleet.release(source.workers)
-                    source = _source(fleet, prompts_per_step, max_staleness, steps, workers)
+                    fleet.release(source.workers, reuse=False)  # their in-flight groups die with them
+                    source = live[0] = _source(fleet, prompts_per_step, max_staleness, steps, workers)
                     source.restore(state, version)
                     source.publish(version)
                 source.fill(step, version)
@@ -279,7 +323,8 @@ def test_a_slot_that_keeps_dying_stops_the_run(fleet):
     fleet.rng, fleet.death_odds = random.Random(1), 1.0
     source = _source(fleet, 1, 0, 2, 1, max_deaths_in_a_row=3)
     try:
-        with hang_guard(120), pytest.raises(RolloutWorkersFailed, match="died 3 times in a row"):
+        with hang_guard(HANG_GUARD_S, lambda: fleet.started), \
+                pytest.raises(RolloutWorkersFailed, match="died 3 times in a row"):
             source.fill(0, 0)
             source.next_step(1)
         assert source.restarts == 2

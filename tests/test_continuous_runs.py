@@ -96,12 +96,17 @@ def _alive_run_actors() -> list[int]:
 
 @pytest.mark.slow
 def test_killed_worker_is_replaced_and_every_group_is_trained_exactly_once(tmp_path, ray_session, tiny_run):
-    """Worker 0 or 1 is SIGKILLed mid-run (reward call 24 of 64, inside step 2's or 3's groups). The run
-    finishes: a replacement took the newest weights and regenerated the lost groups; every step
-    trained exactly its own 4 groups (no group lost, none twice); staleness stayed <= 1; the buffer
-    and idle metrics are logged; no actor of the run is left alive."""
+    """Worker 0 or 1 is SIGKILLed mid-run (reward call 24 of 64, inside step 2's or 3's groups) of a run
+    pushing weights through shared memory. The run finishes: a replacement joined the re-formed
+    transport, took the newest weights and regenerated the lost groups; every step trained exactly
+    its own 4 groups (no group lost, none twice); staleness stayed <= 1; the buffer and idle metrics
+    are logged; every step's push reached the workers (eval after the last step reports its
+    version); no shared-memory segment it created is left in /dev/shm and no actor of the run is
+    alive. (Lock-step runs: tests/test_lockstep_worker_deaths.py, every transport.)"""
     _arm(tmp_path, kill_at=24)
-    result = titanrl.train(_config(tmp_path, tiny_run, killing_reward, num_workers=2))
+    before = _shm_names()
+    result = titanrl.train(_config(tmp_path, tiny_run, killing_reward, num_workers=2,
+                                   weight_transport="shared_memory"))
 
     steps = [m for m in result.metrics if m["step"] > 0]
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
@@ -119,6 +124,7 @@ def test_killed_worker_is_replaced_and_every_group_is_trained_exactly_once(tmp_p
         ids = [r["group_id"] for r in rows if r["step"] == step]
         assert sorted(set(ids)) == list(range((step - 1) * 4, step * 4))
         assert len(ids) == 16  # 4 samples of each of its 4 groups, each group once
+    assert _shm_names() - before == set()
     assert _alive_run_actors() == []
 
 
@@ -159,24 +165,6 @@ def _shm_names() -> set[str]:
     from titanrl.weight_sync.segment import PREFIX
 
     return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(PREFIX)}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("continuous", [False, True])
-def test_shared_memory_transport_run_leaves_no_segment_or_actor_behind(tmp_path, ray_session, continuous, tiny_run):
-    """A whole run pushing weights through shared memory (lock-step and continuous): every step's push
-    reached the workers (eval after the last step reports its version), and once `train` returns no
-    shared-memory segment it created is left in /dev/shm and no actor of the run is alive."""
-    _arm(tmp_path, kill_at=10**9)
-    config = _config(tmp_path, tiny_run, killing_reward, num_workers=2, weight_transport="shared_memory")
-    config.rollout.continuous = continuous
-    config.train.steps = 2
-    before = _shm_names()
-    result = titanrl.train(config)
-    evals = {m["step"]: m["eval/policy_version"] for m in result.metrics if "eval/policy_version" in m}
-    assert evals == {0: 0, 2: 2}
-    assert _shm_names() - before == set()
-    assert _alive_run_actors() == []
 
 
 @pytest.mark.slow

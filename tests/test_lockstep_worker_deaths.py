@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_continuous_runs import _alive_run_actors, _arm, _config, killing_reward
+from test_continuous_runs import _alive_run_actors, _arm, _config, _shm_names, killing_reward
 
 import titanrl
 
@@ -53,12 +53,18 @@ def test_killed_lockstep_worker_is_replaced_and_the_run_equals_an_undisturbed_on
     step 2's request completes all 3 steps with workers/restarts == 1, and its loss, reward/mean,
     grad_norm and eval accuracy equal an undisturbed run's to the bit: the replacement joined the
     weight transport (re-formed for shared_memory and broadcast), held the current weights, and
-    generated the dead worker's part with the same seeds."""
+    generated the dead worker's part with the same seeds. Every step's push reached the workers (the
+    evaluations after steps 2 and 3 report those versions), and once `train` returns no shared-memory
+    segment it created is left in /dev/shm and no actor of the run is alive."""
     _arm(tmp_path / "killed", kill_at=KILL_AT)
     (tmp_path / "killed").mkdir()
+    before = _shm_names()
     killed = titanrl.train(_lockstep_config(tmp_path / "killed", tiny_run, weight_transport=transport))
 
     assert [m["step"] for m in killed.metrics if m["step"] > 0] == [1, 2, 3]
     assert killed.metrics[-1]["workers/restarts"] == 1.0
     assert _columns(killed.metrics) == undisturbed
+    evals = {m["step"]: m["eval/policy_version"] for m in killed.metrics if "eval/policy_version" in m}
+    assert evals == {0: 0, 2: 2, 3: 3}
+    assert _shm_names() - before == set()
     assert _alive_run_actors() == []

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from titanrl.rollout.vllm.engine import Completion, VllmEngine
+if TYPE_CHECKING:  # the weight-version bookkeeping runs without loading torch and the engine module
+    from titanrl.rollout.vllm.engine import Completion, VllmEngine
 
 
 class WeightsChanged(Exception):
@@ -183,6 +185,8 @@ class AsyncGenerator:
             self._routing_keys.clear()
 
     def _completion(self, output, versions: list[int]) -> Completion:
+        from titanrl.rollout.vllm.engine import Completion
+
         c = output.outputs[0]
         ids = list(c.token_ids)
         versions = versions[: len(ids)] if ids else []
