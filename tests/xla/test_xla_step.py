@@ -41,18 +41,23 @@ def test_first_step_gradients_and_loss_match_the_cpu_trainer(tiny_ckpt, xla_trai
                if k != "step")
 
 
-def test_steps_over_varied_lengths_compile_once_per_bucket(xla_trainer):
-    """Steps whose lengths and row counts vary within two buckets compile one program per bucket
-    (the whole step: forward, loss, backward, clip, AdamW), plus one for the trainer's first step
-    (its graph differs from every later one's), then nothing new; the metrics report the count
-    and the compile time."""
+def test_steps_over_varied_lengths_compile_once_per_bucket(tiny_ckpt):
+    """After the trainer's first step (its graph differs from every later one's, so it is its own
+    program), steps whose lengths and row counts vary within two buckets compile at most one
+    program per bucket (the whole step: forward, loss, backward, clip, AdamW), then nothing new;
+    the metrics report the count and the compile time. Its own trainer, stepped once first, so it passes
+    alone as in the folder."""
+    xla_trainer = trainer(tiny_ckpt, "xla")
+    xla_trainer.step(make_groups(GROUPS, seed=9))  # the first step, in neither bucket below
     warmup = [[[5, 7, 3], [6, 2]], [[20, 3, 9], [1, 17]]]  # buckets (8, 16) and (8, 32)
     later = [[[2, 11], [4, 8, 1]], [[25, 2], [3, 3, 18]], [[9, 9, 9], [1, 2]], [[12], [13, 14, 2, 3]]]
     before = xla_trainer.xla.compile_metrics()["xla/compiles"]
     for i, lengths in enumerate(warmup):
         m = xla_trainer.step(make_groups(lengths, seed=10 + i))
     warm = m["xla/compiles"]
-    assert 1 <= warm - before <= len(warmup) + 1
+    # At most one program per bucket; fewer when an earlier test's trainer in this process already
+    # compiled the same graph (XLA's compile cache is per process, not per trainer).
+    assert 1 <= warm - before <= len(warmup)
     assert m["xla/compile_s"] > 0
     for i, lengths in enumerate(later):
         m = xla_trainer.step(make_groups(lengths, seed=20 + i))
