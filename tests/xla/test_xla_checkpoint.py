@@ -24,23 +24,24 @@ def _assert_equal(a: dict, b: dict) -> None:
             assert torch.equal(a[k], b[k]), k
 
 
+def _moved(source, target, path, version: int):
+    """`source`'s training state saved and loaded into `target`: weights and AdamW moments bitwise."""
+    source.save_state(str(path))
+    assert target.load_state(str(path)) == version
+    _assert_equal(host_weights(target), host_weights(source))
+    _assert_equal(_moments(target), _moments(source))
+    return target
+
+
 def test_training_checkpoint_goes_from_xla_to_cpu_and_back(tiny_ckpt, tmp_path):
     """XLA steps and saves; the CPU trainer loads the same weights and AdamW moments bit for bit,
     steps and saves; a fresh XLA trainer loads those bits and its next step matches the CPU
     trainer's next step (1e-5)."""
     xla = trainer(tiny_ckpt, "xla")
     xla.step(make_groups(GROUPS, seed=1))
-    xla.save_state(str(tmp_path / "from_xla"))
-    cpu = trainer(tiny_ckpt, "cpu")
-    assert cpu.load_state(str(tmp_path / "from_xla")) == 1
-    _assert_equal(host_weights(cpu), host_weights(xla))
-    _assert_equal(_moments(cpu), _moments(xla))
+    cpu = _moved(xla, trainer(tiny_ckpt, "cpu"), tmp_path / "from_xla", version=1)
     cpu.step(make_groups(GROUPS, seed=2))
-    cpu.save_state(str(tmp_path / "from_cpu"))
-    back = trainer(tiny_ckpt, "xla")
-    assert back.load_state(str(tmp_path / "from_cpu")) == 2
-    _assert_equal(host_weights(back), host_weights(cpu))
-    _assert_equal(_moments(back), _moments(cpu))
+    back = _moved(cpu, trainer(tiny_ckpt, "xla"), tmp_path / "from_cpu", version=2)
     groups = make_groups(GROUPS, seed=3)
     xla_m, cpu_m = back.step(groups), cpu.step(groups)
     assert abs(xla_m["loss"] - cpu_m["loss"]) <= 1e-5
