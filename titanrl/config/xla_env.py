@@ -181,18 +181,24 @@ def xla_cpu_devices(environ: dict[str, str] | None = None) -> int | None:
     return int(value)
 
 
+def check_xla_training(train: TrainConfig, batch_invariant: bool) -> None:
+    """Refuses the training settings the XLA trainer does not run (validation, and the trainer
+    itself when built from Python)."""
+    if batch_invariant:
+        raise ConfigError("batch_invariant=True is not supported with train.device='xla' (the invariant kernels "
+                          "are CPU/Triton ops, not XLA ones): set batch_invariant=False or train.device='cpu'")
+    if train.kl_coef > 0:
+        raise ConfigError("train.kl_coef > 0 is not supported with train.device='xla' yet (the reference policy "
+                          "runs outside the compiled step): set train.kl_coef=0 or train.device='cpu'")
+
+
 def validate_xla(config: RunConfig, model_config: Any) -> None:
     """train.device='xla': what the XLA trainer does not run is refused first (no probing), then the
     environment is checked. model_config: the checkpoint's config.json (`read_config`)."""
     if config.train.device != "xla":
         return
     t, p = config.train, config.train.parallel
-    if config.batch_invariant:
-        raise ConfigError("batch_invariant=True is not supported with train.device='xla' (the invariant kernels "
-                          "are CPU/Triton ops, not XLA ones): set batch_invariant=False or train.device='cpu'")
-    if t.kl_coef > 0:
-        raise ConfigError("train.kl_coef > 0 is not supported with train.device='xla' yet (the reference policy "
-                          "runs outside the compiled step): set train.kl_coef=0 or train.device='cpu'")
+    check_xla_training(t, config.batch_invariant)
     if getattr(model_config, "num_experts", None) is not None:
         raise ConfigError("a mixture-of-experts model (model.checkpoint holds Qwen3-MoE) is not supported with "
                           "train.device='xla': use a dense Qwen3 checkpoint or train.device='cpu'")

@@ -533,12 +533,9 @@ class GRPOTrainer:
 
 def _open_xla(model_config: ModelConfig, train_config: TrainConfig, batch_invariant: bool) -> Any:
     """The XLA runtime for train.device='xla', after refusing what the XLA trainer does not run."""
-    if batch_invariant:
-        raise ConfigError("batch_invariant=True is not supported with train.device='xla' (the invariant kernels "
-                          "are CPU/Triton ops, not XLA ones): set batch_invariant=False or train.device='cpu'")
-    if train_config.kl_coef > 0:
-        raise ConfigError("train.kl_coef > 0 is not supported with train.device='xla' yet (the reference policy "
-                          "runs outside the compiled step): set train.kl_coef=0 or train.device='cpu'")
+    from titanrl.config.xla_env import check_xla_training
+
+    check_xla_training(train_config, batch_invariant)
     from titanrl.trainer.xla.runtime import XlaRuntime
 
     return XlaRuntime(train_config.parallel)
