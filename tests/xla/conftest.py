@@ -19,6 +19,12 @@ else:
     import torch_xla.runtime as xr
 
     xr.use_spmd()
+    # torch's autograd engine sizes its per-device queues at its first backward, from the device
+    # count torch_xla reports then: 0 until the runtime starts. A CPU reference trainer's backward
+    # before any XLA tensor existed left no queue for the XLA device, and the first XLA backward
+    # failed an internal assert (test_xla_spmd.py run alone). Starting the runtime here avoids it;
+    # the trainer's XlaRuntime starts it before any backward too.
+    xr.global_runtime_device_count()
 
     @pytest.fixture(scope="session")
     def tiny_ckpt(tmp_path_factory):

@@ -2,10 +2,11 @@
 process drives; the sharded step computes the unsharded one's loss and gradients."""
 
 import pytest
+import torch
 import torch_xla
 
 from groups import make_groups
-from helpers import host_grads, max_diff, trainer
+from helpers import host_grads, host_weights, max_diff, trainer
 from titanrl.config.schema import ParallelConfig
 from titanrl.errors import ConfigError
 
@@ -54,3 +55,24 @@ def test_batch_invariant_mode_is_refused(tiny_ckpt):
     with pytest.raises(ConfigError, match="batch_invariant=True is not supported with train.device='xla'"):
         GRPOTrainer(ModelConfig(checkpoint=str(tiny_ckpt)), TrainConfig(device="xla"), temperature=1.0, seed=0,
                     batch_invariant=True)
+
+
+def test_sharded_steps_and_pushes_compile_nothing_new(tiny_ckpt):
+    """A sharded trainer (dp_shard=2 x tp=2) that steps, reads its metrics and hands its weights
+    for a push compiles nothing after its first two rounds: a sharded tensor's own `.cpu()`
+    compiles a program per call, so each push and stats read used to add one per sharded tensor
+    (18 a step on the example). The pushed weights are the trainer's, tile for tile."""
+    tr = trainer(tiny_ckpt, "xla", ParallelConfig(dp_shard=2, tp=2))
+    for i in range(2):
+        tr.step(make_groups(GROUPS, seed=30 + i))
+        tr.state_dict_for_push()
+    warm = tr.xla.compile_metrics()["xla/compiles"]
+    for i in range(3):
+        m = tr.step(make_groups(GROUPS, seed=40 + i))
+        pushed = tr.state_dict_for_push()
+        assert m["xla/compiles"] == warm, f"round {i}: {m['xla/compiles'] - warm} new programs"
+    assert tr.xla.compile_metrics()["xla/compiles"] == warm
+    weights = host_weights(tr)
+    assert set(pushed) == set(weights) - {"lm_head.weight"}  # tied: HF files omit the head
+    for name, t in pushed.items():
+        assert torch.equal(t, weights[name]), name

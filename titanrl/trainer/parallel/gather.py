@@ -87,11 +87,21 @@ def _iter_full(pm: ParallelModel, pick: Callable[[nn.Parameter], torch.Tensor | 
             bucket.append((name, full))
             size += full.numel() * full.element_size()
             if size >= bucket_bytes:
-                yield bucket
+                yield _off_lazy_device(bucket)
                 bucket, size = [], 0
         del full
     if me == 0 and bucket:
-        yield bucket
+        yield _off_lazy_device(bucket)
+
+
+def _off_lazy_device(bucket: Bucket) -> Bucket:
+    """An XLA bucket as host tensors, read shard by shard (a sharded tensor's own `.cpu()`
+    compiles a program on every call: titanrl.trainer.xla.transfer); others as they are."""
+    if bucket[0][1].device.type != "xla":
+        return bucket
+    from titanrl.trainer.xla.transfer import host_tensors
+
+    return list(zip([name for name, _ in bucket], host_tensors([t for _, t in bucket]), strict=True))
 
 
 def iter_full_weights(pm: ParallelModel, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None
@@ -116,7 +126,7 @@ class GatheredWeights:
     `dtype` (the generator's: float32 master weights go out as their bf16 cast under mixed precision).
 
     On a GPU they are device tensors; each sender copies a tensor off the device once (or, for
-    an NCCL broadcast, sends it from there).
+    an NCCL broadcast, sends it from there). On XLA they are host copies, made a bucket at a time.
 
     `extra` are tensors that are not parameters, sent after them as they are (the routers'
     float32 expert biases with train.moe_load_balance='bias'; replicated, so rank 0 holds them).

@@ -14,6 +14,7 @@ from titanrl.config.schema import ParallelConfig, TrainConfig
 from titanrl.models.hf_checkpoint import empty_model
 from titanrl.trainer.optimizer import LAYOUT_KEYS, build_optimizers
 from titanrl.trainer.parallel.parallelize import ParallelModel, parallelize
+from titanrl.trainer.xla.transfer import host_tensors, host_tree
 
 
 def host_copy(pm: ParallelModel, optimizers: list[torch.optim.Optimizer], train_config: TrainConfig
@@ -23,11 +24,12 @@ def host_copy(pm: ParallelModel, optimizers: list[torch.optim.Optimizer], train_
     (opt,) = optimizers
     dtype = next(model.parameters()).dtype
     cpu = empty_model(pm.config, dtype)
-    cpu.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    weights = model.state_dict()
+    cpu.load_state_dict(dict(zip(weights, host_tensors([v.detach() for v in weights.values()]), strict=True)))
     cpu_pm = parallelize(cpu, ParallelConfig(), None, device_type="cpu")
     (cpu_opt,) = build_optimizers(cpu_pm, train_config)
     if opt.state:
-        cpu_opt.load_state_dict(_with_layout(opt.state_dict(), cpu_opt))  # moves the state to the CPU
+        cpu_opt.load_state_dict(_with_layout(host_tree(opt.state_dict()), cpu_opt))
     return cpu_pm, [cpu_opt]
 
 

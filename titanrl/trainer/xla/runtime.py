@@ -32,6 +32,8 @@ except ImportError as e:  # pragma: no cover - the main venv has no torch_xla
         f"train.device='xla' needs torch_xla in the trainer's Python environment ({e}); build it with "
         f"`make xla-venv` and run the trainer there, or set train.device='cpu'") from e
 
+from titanrl.trainer.xla.transfer import host_tree  # noqa: E402 (after the torch_xla check)
+
 ROW_AXES = ("dp_replicate", "dp_shard")
 """Mesh axes the batch's rows are split over (data parallel)."""
 
@@ -113,9 +115,9 @@ class XlaRuntime:
         return torch.utils._pytree.tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, tree)
 
     def to_host(self, tree: Any) -> Any:
-        """`tree` with every device tensor copied to the host (after `sync`: a transfer, no compile)."""
-        return torch.utils._pytree.tree_map(
-            lambda t: t.cpu() if torch.is_tensor(t) and t.device.type == "xla" else t, tree)
+        """`tree` with every device tensor copied to the host (after `sync`: transfers, no compile,
+        sharded ones included: transfer.py)."""
+        return host_tree(tree)
 
     def masked_step(self, optimizers: list[torch.optim.Optimizer], take: torch.Tensor) -> Callable[[], None]:
         """AdamW's update traced into the step's program, applied only where `take` (update.py)."""
