@@ -12,7 +12,9 @@ Each arm runs in its own process, so its peak resident memory (getrusage) is its
 builds the trainer, takes one step (AdamW allocates its state), then a second, timed step. The
 headline ratios compare arms measured by the same script on the same machine:
   chunked_logprobs_peak_ratio: peak with full logits / peak with chunked logprobs;
-  activation_checkpointing_peak_ratio: peak with stored activations / with every block checkpointed.
+  activation_checkpointing_peak_ratio: peak with stored activations / with every block checkpointed;
+  heap_mmap_threshold_peak_ratio, _step_time_ratio: glibc's default heap / the trainer's 4 MiB
+  mmap threshold (train.heap_mmap_threshold_mib), both with every block checkpointed.
 Each arm's line also carries the `titanrl plan` estimate of the same step (`estimate_gib`) and
 its error against the measurement.
 """
@@ -42,6 +44,8 @@ ARMS: dict[str, dict] = {
     "chunked": dict(),  # the default chunk (train.logprob_chunk_tokens)
     "chunked+checkpointing": dict(activation_checkpointing="full"),
     "full_logits+checkpointing": dict(logprob_chunk_tokens=1 << 30, activation_checkpointing="full"),
+    # glibc's own heap behaviour (train.heap_mmap_threshold_mib=0): freed tensors stay resident.
+    "chunked+checkpointing+glibc_heap": dict(activation_checkpointing="full", heap_mmap_threshold_mib=0),
 }
 
 
@@ -138,9 +142,10 @@ def main() -> None:
             lines.append(line)
             print(json.dumps(line), flush=True)
     peak = {line["arm"]: line.get("peak_rss_bytes") for line in lines}
+    step_s = {line["arm"]: line.get("step_s") for line in lines}
 
-    def ratio(a: str, b: str) -> float | None:
-        return round(peak[a] / peak[b], 3) if peak.get(a) and peak.get(b) else None
+    def ratio(a: str, b: str, of: dict = peak) -> float | None:
+        return round(of[a] / of[b], 3) if of.get(a) and of.get(b) else None
 
     summary = {"benchmark": "trainer_memory", "summary": True, "layers": args.layers, "rows": args.rows,
                "seq_len": PROMPT_LEN + args.completion - 1, "vocab_size": QWEN3_0_6B["vocab_size"],
@@ -148,6 +153,9 @@ def main() -> None:
                "chunked_logprobs_peak_ratio": ratio("full_logits", "chunked"),
                "activation_checkpointing_peak_ratio": ratio("chunked", "chunked+checkpointing"),
                "activation_checkpointing_peak_ratio_full_logits": ratio("full_logits", "full_logits+checkpointing"),
+               "heap_mmap_threshold_peak_ratio": ratio("chunked+checkpointing+glibc_heap", "chunked+checkpointing"),
+               "heap_mmap_threshold_step_time_ratio": ratio("chunked+checkpointing+glibc_heap", "chunked+checkpointing",
+                                                            step_s),
                "estimate_over_measured": [line.get("estimate_over_measured") for line in lines]}
     lines.append(summary)
     print(json.dumps(summary), flush=True)

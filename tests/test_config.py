@@ -208,6 +208,7 @@ def test_non_positive_fields(good_config, section, name, value):
         ("rollout", "top_p", 1.5, "rollout.top_p must be in (0, 1]"),
         ("rollout", "top_p", 0.0, "rollout.top_p must be in (0, 1]"),
         ("train", "max_staleness", -1, "train.max_staleness must be >= 0"),
+        ("train", "heap_mmap_threshold_mib", -1, "train.heap_mmap_threshold_mib must be >= 0"),
         ("train", "activation_checkpointing_every", 0, "train.activation_checkpointing_every must be >= 1"),
         ("train", "activation_checkpointing", "some", "train.activation_checkpointing must be 'none', 'full' or"),
         ("model", "dtype", "float16", "model.dtype must be 'float32' or 'bfloat16'"),

@@ -6,6 +6,8 @@ it is the number a user compares with the machine's memory (not the allocator's 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
 import sys
 
@@ -29,3 +31,21 @@ def current_rss_bytes() -> int:
 
 def peak_rss_gib() -> float:
     return peak_rss_bytes() / GIB
+
+
+_M_MMAP_THRESHOLD = -3
+"""mallopt's parameter number for the mmap threshold (glibc's malloc.h)."""
+
+
+def set_heap_mmap_threshold(mib: int) -> bool:
+    """Makes glibc serve allocations of >= `mib` MiB by mmap, returned to the kernel on free
+    (fixing the threshold also stops glibc from raising it). Returns whether it took effect:
+    False for 0, or off glibc."""
+    if mib <= 0 or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and other libcs without mallopt
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, mib << 20))

@@ -94,7 +94,7 @@ def validate(config: RunConfig) -> None:
         if value is not None and not 0 < value < 1:
             raise ConfigError(f"train.{name} must be in (0, 1), got {value}")
     for dotted in ("train.warmup_steps", "eval.every_steps", "eval.max_new_tokens", "output.save_every_steps",
-                   "output.rollouts_per_step"):
+                   "output.rollouts_per_step", "train.heap_mmap_threshold_mib"):
         section, name = dotted.split(".")
         if getattr(getattr(config, section), name) < 0:
             raise ConfigError(f"{dotted} must be >= 0, got {getattr(getattr(config, section), name)}")

@@ -25,7 +25,7 @@ import torch
 
 from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig, compute_dtype
 from titanrl.errors import ConfigError
-from titanrl.memory import peak_rss_gib
+from titanrl.memory import peak_rss_gib, set_heap_mmap_threshold
 from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.batch import PackedBatch, advantages, minibatch_row_ranges, pack
@@ -84,6 +84,7 @@ class GRPOTrainer:
         # Same order on every rank, so rank 0 matches a single-process run.
         torch.manual_seed(seed)
         torch.set_num_threads(train_config.threads)
+        set_heap_mmap_threshold(train_config.heap_mmap_threshold_mib)  # before the first large tensor
         self.cfg = train_config
         self.temperature = temperature
         self.dtype = getattr(torch, model_config.dtype)
