@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from titanrl.memory import release_object_store_pages
 from titanrl.weight_sync.announcement import WeightAnnouncement
 from titanrl.weight_sync.source import WeightSource, in_layout_order
 
@@ -32,7 +33,11 @@ class ObjectStoreSender:
                                   tensors=tensors)
 
     def send(self, version: int, source: WeightSource) -> float:
-        return 0.0  # the announcement carried everything
+        """Nothing to move (the announcement carried everything). By now Ray has written that
+        result into its object store from this process, mapping the pages here; they are let go
+        (the store keeps the data), so the trainer's next step does not carry them resident."""
+        release_object_store_pages()
+        return 0.0
 
     def close(self) -> None:
         pass
