@@ -94,20 +94,31 @@ def _alive_run_actors() -> list[int]:
     return pids
 
 
+@pytest.fixture(scope="module")
+def killed_worker_run(tmp_path_factory, ray_session, tiny_run) -> dict:
+    """A 4-step continuous run (2 workers, shared memory, a checkpoint after every step) whose worker
+    0 or 1 is SIGKILLed at reward call 24 of 64 (inside step 2's or 3's groups). What the killed-worker
+    test checks is read here, before the resume test continues the same run directory."""
+    tmp_path = tmp_path_factory.mktemp("killed_worker")
+    _arm(tmp_path, kill_at=24)
+    before = _shm_names()
+    config = _config(tmp_path, tiny_run, killing_reward, num_workers=2, weight_transport="shared_memory")
+    result = titanrl.train(config)
+    rows = [json.loads(line) for line in (result.run_dir / "rollouts.jsonl").read_text().splitlines()]
+    return dict(config=config, result=result, rows=rows, shm_left=_shm_names() - before, alive=_alive_run_actors())
+
+
 @pytest.mark.slow
-def test_killed_worker_is_replaced_and_every_group_is_trained_exactly_once(tmp_path, ray_session, tiny_run):
+def test_killed_worker_is_replaced_and_every_group_is_trained_exactly_once(killed_worker_run):
     """Worker 0 or 1 is SIGKILLed mid-run (reward call 24 of 64, inside step 2's or 3's groups) of a run
     pushing weights through shared memory. The run finishes: a replacement joined the re-formed
     transport, took the newest weights and regenerated the lost groups; every step trained exactly
     its own 4 groups (no group lost, none twice); staleness stayed <= 1; the buffer and idle metrics
     are logged; every step's push reached the workers (eval after the last step reports its
     version); no shared-memory segment it created is left in /dev/shm and no actor of the run is
-    alive. (Lock-step runs: tests/test_lockstep_worker_deaths.py, every transport.)"""
-    _arm(tmp_path, kill_at=24)
-    before = _shm_names()
-    result = titanrl.train(_config(tmp_path, tiny_run, killing_reward, num_workers=2,
-                                   weight_transport="shared_memory"))
-
+    alive. (Lock-step runs: tests/test_lockstep_worker_deaths.py, broadcast; this test is the one that
+    kills a worker of a shared_memory run.)"""
+    result = killed_worker_run["result"]
     steps = [m for m in result.metrics if m["step"] > 0]
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
     assert steps[-1]["workers/restarts"] == 1.0
@@ -119,13 +130,13 @@ def test_killed_worker_is_replaced_and_every_group_is_trained_exactly_once(tmp_p
     evals = {m["step"]: m["eval/policy_version"] for m in result.metrics if "eval/policy_version" in m}
     assert evals == {0: 0, 2: 2, 4: 4}
 
-    rows = [json.loads(line) for line in (result.run_dir / "rollouts.jsonl").read_text().splitlines()]
+    rows = killed_worker_run["rows"]
     for step in range(1, 5):
         ids = [r["group_id"] for r in rows if r["step"] == step]
         assert sorted(set(ids)) == list(range((step - 1) * 4, step * 4))
         assert len(ids) == 16  # 4 samples of each of its 4 groups, each group once
-    assert _shm_names() - before == set()
-    assert _alive_run_actors() == []
+    assert killed_worker_run["shm_left"] == set()
+    assert killed_worker_run["alive"] == []
 
 
 @pytest.mark.slow
@@ -168,22 +179,21 @@ def _shm_names() -> set[str]:
 
 
 @pytest.mark.slow
-def test_continuous_run_resumes_from_a_checkpoint_without_losing_or_repeating_groups(tmp_path, ray_session, tiny_run):
-    """A 2-step continuous run (checkpoint after step 1, groups of steps 2-3 in the buffer or in flight),
-    resumed from step 1 with train.steps=4: steps 2-4 run, each on exactly its own 4 groups (the stored
-    finished ones and the regenerated unfinished ones alike), within the staleness bound."""
+def test_continuous_run_resumes_from_a_checkpoint_without_losing_or_repeating_groups(killed_worker_run, tmp_path):
+    """The killed-worker test's 4-step continuous run (checkpoint after step 3, step 4's groups in the
+    buffer or in flight when it was written), resumed from step 3 with train.steps=6: steps 4-6 run,
+    each on exactly its own 4 groups (the stored finished ones and the regenerated unfinished ones
+    alike), within the staleness bound, and metrics.jsonl reads as one run."""
+    config = killed_worker_run["config"]
+    assert latest_checkpoint(config.output.dir).step == 3  # the last step is exported, not checkpointed
     _arm(tmp_path, kill_at=10**9)
-    config = _config(tmp_path, tiny_run, killing_reward, num_workers=2)
-    config.train.steps = 2
-    titanrl.train(config)
-    assert latest_checkpoint(config.output.dir).step == 1  # the last step is exported, not checkpointed
-    config.train.steps = 4
+    config.train.steps = 6
     result = titanrl.train(config, resume=True)
 
     steps = [m["step"] for m in result.metrics if m["step"] > 0]
-    assert steps == [1, 2, 3, 4]
+    assert steps == [1, 2, 3, 4, 5, 6]
     assert all(m["staleness/max"] <= 1 for m in result.metrics if m["step"] > 0)
     rows = [json.loads(line) for line in (result.run_dir / "rollouts.jsonl").read_text().splitlines()]
-    for step in range(1, 5):
+    for step in range(1, 7):
         ids = [r["group_id"] for r in rows if r["step"] == step]
         assert sorted(set(ids)) == list(range((step - 1) * 4, step * 4)) and len(ids) == 16

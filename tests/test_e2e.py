@@ -1,4 +1,7 @@
-"""End to end: the driver runs real vLLM rollout workers and the trainer as Ray actors."""
+"""End to end: the driver runs real vLLM rollout workers and the trainer as Ray actors.
+
+The one-step-stale lock-step pipeline (max_staleness=1) is checked on tests/test_robust_runs.py's
+shared uninterrupted run (`test_one_step_stale_pipeline` there): one run, several claims."""
 
 import json
 
@@ -51,19 +54,6 @@ def test_grpo_run_writes_metrics_changes_weights_and_syncs_versions(tmp_path, ra
     assert json.loads((result.run_dir / "config.json").read_text())["rewards"] == [
         f"{tiny_run.reward.__module__}:digit_share"
     ]
-
-
-@pytest.mark.slow
-def test_one_step_stale_pipeline(tmp_path, ray_session, tiny_run):
-    """max_staleness=1 overlaps generation with training and never trains on older data."""
-    config = _config(tmp_path, tiny_run, max_staleness=1)
-    result = titanrl.train(config)
-    steps = [m for m in result.metrics if m["step"] > 0]
-    assert [m["step"] for m in steps] == [1, 2, 3]
-    assert steps[0]["staleness/mean"] == 0.0
-    assert all(m["staleness/mean"] == 1.0 for m in steps[1:])
-    rollouts = [json.loads(line) for line in (result.run_dir / "rollouts.jsonl").read_text().splitlines()]
-    assert {(r["step"], r["policy_version"]) for r in rollouts} == {(1, 0), (2, 0), (3, 1)}
 
 
 @pytest.mark.slow

@@ -4,6 +4,8 @@ On this CPU the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`, Nu
 program), which must be set before Triton is imported. So each CPU test runs its check in a
 fresh `python tests/test_kernels_triton.py <check>` subprocess with the variable set, and the
 pytest process itself never imports Triton in interpreter mode (other tests are unaffected).
+All interpreted checks share one such subprocess (one start and import of torch and Triton);
+each check's result or error is reported to its own test.
 Shapes are tiny there. The `gpu`-marked tests run the same checks in-process on CUDA at
 larger shapes (skipped without a GPU).
 """
@@ -140,13 +142,35 @@ def _interpreted(name: str) -> list[dict]:
 CHECKS = ["linear", "rms_norm", "log_softmax", "attention", "gradients"]
 
 
+def run_checks_reporting_errors(names: list[str], device: str) -> dict[str, list[dict]]:
+    """`run_check` of each name; a check that raises gives one failed result holding its traceback
+    (the others still run)."""
+    import traceback
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = run_check(name, device)
+        except Exception:  # noqa: BLE001 - reported to that check's test
+            out[name] = [dict(check=name, error=traceback.format_exc()[-4000:], ok=False)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict[str, list[dict]]:
+    """Every interpreted check's results, from one interpreter subprocess."""
+    return _interpreted("interpreted")
+
+
 @pytest.mark.parametrize("name", CHECKS)
-def test_triton_kernel_interpreted_on_cpu(name):
+def test_triton_kernel_interpreted_on_cpu(name, interpreted_results):
     """Under Triton's CPU interpreter, each kernel matches float64 torch (1e-5 relative; 1e-5
     absolute for gradients) and gives a row/query bitwise the same output alone and inside
     batches of other sizes at random positions (attention: full forward = prefill = chunked
     prefill = decode)."""
-    for res in _interpreted(name):
+    results = interpreted_results[name]
+    assert results
+    for res in results:
         assert res["ok"], res
 
 
@@ -184,11 +208,15 @@ def test_dispatch_picks_triton_on_cuda():
 
 
 if __name__ == "__main__":
-    # Subprocess entry: `TRITON_INTERPRET=1 python tests/test_kernels_triton.py <check>`, or
+    # Subprocess entry: `TRITON_INTERPRET=1 python tests/test_kernels_triton.py <check>`,
+    # `... interpreted` (every check, results by name), or
     # `python tests/test_kernels_triton.py compile_sm90` (no interpreter).
     sys.path.insert(0, str(REPO))
     if sys.argv[1] == "compile_sm90":
         print(json.dumps(compile_for_sm90()))
+    elif sys.argv[1] == "interpreted":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        print(json.dumps(run_checks_reporting_errors(CHECKS, "cpu")))
     else:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         print(json.dumps(run_check(sys.argv[1], "cpu")))

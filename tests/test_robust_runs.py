@@ -69,18 +69,41 @@ def _columns(metrics: list[dict], after: int) -> list[tuple]:
     return [(m["step"], m["loss"], m["reward/mean"], m["grad_norm"]) for m in metrics if m["step"] > after and "loss" in m]
 
 
+RUN_STEPS = 6
+"""Steps of the shared reference run and of the killed/resumed one (checkpoints every 2 steps: the
+kill lands after step 2's or 4's, so the resumed attempt always has steps left to run)."""
+RUN_REWARDS = "digit_share, flaky"
+
+
+def _reference_config_file(tmp_path: Path, tiny_run) -> Path:
+    """The config of the reference run and of the killed and resumed attempts (one file, one text)."""
+    return _write_config(tmp_path, tiny_run, steps=RUN_STEPS, sleep=0.03, rewards=RUN_REWARDS)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, ray_session, tiny_run):
+    """One uninterrupted run, shared by the resume test (its reference) and the contained-rewards test:
+    `flaky` raises on ~10 % and returns NaN on ~5 % of samples, on top of `digit_share`."""
+    folder = tmp_path_factory.mktemp("reference")
+    config = apply_overrides(load_config_file(str(_reference_config_file(folder, tiny_run))),
+                             [f"output.dir={folder / 'ref'}"])
+    return config, titanrl.train(config)
+
+
 @pytest.mark.slow
-def test_sigkill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, ray_session, tiny_run, monkeypatch):
+def test_sigkill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, reference_run, tiny_run, monkeypatch):
     """A `titanrl train` process SIGKILLed after a checkpoint, then resumed, writes the same loss,
     reward/mean and grad_norm for every later step as an uninterrupted run, bit for bit; metrics.jsonl
     reads as one run and the killed attempt's rows are kept aside. max_staleness=1, so the
-    checkpoint must carry rollouts of a policy that no longer exists. The killed and resumed attempts
-    mirror to one offline W&B run (the reference logs to none: W&B changes no number), and the
-    resumed attempt's W&B history holds its steps with metrics.jsonl's values."""
+    checkpoint must carry rollouts of a policy that no longer exists; a reward that raises or
+    returns NaN on some samples (`flaky`) is part of the run, so contained reward errors resume
+    exactly too. The killed and resumed attempts mirror to one offline W&B run (the reference logs
+    to none: W&B changes no number), and the resumed attempt's W&B history holds its steps with
+    metrics.jsonl's values."""
+    _, reference = reference_run
     offline_wandb_env(monkeypatch, tmp_path / "wandb-home")
     wandb = ["output.wandb_project=titanrl-tests", "output.wandb_mode=offline"]
-    config_path = _write_config(tmp_path, tiny_run, sleep=0.03)
-    reference = titanrl.train(apply_overrides(load_config_file(str(config_path)), [f"output.dir={tmp_path / 'ref'}"]))
+    config_path = _reference_config_file(tmp_path, tiny_run)
 
     killed_dir = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -106,7 +129,7 @@ def test_sigkill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, r
     left = _session_processes(proc.pid, ignore=("DashboardAgent", "RuntimeEnvAgent"))
     assert left == [], f"processes outlived their SIGKILLed driver: {left}"
     saved = list_checkpoints(killed_dir)[-1].step
-    assert saved < 8
+    assert saved < RUN_STEPS
 
     resumed_config = apply_overrides(load_config_file(str(config_path)), [f"output.dir={killed_dir}", *wandb])
     resumed = titanrl.train(resumed_config, resume=True)
@@ -117,9 +140,9 @@ def test_sigkill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, r
         (m["step"], m["loss"]) for m in resumed.metrics if m["step"] > saved]
 
     assert _columns(resumed.metrics, saved) == _columns(reference.metrics, saved)
-    assert len(_columns(resumed.metrics, saved)) == 8 - saved
+    assert len(_columns(resumed.metrics, saved)) == RUN_STEPS - saved
     steps = [m["step"] for m in resumed.metrics if "loss" in m]
-    assert steps == list(range(1, 9)), "metrics.jsonl must read as one run"
+    assert steps == list(range(1, RUN_STEPS + 1)), "metrics.jsonl must read as one run"
     ref_model, _ = load_model(reference.final_checkpoint)
     res_model, _ = load_model(resumed.final_checkpoint)
     import torch
@@ -128,14 +151,13 @@ def test_sigkill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, r
 
 
 @pytest.mark.slow
-def test_rewards_that_raise_or_return_nan_are_contained(tmp_path, ray_session, tiny_run):
-    """A reward raising on ~10 % and returning NaN on ~5 % of samples: the run completes, counts the
-    errors, keeps their text in rollouts.jsonl, never sees a NaN loss, and saves a loadable policy."""
-    config_path = _write_config(tmp_path, tiny_run, steps=4, rewards="digit_share, flaky")
-    config = apply_overrides(load_config_file(str(config_path)), [f"output.dir={tmp_path / 'run'}"])
-    result = titanrl.train(config)
+def test_rewards_that_raise_or_return_nan_are_contained(reference_run):
+    """A reward raising on ~10 % and returning NaN on ~5 % of samples (the shared reference run's
+    `flaky`): the run completes, counts the errors, keeps their text in rollouts.jsonl, never sees
+    a NaN loss, and saves a loadable policy."""
+    config, result = reference_run
     steps = [m for m in result.metrics if "loss" in m]
-    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert [m["step"] for m in steps] == list(range(1, RUN_STEPS + 1))
     assert sum(m["reward/errors"] for m in steps) > 0
     assert all(m["loss"] is not None and m["grad_norm"] is not None for m in steps)  # finite (None = NaN)
     rows = [json.loads(x) for x in (result.run_dir / "rollouts.jsonl").read_text().splitlines()]
@@ -144,6 +166,21 @@ def test_rewards_that_raise_or_return_nan_are_contained(tmp_path, ray_session, t
     assert all(r["reward"] == config.reward_error_value for r in rows if "reward_error" in r)
     model, _ = load_model(result.final_checkpoint)
     assert model is not None
+
+
+@pytest.mark.slow
+def test_one_step_stale_pipeline(reference_run):
+    """max_staleness=1 (the shared reference run, lock-step) overlaps generation with training and
+    never trains on older data: step 1 trains on policy 0's rollouts, every later step s on
+    policy s-2's (one version stale)."""
+    _, result = reference_run
+    steps = [m for m in result.metrics if m["step"] > 0]
+    assert [m["step"] for m in steps] == list(range(1, RUN_STEPS + 1))
+    assert steps[0]["staleness/mean"] == 0.0
+    assert all(m["staleness/mean"] == 1.0 for m in steps[1:])
+    rollouts = [json.loads(line) for line in (result.run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert {(r["step"], r["policy_version"]) for r in rollouts} == {
+        (1, 0), *((s, s - 2) for s in range(2, RUN_STEPS + 1))}
 
 
 @pytest.mark.slow
@@ -193,7 +230,7 @@ def test_ctrl_c_saves_the_last_step_and_exits_nonzero(tmp_path, tiny_run):
     returncode, err = _stop_a_run_with(tmp_path, tiny_run, signal.SIGINT)
     assert returncode != 0, err[-3000:]
     saved = list_checkpoints(tmp_path / "run")
-    assert saved and saved[-1].step >= 3, err[-3000:]
+    assert saved and saved[-1].step >= 1, err[-3000:]
     assert "interrupted" in saved[-1].manifest()["reason"]
 
 
@@ -205,7 +242,7 @@ def test_sigterm_saves_the_last_step_shuts_down_and_exits_143(tmp_path, tiny_run
     returncode, err = _stop_a_run_with(tmp_path, tiny_run, signal.SIGTERM)
     assert returncode == 128 + signal.SIGTERM, err[-3000:]
     saved = list_checkpoints(tmp_path / "run")
-    assert saved and saved[-1].step >= 3, err[-3000:]
+    assert saved and saved[-1].step >= 1, err[-3000:]
     assert saved[-1].manifest()["reason"] == "terminated (SIGTERM)"
     reasons = [line for line in err.splitlines() if "run stopped" in line]
     assert len(reasons) == 1 and "terminated (SIGTERM)" in reasons[0], err[-3000:]
@@ -213,7 +250,7 @@ def test_sigterm_saves_the_last_step_shuts_down_and_exits_143(tmp_path, tiny_run
 
 
 def _stop_a_run_with(tmp_path: Path, tiny_run, signum: int) -> tuple[int, str]:
-    """Starts `titanrl train` (40 slow steps, no periodic checkpoints), sends `signum` once step 3
+    """Starts `titanrl train` (40 slow steps, no periodic checkpoints), sends `signum` once step 1
     is logged, waits for it to exit; returns its exit status and stderr. Checks that no process
     of the run outlived it."""
     config_path = _write_config(tmp_path, tiny_run, steps=40, sleep=0.03)
@@ -228,8 +265,8 @@ def _stop_a_run_with(tmp_path: Path, tiny_run, signum: int) -> tuple[int, str]:
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        deadline = time.monotonic() + 240  # a hang guard: start-up and three steps take far less
-        while not (run_dir / "metrics.jsonl").is_file() or "\"step\": 3" not in (run_dir / "metrics.jsonl").read_text():
+        deadline = time.monotonic() + 240  # a hang guard: start-up and one step take far less
+        while not (run_dir / "metrics.jsonl").is_file() or "\"step\": 1" not in (run_dir / "metrics.jsonl").read_text():
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.1)
