@@ -91,11 +91,11 @@ def test_single_process_terms_equal_hand_computed_bytes():
     assert e.activations_stored == 32 * (2 * 700 + 140) == 49280
     # checkpointed: two block inputs (32 tokens x 8 x 4 bytes), the outside terms, one block recomputed.
     assert e.activations_checkpointed == 2 * 32 * 8 * 4 + 32 * 140 + 32 * 700 == 28928
-    # logits: 3 float32 [tokens, vocab] copies; chunked: 8 tokens at a time.
-    assert (e.logits_full, e.logits_chunked) == (3 * 4 * 32 * 100, 3 * 4 * 8 * 100)
+    # logits: 2 float32 [tokens, vocab] copies; chunked: 8 tokens at a time.
+    assert (e.logits_full, e.logits_chunked) == (2 * 4 * 32 * 100, 2 * 4 * 8 * 100)
     assert e.fsdp_buffers == 0 and e.gradient_accumulation == 0  # one process, no cast: parameters in place
     assert e.optimizer_step == 0  # fused AdamW updates in place
-    assert e.peak == 16 * n + 49280 + 9600 + CPU_PROCESS_BASELINE_BYTES
+    assert e.peak == 16 * n + 49280 + 6400 + CPU_PROCESS_BASELINE_BYTES
     assert estimate_cpu_process(shape, replace(work, device="cuda")) == e
     # bf16 storage: a float32 master copy joins; gradients and moments stay float32.
     b = estimate(shape, Layout(), replace(work, dtype="bfloat16", compute_dtype="bfloat16"))
@@ -157,13 +157,13 @@ def test_tensor_parallel_shards_vocabulary_parallel_logits():
     work = Workload(seq_len=512, batch=8, compute_dtype="bfloat16", logprob_chunk_tokens=1024)
     one, two = estimate(shape, Layout(), work), estimate(shape, Layout(tp=2), work)
     assert one.schedule.tokens_per_micro_batch == two.schedule.tokens_per_micro_batch == 8 * 512
-    assert one.logits_full == 2 * two.logits_full == 3 * 4 * 8 * 512 * 151936
+    assert one.logits_full == 2 * two.logits_full == 2 * 4 * 8 * 512 * 151936
     assert one.logits_chunked == 2 * two.logits_chunked
     assert two.logits_chunked < two.logits_full
     auto = Workload(seq_len=512, batch=8, compute_dtype="bfloat16")
     one, two = estimate(shape, Layout(), auto), estimate(shape, Layout(tp=2), auto)
-    assert one.logits_chunked == 3 * 4 * 220 * 151936  # 220 tokens: 128 MiB of float32 logits
-    assert abs(two.logits_chunked - one.logits_chunked) <= 3 * 4 * 151936  # within one token's row
+    assert one.logits_chunked == 2 * 4 * 220 * 151936  # 220 tokens: 128 MiB of float32 logits
+    assert abs(two.logits_chunked - one.logits_chunked) <= 2 * 4 * 151936  # within one token's row
 
 
 def test_checkpointing_lowers_activations_and_peak():

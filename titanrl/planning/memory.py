@@ -78,10 +78,14 @@ OUTSIDE_SAVED_BYTES = {
     4: dict(hidden=8 + 4, rotary=8, token=12),
     2: dict(hidden=6 + 2, rotary=4, token=12),
 }
-LOGITS_COPIES = 3
-"""float32 [tokens, vocab] tensors alive at the logits path's peak (the backward of log-softmax):
-the log-softmax output kept for backward, the gradient arriving at it (gather's backward
-scatters into a zero [tokens, vocab] tensor) and the gradient it produces."""
+LOGITS_COPIES = 2
+"""float32 [tokens, vocab] tensors alive at once on the logits path, per chunk (the whole
+micro-batch when one chunk holds it): the trainer's chunked logprobs (trainer/chunked_logprobs.py)
+keep nothing of size vocab for backward and hold two such buffers at a time (the forward's logits
+and their log-softmax; the backward's log p, reused for the gradient, and p). Measured with
+benchmarks/trainer_memory.py at Qwen3-0.6B's shape: the full-logits arm's peak exceeds the
+chunked arm's by 2.0 copies of [tokens, vocab] (3 were assumed before, a 1.29x over-estimate once
+freed memory left the process: train.heap_mmap_threshold_mib)."""
 
 
 @dataclass(frozen=True)
