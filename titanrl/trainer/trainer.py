@@ -369,7 +369,7 @@ class GRPOTrainer:
 
     def _full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
         out: dict[str, torch.Tensor] = {}
-        for bucket in iter_full_weights(self.pm, PUSH_BUCKET_BYTES, dtype):
+        for bucket in iter_full_weights(self.pm, PUSH_BUCKET_BYTES, dtype, self._to_host()):
             for name, tensor in bucket:
                 # A copy: an unsharded tensor shares storage with the live parameter.
                 out[name] = tensor.detach().to("cpu", copy=True).contiguous()
@@ -522,7 +522,13 @@ class GRPOTrainer:
         """The weights as the senders read them: views of the live parameters in one process,
         full tensors gathered to rank 0 bucket by bucket in a parallel layout (no full copy first);
         in the generator's dtype (casts of the master weights under mixed precision)."""
-        return GatheredWeights(self.pm, self.compute_dtype, PUSH_BUCKET_BYTES, self._pushed_buffers())
+        return GatheredWeights(self.pm, self.compute_dtype, PUSH_BUCKET_BYTES, self._pushed_buffers(),
+                               self._to_host())
+
+    def _to_host(self) -> Any:
+        """How full tensors leave the device for a push or an export: as they are, or on XLA shard
+        by shard (XlaRuntime.to_host; a sharded tensor's own `.cpu()` compiles on every call)."""
+        return self.xla.to_host if self.xla is not None else None
 
     def _pushed_buffers(self) -> dict[str, torch.Tensor]:
         """Non-parameter tensors the generators need: with train.moe_load_balance='bias', the

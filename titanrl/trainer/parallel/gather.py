@@ -23,6 +23,8 @@ from titanrl.trainer.parallel.pipeline import stage_of_layer
 from titanrl.weight_sync.layout import WeightLayout, build_layout
 
 Bucket = list[tuple[str, torch.Tensor]]
+HostCopy = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+"""Host copies of a list of device tensors, in order."""
 
 
 _SHAPES: dict[str, list[tuple[str, torch.Size]]] = {}
@@ -60,7 +62,7 @@ def _stage_leader(pm: ParallelModel, pp_rank: int) -> int:
 
 
 def _iter_full(pm: ParallelModel, pick: Callable[[nn.Parameter], torch.Tensor | None], bucket_bytes: int,
-               dtype: torch.dtype | None = None) -> Iterator[Bucket]:
+               dtype: torch.dtype | None = None, to_host: HostCopy | None = None) -> Iterator[Bucket]:
     me = global_rank()
     local = dict(pm.named_parameters())
     dtype = dtype or next(iter(local.values())).dtype
@@ -87,32 +89,30 @@ def _iter_full(pm: ParallelModel, pick: Callable[[nn.Parameter], torch.Tensor | 
             bucket.append((name, full))
             size += full.numel() * full.element_size()
             if size >= bucket_bytes:
-                yield _off_lazy_device(bucket)
+                yield _on_host(bucket, to_host)
                 bucket, size = [], 0
         del full
     if me == 0 and bucket:
-        yield _off_lazy_device(bucket)
+        yield _on_host(bucket, to_host)
 
 
-def _off_lazy_device(bucket: Bucket) -> Bucket:
-    """An XLA bucket as host tensors, read shard by shard (a sharded tensor's own `.cpu()`
-    compiles a program on every call: titanrl.trainer.xla.transfer); others as they are."""
-    if bucket[0][1].device.type != "xla":
+def _on_host(bucket: Bucket, to_host: HostCopy | None) -> Bucket:
+    if to_host is None:
         return bucket
-    from titanrl.trainer.xla.transfer import host_tensors
-
-    return list(zip([name for name, _ in bucket], host_tensors([t for _, t in bucket]), strict=True))
+    return list(zip([name for name, _ in bucket], to_host([t for _, t in bucket]), strict=True))
 
 
-def iter_full_weights(pm: ParallelModel, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None
-                      ) -> Iterator[Bucket]:
+def iter_full_weights(pm: ParallelModel, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None,
+                      to_host: HostCopy | None = None) -> Iterator[Bucket]:
     """Buckets of (HF name, full tensor) of at least `bucket_bytes` (the last may be smaller) on rank 0.
 
     Every rank must iterate it to the end (the others yield nothing but join the collectives).
     dtype: the tensors' dtype (None: the parameters'). A tensor that was not sharded or cast may
     share storage with the live parameter: copy what you keep past the next optimizer step.
+    to_host: turns each bucket's tensors into host copies (the XLA trainer's `XlaRuntime.to_host`:
+    a sharded XLA tensor's own `.cpu()` compiles a program on every call); None yields them as they are.
     """
-    yield from _iter_full(pm, lambda p: p, bucket_bytes, dtype)
+    yield from _iter_full(pm, lambda p: p, bucket_bytes, dtype, to_host)
 
 
 def iter_full_gradients(pm: ParallelModel, bucket_bytes: int = 64 << 20) -> Iterator[Bucket]:
@@ -126,16 +126,17 @@ class GatheredWeights:
     `dtype` (the generator's: float32 master weights go out as their bf16 cast under mixed precision).
 
     On a GPU they are device tensors; each sender copies a tensor off the device once (or, for
-    an NCCL broadcast, sends it from there). On XLA they are host copies, made a bucket at a time.
+    an NCCL broadcast, sends it from there). On XLA they are host copies (`to_host`), made a bucket at a time.
 
     `extra` are tensors that are not parameters, sent after them as they are (the routers'
     float32 expert biases with train.moe_load_balance='bias'; replicated, so rank 0 holds them).
     """
 
     def __init__(self, pm: ParallelModel, dtype: torch.dtype, gather_bucket_bytes: int = 64 << 20,
-                 extra: dict[str, torch.Tensor] | None = None) -> None:
+                 extra: dict[str, torch.Tensor] | None = None, to_host: HostCopy | None = None) -> None:
         self.pm, self.dtype, self.gather_bucket_bytes = pm, dtype, gather_bucket_bytes
         self.extra = extra or {}
+        self.to_host = to_host
 
     def layout(self) -> WeightLayout:
         specs = [(name, shape, self.dtype) for name, shape in hf_parameter_shapes(self.pm)]
@@ -143,7 +144,7 @@ class GatheredWeights:
         return build_layout(specs)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for bucket in iter_full_weights(self.pm, self.gather_bucket_bytes, self.dtype):
+        for bucket in iter_full_weights(self.pm, self.gather_bucket_bytes, self.dtype, self.to_host):
             yield from bucket
         if global_rank() == 0:
             yield from self.extra.items()
