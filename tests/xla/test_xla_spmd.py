@@ -63,16 +63,24 @@ def test_sharded_steps_and_pushes_compile_nothing_new(tiny_ckpt):
     compiles a program per call, so each push and stats read used to add one per sharded tensor
     (18 a step on the example). The pushed weights are the trainer's, tile for tile."""
     tr = trainer(tiny_ckpt, "xla", ParallelConfig(dp_shard=2, tp=2))
+    def push(version):
+        """Both ways weights leave the trainer: a transport's publish (object store) and the full
+        state dict for a replacement worker."""
+        announced = tr.publish_weights(version).tensors
+        tr.send_weights(version)
+        return announced, tr.state_dict_for_push()
+
     for i in range(2):
         tr.step(make_groups(GROUPS, seed=30 + i))
-        tr.state_dict_for_push()
+        push(i + 1)
     warm = tr.xla.compile_metrics()["xla/compiles"]
     for i in range(3):
         m = tr.step(make_groups(GROUPS, seed=40 + i))
-        pushed = tr.state_dict_for_push()
+        announced, pushed = push(i + 3)
         assert m["xla/compiles"] == warm, f"round {i}: {m['xla/compiles'] - warm} new programs"
     assert tr.xla.compile_metrics()["xla/compiles"] == warm
     weights = host_weights(tr)
-    assert set(pushed) == set(weights) - {"lm_head.weight"}  # tied: HF files omit the head
-    for name, t in pushed.items():
-        assert torch.equal(t, weights[name]), name
+    for tensors in (announced, pushed):
+        assert set(tensors) == set(weights) - {"lm_head.weight"}  # tied: HF files omit the head
+        for name, t in tensors.items():
+            assert torch.equal(t, weights[name]), name
