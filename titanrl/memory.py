@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import resource
 import sys
 
@@ -33,6 +34,12 @@ def peak_rss_gib() -> float:
     return peak_rss_bytes() / GIB
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """This process's C library (raises OSError where there is none to load)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 _M_MMAP_THRESHOLD = -3
 """mallopt's parameter number for the mmap threshold (glibc's malloc.h)."""
 
@@ -44,8 +51,7 @@ def set_heap_mmap_threshold(mib: int) -> bool:
     if mib <= 0 or not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):  # musl and other libcs without mallopt
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, mib << 20))
@@ -70,10 +76,9 @@ def release_object_store_pages() -> int:
             ranges = [line.split()[0] for line in f if _OBJECT_STORE_FILE in line]
         if not ranges:
             return 0
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        madvise = _libc().madvise
     except OSError:
         return 0
-    madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     released = 0
     for span in ranges:

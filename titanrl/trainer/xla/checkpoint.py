@@ -14,7 +14,7 @@ from titanrl.config.schema import ParallelConfig, TrainConfig
 from titanrl.models.hf_checkpoint import empty_model
 from titanrl.trainer.optimizer import LAYOUT_KEYS, build_optimizers
 from titanrl.trainer.parallel.parallelize import ParallelModel, parallelize
-from titanrl.trainer.xla.transfer import host_tensors, host_tree
+from titanrl.trainer.xla.transfer import host_tree
 
 
 def host_copy(pm: ParallelModel, optimizers: list[torch.optim.Optimizer], train_config: TrainConfig
@@ -24,8 +24,7 @@ def host_copy(pm: ParallelModel, optimizers: list[torch.optim.Optimizer], train_
     (opt,) = optimizers
     dtype = next(model.parameters()).dtype
     cpu = empty_model(pm.config, dtype)
-    weights = model.state_dict()
-    cpu.load_state_dict(dict(zip(weights, host_tensors([v.detach() for v in weights.values()]), strict=True)))
+    cpu.load_state_dict(host_tree(model.state_dict()))
     cpu_pm = parallelize(cpu, ParallelConfig(), None, device_type="cpu")
     (cpu_opt,) = build_optimizers(cpu_pm, train_config)
     if opt.state:
