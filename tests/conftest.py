@@ -13,6 +13,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The batch-invariant kernels run in this process and in processes it starts (gloo worlds, vLLM
+# engines, Ray actors): on AVX-512 CPUs MKL must take its strict AVX2 mode before any test's
+# first matmul, and children read it from the environment (see titanrl.kernels.mkl_mode).
+from titanrl.kernels.mkl_mode import actor_env, ensure_strict_mkl  # noqa: E402
+
+os.environ.update(actor_env())
+ensure_strict_mkl()
+
 # tests/xla runs under the XLA venv's own pytest (`make test-xla`), never in the main suite.
 collect_ignore = [] if importlib.util.find_spec("torch_xla") is not None else ["xla"]
 

@@ -87,6 +87,7 @@ def test_local_placement_fits_two_cpus_and_rendezvous_stays_on_loopback(ray_sess
         assert kwargs["device_type"] == "cpu" and len(kwargs["rank_options"]) == 2
         assert placement.trainer_options()["num_cpus"] == 0  # the group only coordinates
         assert placement.worker_options(1)["scheduling_strategy"].placement_group_bundle_index == 3
+        assert "runtime_env" not in placement.worker_options(0)  # not a batch-invariant run
         addr, port = rank0_rendezvous_point(placement.rank_options(0))
         assert addr == "127.0.0.1" and port > 0
     finally:
@@ -95,6 +96,23 @@ def test_local_placement_fits_two_cpus_and_rendezvous_stays_on_loopback(ray_sess
     while ray.available_resources().get("CPU") != free_before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.available_resources().get("CPU") == free_before
+
+
+def test_batch_invariant_runs_put_the_mkl_mode_in_every_actor_environment(ray_session):
+    """Every actor of a batch-invariant run gets `mkl_mode.actor_env()` (MKL_CBWR on AVX-512 CPUs)."""
+    import dataclasses
+
+    from titanrl.kernels.mkl_mode import actor_env
+
+    placement = Placement.create(dataclasses.replace(_config(world=2, workers=1), batch_invariant=True), timeout_s=10)
+    try:
+        assert placement.env_vars == actor_env()
+        every = [placement.trainer_options(), placement.rank_options(0), placement.rank_options(1),
+                 placement.worker_options(0)]
+        expected = {"env_vars": actor_env()} if actor_env() else None
+        assert [options.get("runtime_env") for options in every] == [expected] * 4
+    finally:
+        placement.remove()
 
 
 def test_trainer_group_without_placement_keeps_one_machine(ray_session, tmp_path):

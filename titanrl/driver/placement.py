@@ -20,7 +20,7 @@ but finds the resources taken fails after `timeout_s` (PlacementTimeout).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from titanrl.config import RunConfig
@@ -164,6 +164,8 @@ class Placement:
     """The Ray PlacementGroup."""
     layout: Layout
     """What each bundle holds."""
+    env_vars: dict[str, str] = field(default_factory=dict)
+    """Set in every actor's environment (a batch-invariant run's MKL mode: `titanrl.kernels.mkl_mode`)."""
 
     @classmethod
     def create(cls, config: RunConfig, *, reserve_cpus: bool = False, rollout_device: str | None = None,
@@ -192,14 +194,19 @@ class Placement:
                 + "; free now: " + ", ".join(f"{free.get(r, 0.0):g} {r}" for r, v in need.items() if v)
                 + ". Other jobs or actors hold the rest: free them, or wait longer"
             )
-        return cls(group, layout)
+        from titanrl.kernels.mkl_mode import actor_env
+
+        return cls(group, layout, actor_env() if config.batch_invariant else {})
 
     def _in_bundle(self, index: int, bundle: dict[str, float] | None) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = bundle or {}
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
-        return dict(num_cpus=bundle.get("CPU", 0.0), num_gpus=bundle.get("GPU", 0.0), scheduling_strategy=strategy)
+        options = dict(num_cpus=bundle.get("CPU", 0.0), num_gpus=bundle.get("GPU", 0.0), scheduling_strategy=strategy)
+        if self.env_vars:  # Ray merges these into the job's env_vars
+            options["runtime_env"] = {"env_vars": dict(self.env_vars)}
+        return options
 
     def trainer_options(self) -> dict[str, Any]:
         """Options for the trainer actor: `GRPOTrainer` takes bundle 0; a `TrainerGroup` (which only

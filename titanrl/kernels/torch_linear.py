@@ -15,12 +15,16 @@ over ~200 shapes; tests/test_kernels.py re-checks 1 and 2 threads):
   threads, its split of the columns) again depends on M and on the row's position.
 So rows are padded to a multiple of 4 (at least 4) and output columns to a multiple of 16.
 Padding rows/columns are zeros: they never enter a real row's dot products.
+On an AVX-512 CPU these classes do not hold; there MKL is held to its strict AVX2 kernels
+(`titanrl.kernels.mkl_mode`), where they do.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from titanrl.kernels.mkl_mode import ensure_strict_mkl
 
 ROW_MULTIPLE = 4
 """Rows are padded to a multiple of this (and at least this many): MKL's M >= 4 class."""
@@ -38,6 +42,7 @@ def linear_rows(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     `w_NK` may be any strided view (the backward passes `W^T`); its layout is part of the
     contract: the same weight view gives the same bits.
     """
+    ensure_strict_mkl()
     M, K = x_MK.shape
     N = w_NK.shape[0]
     x_MK = x_MK.contiguous()
