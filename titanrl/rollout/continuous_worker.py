@@ -2,7 +2,7 @@
 
 It runs as an async Ray actor: every call awaits a coroutine on the worker's own event loop (a
 background thread, so the engine never blocks Ray's loop), where a single `AsyncGenerator`
-pump steps vLLM for every request in flight. So the groups of the driver's `generate_groups`
+pump steps vLLM (on a thread of its own) for every request in flight. So the groups of the driver's `generate_groups`
 calls (`titanrl.rollout.group_stream`: a worker's share of an admission in one streaming call)
 share one continuous batch, a group that finishes is streamed back at once, and
 `update_weights` lands between two engine steps while the other groups keep going:
@@ -97,8 +97,8 @@ class ContinuousRolloutWorker(GroupStream, RolloutWorker):
         return self.engine.last_push_seconds or 0.0
 
     async def open_weight_sync(self, plan: Any, rank: int) -> None:
-        """RolloutWorker's, on the worker's loop (the engine is only ever touched from there)."""
-        return await self._on_worker_loop(self._in_loop(super().open_weight_sync, plan, rank))
+        """RolloutWorker's, between two engine steps (on the engine's thread: see AsyncGenerator)."""
+        return await self._on_worker_loop(self.generator.on_engine(super().open_weight_sync, plan, rank))
 
     async def receive_weights(self, announcement: Any, version: int) -> float:
         """Loads an announced version (`titanrl.weight_sync`) between two engine steps, groups in flight."""
@@ -113,11 +113,7 @@ class ContinuousRolloutWorker(GroupStream, RolloutWorker):
         return seconds[0]
 
     async def close_weight_sync(self) -> None:
-        return await self._on_worker_loop(self._in_loop(super().close_weight_sync))
-
-    @staticmethod
-    async def _in_loop(fn: Any, *args: Any) -> Any:
-        return fn(*args)
+        return await self._on_worker_loop(self.generator.on_engine(super().close_weight_sync))
 
     async def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int, correct_threshold: float,
                        min_version: int = 0) -> dict[str, Any]:

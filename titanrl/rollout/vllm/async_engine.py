@@ -3,8 +3,15 @@
 Multi-turn episodes interleave generation with environment work (sandboxed code, tools).
 `AsyncGenerator.generate` lets each episode await its own turn while a pump task steps
 vLLM's engine with whatever requests are pending, so continuous batching keeps running
-for every other episode while one waits on a slow tool call. The pump yields to the event
-loop between engine steps; sandbox subprocesses progress in their own processes meanwhile.
+for every other episode while one waits on a slow tool call.
+
+The engine is only ever touched from one thread of its own (`_on_engine`): each step, with the
+requests queued since the last one added first, and every weight load and abort, one after
+another. So the event loop stays free while vLLM computes (torch releases the GIL): a finished
+request's group is scored and handed back during the next step, not after it. When the pump
+stepped vLLM on the loop itself, every hop of that hand-back (the group's gather, each reward
+call's helper thread, the reply) waited for a whole engine step, about 0.5 s per batch on the
+arithmetic example, which left the trainer idle in continuous runs.
 """
 
 from __future__ import annotations
@@ -12,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # the weight-version bookkeeping runs without loading torch and the engine module
     from titanrl.rollout.vllm.engine import Completion, VllmEngine
 
+T = TypeVar("T")
 
 class WeightsChanged(Exception):
     """Raised into the requests that `update_weights(..., regenerate=True)` aborted."""
@@ -33,24 +42,42 @@ class AsyncGenerator:
         """Per running request, the policy version of each token generated so far."""
         self._routing_keys: dict[str, str] = {}
         """Per running request, its routing record's key (when the engine records routing)."""
+        self._to_add: list[tuple[str, Any, Any]] = []
+        """(request id, inputs, params) of requests not yet handed to the engine (the next step adds them)."""
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
         self._version_changed = asyncio.Condition()
+        self._engine_thread: ThreadPoolExecutor | None = None
 
     async def __aenter__(self) -> AsyncGenerator:
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="titanrl-engine")
         self._pump = asyncio.create_task(self._run())
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        assert self._pump is not None
+        assert self._pump is not None and self._engine_thread is not None
         self._pump.cancel()
         try:
             await self._pump  # re-raises the error that stopped a failed pump
         except asyncio.CancelledError:
             pass
         finally:
-            if self._pending:  # an episode failed mid-turn: free the engine for the next batch
-                self._abort()
+            try:
+                if self._pending:  # an episode failed mid-turn: free the engine for the next batch
+                    await self._abort()
+            finally:
+                self._engine_thread.shutdown(wait=True)  # a step still running ends first
+
+    async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the engine's thread, after whatever runs there now (a step)."""
+        if self._engine_thread is None:
+            raise RuntimeError("AsyncGenerator needs `async with AsyncGenerator(engine):`")
+        return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
+
+    async def on_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs `fn(*args)` between two engine steps, on the engine's thread (for anything else
+        that touches the engine while the pump runs: opening or closing a weight transport)."""
+        return await self._on_engine(fn, *args)
 
     async def generate(
         self,
@@ -95,7 +122,7 @@ class AsyncGenerator:
         self._pending[request_id] = future
         self._versions[request_id] = []
         inputs = {"prompt": prompt} if isinstance(prompt, str) else TokensPrompt(prompt_token_ids=list(prompt))
-        self.engine.llm.llm_engine.add_request(request_id, inputs, params)
+        self._to_add.append((request_id, inputs, params))
         self._wake.set()
         return await future
 
@@ -113,42 +140,53 @@ class AsyncGenerator:
             raise
 
     async def _pump_steps(self) -> None:
-        llm_engine = self.engine.llm.llm_engine
         while True:
             if not self._pending:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            version = self.engine.policy_version  # weights change only between steps (update_weights)
+            to_add, self._to_add = self._to_add, []
+            # The keys of every request this step can finish (the engine's thread reads this copy).
+            keys = dict(self._routing_keys) if self._routing_keys else {}
+            version, outputs, records = await self._on_engine(self._step, to_add, keys)
             finished = []
-            for output in llm_engine.step():
+            for output in outputs:
                 versions = self._versions.get(output.request_id)
                 if versions is None:
                     continue  # aborted meanwhile
                 versions += [version] * (len(output.outputs[0].token_ids) - len(versions))
                 if output.finished:
                     finished.append((output, versions))
-            # One fetch of the step's finished records (an RPC to the multiprocess engine core).
-            keys = {o.request_id: self._routing_keys.pop(o.request_id) for o, _ in finished
-                    if o.request_id in self._routing_keys}
-            records = self.engine.take_routed_experts(list(keys.values())) if keys else {}
             for output, versions in finished:
                 future = self._pending.pop(output.request_id, None)
                 self._versions.pop(output.request_id, None)
+                key = self._routing_keys.pop(output.request_id, None)
                 if future is not None and not future.done():
                     completion = self._completion(output, versions)
-                    if output.request_id in keys:
-                        completion.routed_experts = self.engine.fit_routing(
-                            records.get(keys[output.request_id]), completion)
+                    if key is not None:
+                        completion.routed_experts = self.engine.fit_routing(records.get(key), completion)
                     future.set_result(completion)
             # Let episodes whose tools finished queue their next turn before the next step.
             await asyncio.sleep(0)
 
+    def _step(self, to_add: list[tuple[str, Any, Any]],
+              routing_keys: dict[str, str]) -> tuple[int, list[Any], dict[str, Any]]:
+        """(On the engine's thread.) Adds `to_add`, runs one engine step; returns the policy version
+        it ran under (weights change only between steps), its outputs, and the routing records of
+        the requests it finished (one fetch: an RPC to the multiprocess engine core)."""
+        llm_engine = self.engine.llm.llm_engine
+        for request_id, inputs, params in to_add:
+            llm_engine.add_request(request_id, inputs, params)
+        version = self.engine.policy_version
+        outputs = llm_engine.step()
+        keys = [routing_keys[o.request_id] for o in outputs if o.finished and o.request_id in routing_keys]
+        records = self.engine.take_routed_experts(keys) if keys else {}
+        return version, outputs, records
+
     async def update_weights(self, state_dict: dict, version: int, regenerate: bool = False) -> None:
         """Loads new weights (a state dict) between two engine steps, with requests in flight.
 
-        A coroutine on the pump's loop runs only while the pump is not inside `step()`, so no
-        step ever mixes two versions. Running requests keep their tokens and get their KV cache
+        The load runs on the engine's thread between two steps, so no step ever mixes two versions. Running requests keep their tokens and get their KV cache
         recomputed with the new weights; with `regenerate` they are aborted instead and their
         callers get `WeightsChanged` (to start over with the new weights).
         """
@@ -160,11 +198,11 @@ class AsyncGenerator:
         `recompute_running=True` (e.g. a `titanrl.rollout.weight_receiver.WeightReceiver.receive` call)."""
         if regenerate and self._pending:
             futures = list(self._pending.values())
-            self._abort()
+            await self._abort()
             for future in futures:
                 if not future.done():
                     future.set_exception(WeightsChanged(f"weights changed to version {version}"))
-        load()
+        await self._on_engine(load)
         if self.engine.policy_version != version:
             raise RuntimeError(f"loading version {version} left the engine at version {self.engine.policy_version}")
         async with self._version_changed:
@@ -175,14 +213,24 @@ class AsyncGenerator:
         async with self._version_changed:
             await self._version_changed.wait_for(lambda: self.engine.policy_version >= version)
 
-    def _abort(self) -> None:
-        """Aborts every pending request and drops what the engine recorded for them."""
-        self.engine.llm.llm_engine.abort_request(list(self._pending))
+    async def _abort(self) -> None:
+        """Aborts every pending request (dropping those not yet handed to the engine) and what the
+        engine recorded for them; the bookkeeping is cleared here, at once, so a request that
+        arrives meanwhile is kept."""
+        queued = {request_id for request_id, _, _ in self._to_add}
+        running = [request_id for request_id in self._pending if request_id not in queued]
+        keys = list(self._routing_keys.values())
+        self._to_add.clear()
         self._pending.clear()
         self._versions.clear()
-        if self._routing_keys:
-            self.engine.take_routed_experts(list(self._routing_keys.values()))
-            self._routing_keys.clear()
+        self._routing_keys.clear()
+
+        def abort() -> None:
+            self.engine.llm.llm_engine.abort_request(running)
+            if keys:
+                self.engine.take_routed_experts(keys)
+
+        await self._on_engine(abort)
 
     def _completion(self, output, versions: list[int]) -> Completion:
         from titanrl.rollout.vllm.engine import Completion

@@ -80,6 +80,10 @@ class VllmEngineConfig:
     every Completion then carries `routed_experts`; see `titanrl.rollout.vllm.routing_record`."""
     extra_llm_kwargs: dict = field(default_factory=dict)
     """Passed to `vllm.LLM(...)` last, for options not surfaced here."""
+    warm_up: bool = True
+    """Generate two short requests (greedy and sampled) before the engine serves anything, so the
+    one-time costs of the first generation (vLLM's sampler is compiled by inductor on first use,
+    2-5 s on CPU) are paid at start-up instead of inside the first training step."""
     vllm_kernels: bool = True
     """On CPU, outside batch-invariant mode, run our model's linear layers, RMSNorms and rotary
     through vLLM's own kernels (oneDNN on prepacked weights; `titanrl.rollout.vllm.kernel_overrides`);
@@ -204,6 +208,8 @@ class VllmEngine:
         if config.record_routed_experts:
             self.routing_layers = self.llm.collective_rpc("titanrl_record_routing", args=(True,))[0]
         self._routing_keys = itertools.count()
+        if config.warm_up:
+            self._warm_up()
         self.start_seconds = time.perf_counter() - t0
         self._local_sender: SharedMemorySender | None = None
         """Multiprocess engine: the segments `update_weights` hands to the engine core (made on first use)."""
@@ -275,6 +281,16 @@ class VllmEngine:
                 completion.routed_experts = self.fit_routing(records.get(keys[r]), completion)
             results[-1].append(completion)
         return results
+
+    def _warm_up(self) -> None:
+        """Runs a greedy and a seeded sampled request of two tokens (their routing is not recorded:
+        they carry no routing key), then empties the prefix cache."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(temperature=t, max_tokens=2, seed=0, logprobs=0) for t in (0.0, 1.0)]
+        self.llm.generate([TokensPrompt(prompt_token_ids=[0])] * len(params), params, use_tqdm=False)
+        self.llm.reset_prefix_cache()
 
     # --- routing capture (MoE) --------------------------------------------------------
     def routing_key(self) -> str:
