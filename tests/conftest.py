@@ -126,6 +126,18 @@ def tiny_run(tmp_path_factory) -> TinyRun:
     return TinyRun(ckpt, rows, folder / "train.jsonl")
 
 
+# --- torch.distributed --------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def gloo_world():
+    """One 2-rank gloo world (tests/gloo_world.py) that the 2-process test files share: their
+    world functions run in it one after another, instead of each file starting its own (~10 s)."""
+    from gloo_world import GlooWorld
+
+    world = GlooWorld(world_size=2)
+    yield world
+    world.close()
+
+
 # --- Ray ---------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def ray_session():

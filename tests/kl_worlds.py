@@ -1,4 +1,4 @@
-"""Functions that run inside the spawned gloo world of tests/test_kl.py."""
+"""Functions that tests/test_kl.py runs inside the session's shared 2-rank `gloo_world`."""
 
 from __future__ import annotations
 

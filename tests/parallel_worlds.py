@@ -1,5 +1,6 @@
-"""Functions that run inside spawned gloo worlds for tests/test_parallel_*.py (one world per file:
-starting processes and importing torch costs ~10 s, so each world runs many checks)."""
+"""Functions that run inside gloo worlds for the tests: a file's own world (4 ranks, or a file that
+starts its own) or the session's shared 2-rank `gloo_world` (tests/gloo_world.py). Starting
+processes and importing torch costs ~10 s, so each world runs many checks."""
 
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ import torch
 
 from titanrl.config import ModelConfig
 from titanrl.trainer.parallel.activation_checkpoint import checkpointed_layers
-from titanrl.trainer.parallel.launch import run_local_world
 from titanrl.trainer.parallel.layout_check import make_case
 from titanrl.trainer.trainer import GRPOTrainer
 
@@ -118,12 +117,12 @@ def test_no_checkpointing_without_grad(case, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def world(case):
+def world(case, gloo_world):
     """One 2-rank world: per layout, the local gradient shards with and without checkpointing."""
     from parallel_worlds import run_jobs
 
     jobs = [("activation_checkpointing_grads", (case, WORLD_LAYOUTS, MODES))]
-    return run_local_world(run_jobs, 2, jobs, timeout_s=600)[0][0]
+    return gloo_world.run(run_jobs, jobs, timeout_s=600)[0][0]
 
 
 @pytest.mark.parametrize("layout", list(WORLD_LAYOUTS))

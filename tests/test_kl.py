@@ -244,14 +244,12 @@ def test_resume_keeps_the_reference(ckpt, tmp_path):
         _trainer(tmp_path / "s", kl_coef=0.2)
 
 
-def test_sharded_reference_equals_one_process(ckpt, tmp_path):
+def test_sharded_reference_equals_one_process(ckpt, tmp_path, gloo_world):
     """dp_shard=2 (batch-invariant), and a dp_shard=2 trainer resuming a one-process run's training
     checkpoint (another layout), hold the same reference: its logprobs equal the one-process ones
     bit for bit, as do kl/mean and kl/max of a step, whose loss (KL term included) matches; cp=2
     (each rank half of every sequence) and tp=2 give them to float error."""
     from kl_worlds import reference_in_layout
-
-    from titanrl.trainer.parallel.launch import run_local_world
 
     inv = dict(kl_coef=0.2, micro_batch_size=2, batch_invariant=True)
     plain = dict(kl_coef=0.2, micro_batch_size=2)
@@ -264,7 +262,7 @@ def test_sharded_reference_equals_one_process(ckpt, tmp_path):
             "resumed": (str(tmp_path / "s"), dict(dp_shard=2), inv, False),
             "cp": (str(ckpt), dict(cp=2), plain, False),
             "tp": (str(ckpt), dict(tp=2), plain, False)}
-    got = run_local_world(reference_in_layout, 2, runs, groups, TEMPERATURE, timeout_s=300)[0]
+    got = gloo_world.run(reference_in_layout, runs, groups, TEMPERATURE, timeout_s=300)[0]
     single = GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), TrainConfig(**plain), TEMPERATURE, seed=0,
                          batch_invariant=True)
     want_ref = single.prepare_batch(groups).reference_BT

@@ -16,7 +16,6 @@ from torch import nn
 
 from titanrl.config import ConfigError, DataConfig, ModelConfig, RunConfig, apply_overrides, validate
 from titanrl.models.hf_checkpoint import load_model
-from titanrl.trainer.parallel.launch import run_local_world
 from titanrl.trainer.parallel.layout_check import check_layouts, make_case, reference
 from titanrl.trainer.trainer import GRPOTrainer
 
@@ -190,14 +189,14 @@ def _world(rank: int, world_size: int, cases: dict, refs: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, tied_case):
+def world(tmp_path_factory, tied_case, gloo_world):
     untied = make_case(tmp_path_factory.mktemp("mp_untied"), tied=False, micro_batch_size=4)
     fp32_cases = {"untied": untied, "tied": tied_case}
     cases = {k: dataclasses.replace(c, train=dataclasses.replace(c.train, compute_dtype="bfloat16"))
              for k, c in fp32_cases.items()}
     refs = {k: reference(c) for k, c in cases.items()}
     fp32_refs = {k: reference(c) for k, c in fp32_cases.items()}
-    return run_local_world(_world, 2, cases, refs, timeout_s=600)[0], refs, fp32_refs
+    return gloo_world.run(_world, cases, refs, timeout_s=600)[0], refs, fp32_refs
 
 
 def _rel(a: dict, b: dict) -> float:

@@ -11,7 +11,6 @@ import torch
 
 from titanrl.config import ModelConfig
 from titanrl.trainer.lr_schedule import build_scheduler
-from titanrl.trainer.parallel.launch import run_local_world
 from titanrl.trainer.parallel.layout_check import make_case
 from titanrl.trainer.trainer import GRPOTrainer
 
@@ -93,7 +92,7 @@ def test_no_decay_parameters_are_not_decayed(cases):
 
 
 @pytest.fixture(scope="module")
-def world(cases, tmp_path_factory):
+def world(cases, tmp_path_factory, gloo_world):
     """One 2-rank world: a dp_shard=2 trainer (untied) and a pp=2 trainer (tied: the matrix is
     split into a first- and a last-stage copy, each with its stage's optimizer), each trained one
     step, saved, and trained one more step."""
@@ -102,7 +101,7 @@ def world(cases, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("groups_world")
     jobs = [("optimizer_groups_resume", (cases[False], str(tmp / "fsdp"), dict(dp_shard=2))),
             ("optimizer_groups_resume", (cases[True], str(tmp / "pp"), dict(pp=2)))]
-    results = run_local_world(run_jobs, 2, jobs, timeout_s=600)[0]
+    results = gloo_world.run(run_jobs, jobs, timeout_s=600)[0]
     return {"fsdp": results[0], "pp": results[1]}
 
 

@@ -1,6 +1,6 @@
 """Distributed checkpoints reshard across layouts; HF export and weight publishing from sharded models.
 
-One spawned world of 2 processes runs all checks (process start + import torch is ~10 s).
+The session's shared 2-process gloo world (conftest's `gloo_world`) runs all checks.
 """
 
 import pytest
@@ -9,7 +9,6 @@ import torch
 from titanrl.config import ModelConfig
 from titanrl.models.hf_checkpoint import load_model
 from titanrl.trainer.checkpoint import export_hf
-from titanrl.trainer.parallel.launch import run_local_world
 from titanrl.trainer.parallel.layout_check import make_case
 from titanrl.trainer.trainer import GRPOTrainer
 
@@ -34,7 +33,7 @@ def _trainer_losses(case, out_dir):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, gloo_world):
     """One 2-rank world: save under dp_shard=2, load under tp=2 / pp=2 / cp=2; a tied save under
     dp_shard=2 loaded under tp=2; GRPOTrainer's checkpoint loaded under dp_shard=2; publishing."""
     tmp = tmp_path_factory.mktemp("parallel_ckpt")
@@ -49,7 +48,7 @@ def world(tmp_path_factory):
     ]
     from parallel_worlds import run_jobs
 
-    results = run_local_world(run_jobs, 2, jobs, timeout_s=600)
+    results = gloo_world.run(run_jobs, jobs, timeout_s=600)
     return {"untied": results[0][0], "tied": results[0][1], "publish": results[0][2],
             "publish_tied": results[0][3], "tied_pp": results[0][4], "publish_rank1": results[1][2],
             "trainer_losses": trainer_losses, "cases": {"untied": untied, "tied": tied, "tied_pp": tied}}
