@@ -23,8 +23,9 @@ from titanrl.kernels.torch_rms_norm import rms_norm
 from titanrl.models import qwen3
 from titanrl.trainer import grpo
 
-BATCH_SIZES = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 31, 33, 64]
-"""Row counts around MKL's class boundaries (1, 2-3, >= 4) and thread-split points."""
+BATCH_SIZES = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 31, 33, 64, 65, 130]
+"""Row counts around MKL's class boundaries (AVX2: 1, 2-3, >= 4; AVX-512 without MKL's strict mode:
+up to 15 rows in the small-M class) and thread-split points."""
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -68,7 +69,9 @@ def test_linear_row_bits_independent_of_batch(K, N, threads):
 
 def test_linear_check_detects_library_variance():
     """The invariance harness is not vacuous: plain `F.linear` fails it on this CPU (M = 1 vs
-    M >= 4 give different bits), while `linear` passes on the same inputs."""
+    larger M give different bits), while `linear` passes on the same inputs. (Under MKL's strict
+    AVX2 mode, which this session runs in on AVX-512 CPUs, F.linear itself may pass: then it skips,
+    and tests/test_mkl_mode.py's negative control shows the check failing without that mode.)"""
     gen = torch.Generator().manual_seed(0)
     W, x = torch.randn(512, 512, generator=gen) * 512**-0.5, torch.randn(512, generator=gen)
     if _rows_invariant(lambda A: F.linear(A, W), x, 512, gen) == []:

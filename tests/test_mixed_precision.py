@@ -205,21 +205,38 @@ def _rel(a: dict, b: dict) -> float:
     return ((x - y).norm() / y.norm()).item()
 
 
+PP_TOL = 1e-4
+"""Untied pp's relative gradient difference to one process: bf16 rounding flips from pp's padded
+micro-batch length (see test_layouts_match_the_one_process_policy)."""
+
+
 @pytest.mark.parametrize("kind", ["untied", "tied"])
 def test_layouts_match_the_one_process_policy(world, kind):
     """FSDP2's MixedPrecisionPolicy (fsdp) and the cast policy without FSDP (pp) give the loss and
-    full gradient of the one-process mixed-precision trainer (the same micro-batches: only the
-    float32 summation order differs; measured <= 2e-10 relative), far below what bf16 compute
-    changes (the gap to the float32-compute gradient, which the policy being off gives: ~3-14%
-    here, clip decisions flip). Tied pp is the exception by design: each stage casts its own copy
-    of the tied matrix and their gradients are summed in float32, where one process (and FSDP's
-    root unit) sums the embedding's and head's contributions in bf16 before the upcast (9e-4)."""
+    full gradient of the one-process mixed-precision trainer (the same micro-batches), far below
+    what bf16 compute changes (the gap to the float32-compute gradient, which the policy being off
+    gives: ~3-14% here, clip decisions flip). fsdp runs every kernel at the one-process shapes:
+    only the float32 summation order differs (measured <= 2e-10 relative). Untied pp runs every
+    micro-batch at the batch's trimmed length (one pipeline shape) where one process trims each
+    micro-batch to its own; the kernels' float32 reductions then run over other lengths, and in
+    bf16 compute an output whose float32 value moves by an ulp can round to the neighbouring bf16
+    value (2^-8 = 3.9e-3 relative on that element). Measured: 2e-10 on AVX2 CPUs (the kernels
+    happened to give the same bits), 7.2e-6 on an AVX-512/AMX Xeon (7.4e-6 with MKL in its strict AVX2 mode), where one process with its
+    micro-batches padded to pp's length reproduces the same 7.2e-6, i.e. the whole difference
+    (this batch has no ratio a flip moves across the clip boundary; batches of other seeds do,
+    and differ by up to ~1e-2: such a comparison needs the tied-pp bound).
+    PP_TOL = 1e-4 leaves 14x room over that, at the scale of the repo's float32 layout tolerance
+    (1e-5, tests/test_parallel_layouts.py) widened for bf16 rounding, and stays 1,000x below the
+    gap: a gradient mis-scaled by 0.1% (1e-3) fails it. Tied pp is the exception by design: each
+    stage casts its own copy of the tied matrix and their gradients are summed in float32, where
+    one process (and FSDP's root unit) sums the embedding's and head's contributions in bf16
+    before the upcast (9e-4)."""
     out, refs, fp32_refs = world
     gap = _rel(refs[kind].grads, fp32_refs[kind].grads)
     assert gap > 1e-2
     for report in out[kind]:
-        tied_pp = kind == "tied" and report["layout"] == "pp"
-        assert report["grad_rel_diff"] <= (gap / 20 if tied_pp else 1e-6), (report, gap)
+        pp, tied_pp = report["layout"] == "pp", kind == "tied" and report["layout"] == "pp"
+        assert report["grad_rel_diff"] <= (gap / 20 if tied_pp else PP_TOL if pp else 1e-6), (report, gap)
         assert report["loss_rel_diff"] <= 1e-6, report
         assert report["update_rel_diff"] <= (1e-2 if tied_pp else 1e-5), report
 
