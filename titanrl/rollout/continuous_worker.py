@@ -77,8 +77,10 @@ class ContinuousRolloutWorker(GroupStream, RolloutWorker):
                 continue  # on_weight_update="regenerate": start the group over with the new weights
 
     async def _single_turn_group(self, row: dict[str, Any], seed: int, group_id: int) -> Group:
+        # Tokenized once for the group's samples (the engine would tokenize each request's text).
+        prompt_ids = self.engine.llm.get_tokenizer().encode(self.single_turn.prompt(row))
         completions = await asyncio.gather(*(
-            self.generator.generate(self.single_turn.prompt(row), seed=seed + i, **self.single_turn.sampling(self.cfg))
+            self.generator.generate(prompt_ids, seed=seed + i, **self.single_turn.sampling(self.cfg))
             for i in range(self.cfg.group_size)
         ))
         scored = await self.scorer.score_results_async(self.single_turn.to_score([row], [completions]))
