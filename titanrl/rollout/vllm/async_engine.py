@@ -67,11 +67,13 @@ class AsyncGenerator:
                     await self._abort()
             finally:
                 self._engine_thread.shutdown(wait=True)  # a step still running ends first
+                self._engine_thread = None
 
     async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the engine's thread, after whatever runs there now (a step)."""
+        """`fn(*args)` on the engine's thread, after whatever runs there now (a step); inline when
+        the pump is not running (no step can be either)."""
         if self._engine_thread is None:
-            raise RuntimeError("AsyncGenerator needs `async with AsyncGenerator(engine):`")
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
 
     async def on_engine(self, fn: Callable[..., T], *args: Any) -> T:
