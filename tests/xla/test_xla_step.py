@@ -1,7 +1,12 @@
 """The GRPO step on XLA: the CPU trainer's numbers, one compiled program per shape bucket, and
 the device-side skip of a non-finite update."""
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,28 +46,48 @@ def test_first_step_gradients_and_loss_match_the_cpu_trainer(tiny_ckpt, xla_trai
                if k != "step")
 
 
+# Run in a fresh process: XLA's compile cache is per process, so an earlier test's trainer here
+# may already hold a graph; alone, every bucket's program must be compiled exactly once.
+COMPILE_COUNTS = """
+import json, math, os, sys
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("CPU_NUM_DEVICES", "4")
+import torch_xla.runtime as xr
+xr.use_spmd()
+xr.global_runtime_device_count()
+from groups import make_groups
+from helpers import trainer
+xla_trainer = trainer(sys.argv[1], "xla")
+xla_trainer.step(make_groups([[5, 7, 3], [6, 2]], seed=9))  # the first step, in neither bucket below
+warmup = [[[5, 7, 3], [6, 2]], [[20, 3, 9], [1, 17]]]  # buckets (8, 16) and (8, 32)
+later = [[[2, 11], [4, 8, 1]], [[25, 2], [3, 3, 18]], [[9, 9, 9], [1, 2]], [[12], [13, 14, 2, 3]]]
+before = xla_trainer.xla.compile_metrics()["xla/compiles"]
+for i, lengths in enumerate(warmup):
+    m = xla_trainer.step(make_groups(lengths, seed=10 + i))
+out = {"before": before, "warm": m["xla/compiles"], "compile_s": m["xla/compile_s"], "buckets": len(warmup), "later": []}
+for i, lengths in enumerate(later):
+    m = xla_trainer.step(make_groups(lengths, seed=20 + i))
+    out["later"].append([m["xla/compiles"], math.isfinite(m["loss"]), m["train/optimizer_steps"]])
+print(json.dumps(out))
+"""
+
+
 def test_steps_over_varied_lengths_compile_once_per_bucket(tiny_ckpt):
     """After the trainer's first step (its graph differs from every later one's, so it is its own
-    program), steps whose lengths and row counts vary within two buckets compile at most one
+    program), steps whose lengths and row counts vary within two buckets compile exactly one
     program per bucket (the whole step: forward, loss, backward, clip, AdamW), then nothing new;
-    the metrics report the count and the compile time. Its own trainer, stepped once first, so it passes
-    alone as in the folder."""
-    xla_trainer = trainer(tiny_ckpt, "xla")
-    xla_trainer.step(make_groups(GROUPS, seed=9))  # the first step, in neither bucket below
-    warmup = [[[5, 7, 3], [6, 2]], [[20, 3, 9], [1, 17]]]  # buckets (8, 16) and (8, 32)
-    later = [[[2, 11], [4, 8, 1]], [[25, 2], [3, 3, 18]], [[9, 9, 9], [1, 2]], [[12], [13, 14, 2, 3]]]
-    before = xla_trainer.xla.compile_metrics()["xla/compiles"]
-    for i, lengths in enumerate(warmup):
-        m = xla_trainer.step(make_groups(lengths, seed=10 + i))
-    warm = m["xla/compiles"]
-    # At most one program per bucket; fewer when an earlier test's trainer in this process already
-    # compiled the same graph (XLA's compile cache is per process, not per trainer).
-    assert 1 <= warm - before <= len(warmup)
-    assert m["xla/compile_s"] > 0
-    for i, lengths in enumerate(later):
-        m = xla_trainer.step(make_groups(lengths, seed=20 + i))
-        assert math.isfinite(m["loss"]) and m["train/optimizer_steps"] == 1.0
-        assert m["xla/compiles"] == warm, f"step {i} over {lengths} compiled a new program"
+    the metrics report the count and the compile time. In a process of its own (a fresh compile cache)."""
+    here = Path(__file__).parent
+    done = subprocess.run([sys.executable, "-c", COMPILE_COUNTS, str(tiny_ckpt)], cwd=here, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [str(here), os.environ.get("PYTHONPATH", "")])})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["warm"] - out["before"] == out["buckets"], out
+    assert out["compile_s"] > 0
+    for i, (compiles, finite, optimizer_steps) in enumerate(out["later"]):
+        assert finite and optimizer_steps == 1.0, out
+        assert compiles == out["warm"], f"later step {i} compiled a new program: {out}"
 
 
 def test_non_finite_loss_skips_the_update_on_the_device(xla_trainer):
