@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # the weight-version bookkeeping runs without loading torch a
 
 T = TypeVar("T")
 
+
 class WeightsChanged(Exception):
     """Raised into the requests that `update_weights(..., regenerate=True)` aborted."""
 
@@ -188,8 +189,9 @@ class AsyncGenerator:
     async def update_weights(self, state_dict: dict, version: int, regenerate: bool = False) -> None:
         """Loads new weights (a state dict) between two engine steps, with requests in flight.
 
-        The load runs on the engine's thread between two steps, so no step ever mixes two versions. Running requests keep their tokens and get their KV cache
-        recomputed with the new weights; with `regenerate` they are aborted instead and their
+        The load runs on the engine's thread between two steps, so no step ever mixes two
+        versions. Running requests keep their tokens and get their KV cache recomputed with the
+        new weights; with `regenerate` they are aborted instead and their
         callers get `WeightsChanged` (to start over with the new weights).
         """
         await self.apply_update(
