@@ -43,15 +43,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "titanrl" / "kernels"
 
 
-def _cpu_features() -> bytes:
-    """The CPU's instruction-set flags: a -march=native build is only loaded on a matching CPU."""
+def cpu_flags_line() -> str:
+    """The CPU's instruction-set flags line from /proc/cpuinfo (`flags`, or `Features` on ARM);
+    the processor name where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return line.encode()
+                return line
     except OSError:
         pass
-    return platform.processor().encode()
+    return platform.processor()
+
+
+def _cpu_features() -> bytes:
+    """The CPU's instruction-set flags: a -march=native build is only loaded on a matching CPU."""
+    return cpu_flags_line().encode()
 
 
 def _compiler() -> str:

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
+
+from titanrl.kernels.cpu_build import cpu_flags_line
 
 ENV_VAR, ENV_VALUE = "MKL_CBWR", "AVX2,STRICT"
 """The environment variable MKL reads at start-up for its reproducibility mode, and our value."""
@@ -37,13 +38,7 @@ _CBWR_ALL, _CBWR_AVX2, _CBWR_STRICT = -1, 10, 0x10000
 def needs_strict_mkl() -> bool:
     """True on a CPU with AVX-512 when torch's GEMMs go through MKL (where the padding alone
     does not keep a row's bits: see the module docstring)."""
-    if not torch.backends.mkl.is_available():
-        return False
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return "avx512f" in flags.split()
+    return torch.backends.mkl.is_available() and "avx512f" in cpu_flags_line().split()
 
 
 @functools.cache

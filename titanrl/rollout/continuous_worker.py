@@ -2,9 +2,9 @@
 
 It runs as an async Ray actor: every call awaits a coroutine on the worker's own event loop (a
 background thread, so the engine never blocks Ray's loop), where a single `AsyncGenerator`
-pump steps vLLM (on a thread of its own) for every request in flight. So the groups of the driver's `generate_groups`
-calls (`titanrl.rollout.group_stream`: a worker's share of an admission in one streaming call)
-share one continuous batch, a group that finishes is streamed back at once, and
+pump steps vLLM (on a thread of its own) for every request in flight. So the groups of the
+driver's `generate_groups` calls (`titanrl.rollout.group_stream`: a worker's share of an
+admission in one streaming call) share one continuous batch, a group that finishes is streamed back at once, and
 `update_weights` lands between two engine steps while the other groups keep going:
 
 - `rollout.on_weight_update="continue"` (partial rollouts): running requests keep their tokens,

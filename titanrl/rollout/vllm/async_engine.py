@@ -5,7 +5,7 @@ Multi-turn episodes interleave generation with environment work (sandboxed code,
 vLLM's engine with whatever requests are pending, so continuous batching keeps running
 for every other episode while one waits on a slow tool call.
 
-The engine is only ever touched from one thread of its own (`_on_engine`): each step, with the
+The engine is only ever touched from one thread of its own (`on_engine`): each step, with the
 requests queued since the last one added first, and every weight load and abort, one after
 another. So the event loop stays free while vLLM computes (torch releases the GIL): a finished
 request's group is scored and handed back during the next step, not after it. When the pump
@@ -70,17 +70,13 @@ class AsyncGenerator:
                 self._engine_thread.shutdown(wait=True)  # a step still running ends first
                 self._engine_thread = None
 
-    async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the engine's thread, after whatever runs there now (a step); inline when
-        the pump is not running (no step can be either)."""
+    async def on_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` between two engine steps, on the engine's thread, after whatever runs there
+        now (a step); inline when the pump is not running (no step can be either). Everything
+        that touches the engine goes through here: steps, loads, aborts, weight transports."""
         if self._engine_thread is None:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
-
-    async def on_engine(self, fn: Callable[..., T], *args: Any) -> T:
-        """Runs `fn(*args)` between two engine steps, on the engine's thread (for anything else
-        that touches the engine while the pump runs: opening or closing a weight transport)."""
-        return await self._on_engine(fn, *args)
 
     async def generate(
         self,
@@ -151,7 +147,7 @@ class AsyncGenerator:
             to_add, self._to_add = self._to_add, []
             # The keys of every request this step can finish (the engine's thread reads this copy).
             keys = dict(self._routing_keys) if self._routing_keys else {}
-            version, outputs, records = await self._on_engine(self._step, to_add, keys)
+            version, outputs, records = await self.on_engine(self._step, to_add, keys)
             finished = []
             for output in outputs:
                 versions = self._versions.get(output.request_id)
@@ -206,7 +202,7 @@ class AsyncGenerator:
             for future in futures:
                 if not future.done():
                     future.set_exception(WeightsChanged(f"weights changed to version {version}"))
-        await self._on_engine(load)
+        await self.on_engine(load)
         if self.engine.policy_version != version:
             raise RuntimeError(f"loading version {version} left the engine at version {self.engine.policy_version}")
         async with self._version_changed:
@@ -234,7 +230,7 @@ class AsyncGenerator:
             if keys:
                 self.engine.take_routed_experts(keys)
 
-        await self._on_engine(abort)
+        await self.on_engine(abort)
 
     def _completion(self, output, versions: list[int]) -> Completion:
         from titanrl.rollout.vllm.engine import Completion
