@@ -1,21 +1,35 @@
-"""One GRPO trainer step on a device: tokens/s and MFU, float32 vs bfloat16, batch-invariant off vs on.
+"""One GRPO trainer step on a device: tokens/s, the padding it computes, and MFU, packed vs padded
+micro-batches, float32 vs bfloat16, batch-invariant off vs on.
 
     .venv/bin/python benchmarks/trainer_step.py [--device cpu|cuda] [--repeats 5] [--peak-tflops X]
-        [--rows 64] [--dtypes float32,bfloat16]
+        [--size medium|19m] [--rows 64] [--prompt-len 16] [--completion-len 32] [--lengths fixed|varied]
+        [--dtypes float32,bfloat16] [--batch-invariant off,on] [--pack off,on] [--threads 1]
 
-On a 2-core CPU a bfloat16 step is many times slower than float32 (no bf16 units):
+    # issue 21's 19M workload (8 prompts x 8 samples, completions of up to 64 tokens):
+    .venv/bin/python benchmarks/trainer_step.py --size 19m --rows 64 --prompt-len 30 --completion-len 64 \\
+        --lengths varied --dtypes float32 --batch-invariant off
+
+On a 2-core CPU a bfloat16 step is many times slower than float32 unless the CPU has AMX:
 `--rows 16 --dtypes float32` keeps a CPU run to a few minutes.
 
-The 25M-parameter model of benchmarks/batch_invariance.py (hidden 512, 8 layers, head_dim 64,
-256-token vocabulary), one `GRPOTrainer.step` (forward, backward, clip, AdamW) on 64 sequences of
-16 prompt + 32 completion tokens, every arm in the same process: the arms are timed in
-alternating order after one warm-up step each, so load from other processes hits them alike.
+Models: `medium` is the 25M-parameter model of benchmarks/batch_invariance.py (hidden 512,
+8 layers, head_dim 64, 259-token byte vocabulary); `19m` the same with 6 layers (issue 21's
+TRL comparison). One `GRPOTrainer.step` (forward, backward, clip, AdamW) on `--rows` sequences
+in one micro-batch. `--lengths fixed`: every prompt `--prompt-len` and every completion
+`--completion-len` tokens (a random-init policy rarely stops early); `varied`: per group a
+prompt of `prompt-len/2 .. prompt-len` tokens, per sample a completion of `4 .. completion-len`
+(uniform), as a policy that has learnt to stop writes them. Every arm runs in the same process
+and is timed in alternating order after one warm-up step, so load from other processes hits
+the arms alike.
 
-Prints one JSON line per arm and a summary line with each arm's time relative to float32 with
-batch invariance off (the baseline, measured in the same run). FLOPs per step are counted as
-6 x (matmul parameters) x tokens + 6 x layers x heads x head_dim x T^2 x rows (causal attention,
-forward + backward); MFU = achieved FLOP/s / peak, where the peak is known (`--peak-tflops`,
-or the table below for GPUs; none for CPUs).
+`train.pack_sequences` off is the trainer before packing (today's settings for pp/cp/XLA
+layouts): each sample a row, right-padded to the micro-batch's longest. Per arm: step_s
+(median), tokens_per_s (real tokens: up to each row's last trained target), pad_fraction (the
+computed token slots that are padding), speedup_vs_padded (the same dtype and mode, pack off,
+over this arm), vs_float32_off (step time over float32 padded, batch invariance off). FLOPs
+count useful work only: 6 x (matmul parameters) x real tokens + 6 x layers x heads x head_dim x
+sum of each sequence's length^2 (causal attention, forward + backward); MFU = achieved FLOP/s /
+peak where the peak is known (`--peak-tflops`, or the table below for GPUs; none for CPUs).
 """
 
 from __future__ import annotations
@@ -26,7 +40,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
+import random  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -34,9 +48,12 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-MEDIUM = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-              intermediate_size=1536)
-ROWS, PROMPT_LEN, COMPLETION_LEN = 64, 16, 32
+SIZES = {
+    "medium": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                   head_dim=64, intermediate_size=1536),
+    "19m": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                head_dim=64, intermediate_size=1536),
+}
 PEAK_TFLOPS = {  # dense, per GPU, from the vendors' data sheets (SXM parts)
     "H200": {"float32": 67.0, "bfloat16": 989.0},
     "H100": {"float32": 67.0, "bfloat16": 989.0},
@@ -44,30 +61,30 @@ PEAK_TFLOPS = {  # dense, per GPU, from the vendors' data sheets (SXM parts)
 }
 
 
-def _groups(rows: int):
+def _groups(rows: int, prompt_len: int, completion_len: int, varied: bool):
     from titanrl.types import Group, Sample
 
-    g = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
     groups = []
     for gid in range(rows // 8):
+        p = rng.randint(max(1, prompt_len // 2), prompt_len) if varied else prompt_len
+        prompt = [rng.randrange(256) for _ in range(p)]
         samples = []
         for k in range(8):
-            prompt = torch.randint(0, 256, (PROMPT_LEN,), generator=g).tolist()
-            completion = torch.randint(0, 256, (COMPLETION_LEN,), generator=g).tolist()
-            samples.append(Sample(prompt="", completion="", prompt_ids=prompt, completion_ids=completion,
-                                  gen_logprobs=[-5.5] * COMPLETION_LEN, reward=float(k % 3), group_id=gid,
-                                  policy_version=0))
+            c = rng.randint(min(4, completion_len), completion_len) if varied else completion_len
+            samples.append(Sample(prompt="", completion="", prompt_ids=prompt,
+                                  completion_ids=[rng.randrange(256) for _ in range(c)],
+                                  gen_logprobs=[-5.5] * c, reward=float(k % 3), group_id=gid, policy_version=0))
         groups.append(Group(samples))
     return groups
 
 
-def _flops_per_step(model: torch.nn.Module, config, rows: int) -> float:
-    T = PROMPT_LEN + COMPLETION_LEN - 1
+def _flops_per_step(model: torch.nn.Module, config, lengths: list[int]) -> float:
     matmul_params = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
     if config.tie_word_embeddings:  # the tied head is a matmul too
         matmul_params += model.model.embed_tokens.weight.numel()
-    attention = 6 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * T * T * rows
-    return 6 * matmul_params * rows * T + attention
+    attention = 6 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * sum(n * n for n in lengths)
+    return 6 * matmul_params * sum(lengths) + attention
 
 
 def _peak(device: str, dtype: str, override: float | None) -> float | None:
@@ -81,17 +98,16 @@ def _peak(device: str, dtype: str, override: float | None) -> float | None:
     return None
 
 
-def _cpu_flags() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.processor()
-    return " ".join(f for f in flags.split() if f.startswith(("avx", "amx", "fma")))
+def _flags(value: str) -> list[bool]:
+    return [{"off": False, "on": True}[v] for v in value.split(",")]
 
 
 def main() -> None:
     from titanrl.config import ModelConfig, TrainConfig
+    from titanrl.kernels.cpu_build import cpu_flags_line
     from titanrl.models.tiny import write_tiny_checkpoint
+    from titanrl.trainer.moe import real_tokens
+    from titanrl.trainer.packing import pad_fraction
     from titanrl.trainer.trainer import GRPOTrainer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,26 +115,44 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak of the device, to report MFU")
     parser.add_argument("--threads", type=int, default=int(os.environ["OMP_NUM_THREADS"]))
-    parser.add_argument("--rows", type=int, default=ROWS, help="sequences per step (a multiple of 8)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="medium")
+    parser.add_argument("--rows", type=int, default=64, help="sequences per step (a multiple of 8)")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--completion-len", type=int, default=32)
+    parser.add_argument("--lengths", choices=["fixed", "varied"], default="fixed")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated parameter dtypes")
+    parser.add_argument("--batch-invariant", default="off,on", help="off, on or off,on")
+    parser.add_argument("--pack", default="off,on", help="train.pack_sequences arms: off, on or off,on")
     parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
     args = parser.parse_args()
+    if args.rows % 8:
+        parser.error(f"--rows must be a multiple of 8 (groups of 8), got {args.rows}")
 
-    arms = [(dtype, bi) for dtype in args.dtypes.split(",") for bi in (False, True)]
-    groups = _groups(args.rows)
+    strict_mkl = False
+    if True in _flags(args.batch_invariant):
+        from titanrl.kernels.mkl_mode import ensure_strict_mkl, needs_strict_mkl
+
+        # Batch-invariant arms on an AVX-512 CPU need MKL's strict AVX2 mode, set before the first
+        # GEMM and for the whole process: the other arms then run on that path too (the summary says so).
+        strict_mkl = needs_strict_mkl()
+        ensure_strict_mkl()
+    arms = [(dtype, bi, pack) for dtype in args.dtypes.split(",") for bi in _flags(args.batch_invariant)
+            for pack in _flags(args.pack)]
+    groups = _groups(args.rows, args.prompt_len, args.completion_len, args.lengths == "varied")
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_tiny_checkpoint(Path(tmp) / "medium", seed=0, **MEDIUM)
+        ckpt = write_tiny_checkpoint(Path(tmp) / args.size, seed=0, **SIZES[args.size])
         trainers, errors = {}, {}
-        for dtype, bi in arms:
+        for dtype, bi, pack in arms:
             try:
                 tr = GRPOTrainer(ModelConfig(checkpoint=str(ckpt), dtype=dtype),
-                                 TrainConfig(device=args.device, threads=args.threads, micro_batch_size=args.rows),
+                                 TrainConfig(device=args.device, threads=args.threads, micro_batch_size=args.rows,
+                                             pack_sequences=pack),
                                  temperature=1.0, seed=0, batch_invariant=bi)
                 tr.step(groups)  # warm-up (kernel builds, allocator, autotuning)
-                trainers[(dtype, bi)] = tr
+                trainers[(dtype, bi, pack)] = tr
             except Exception as e:  # an arm this device cannot run is reported, not fatal
-                errors[(dtype, bi)] = f"{type(e).__name__}: {e}"[:300]
+                errors[(dtype, bi, pack)] = f"{type(e).__name__}: {e}"[:300]
         times: dict[tuple, list[float]] = {arm: [] for arm in trainers}
         order = list(trainers)
         for r in range(args.repeats):
@@ -130,26 +164,36 @@ def main() -> None:
                 if args.device == "cuda":
                     torch.cuda.synchronize()
                 times[arm].append(time.perf_counter() - t0)
-        base = statistics.median(times[("float32", False)]) if ("float32", False) in times else None
-        for dtype, bi in arms:
-            line = {"benchmark": "trainer_step", "device": args.device, "dtype": dtype, "batch_invariant": bi}
-            if (dtype, bi) in errors:
-                line["error"] = errors[(dtype, bi)]
+        mask = next(iter(trainers.values())).prepare_batch(groups).loss_mask_BT if trainers else None
+        lengths = real_tokens(mask).sum(1).tolist() if mask is not None else []
+        padded_fraction = pad_fraction(mask, args.rows) if mask is not None else None
+        median = {arm: statistics.median(t) for arm, t in times.items()}
+        base = median.get(("float32", False, False))
+        for arm in arms:
+            dtype, bi, pack = arm
+            line = {"benchmark": "trainer_step", "device": args.device, "dtype": dtype, "batch_invariant": bi,
+                    "pack_sequences": pack}
+            if arm in errors:
+                line["error"] = errors[arm]
             else:
-                tr = trainers[(dtype, bi)]
-                step_s = statistics.median(times[(dtype, bi)])
-                flops = _flops_per_step(tr.model, tr.model_config, args.rows)
+                tr, step_s = trainers[arm], median[arm]
+                flops = _flops_per_step(tr.model, tr.model_config, lengths)
                 peak = _peak(args.device, dtype, args.peak_tflops)
-                tokens = args.rows * (PROMPT_LEN + COMPLETION_LEN - 1)
-                line.update(step_s=round(step_s, 4), tokens_per_s=round(tokens / step_s, 1),
+                padded = median.get((dtype, bi, False))
+                line.update(step_s=round(step_s, 4), tokens_per_s=round(sum(lengths) / step_s, 1),
+                            pad_fraction=0.0 if pack else round(padded_fraction, 4),
+                            speedup_vs_padded=round(padded / step_s, 3) if padded else None,
                             tflops=round(flops / step_s / 1e12, 4),
                             mfu=round(flops / step_s / peak, 4) if peak else None,
                             vs_float32_off=round(step_s / base, 3) if base else None)
             lines.append(line)
     host = {"benchmark": "trainer_step", "summary": True, "device": args.device, "threads": args.threads,
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-            "cpu_flags": _cpu_flags(), "rows": args.rows, "seq_len": PROMPT_LEN + COMPLETION_LEN - 1,
-            "repeats": args.repeats}
+            "cpu_flags": " ".join(f for f in cpu_flags_line().split() if f.startswith(("avx", "amx", "fma"))),
+            "size": args.size, "rows": args.rows, "lengths": args.lengths, "prompt_len": args.prompt_len,
+            "completion_len": args.completion_len, "real_tokens": int(sum(lengths)),
+            "padded_pad_fraction": None if padded_fraction is None else round(padded_fraction, 4),
+            "mkl_strict_avx2": strict_mkl, "repeats": args.repeats, "loadavg": [round(x, 2) for x in os.getloadavg()]}
     lines.append(host)
     for line in lines:
         print(json.dumps(line), flush=True)

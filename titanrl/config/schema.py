@@ -228,6 +228,12 @@ class TrainConfig:
     None: True, except with train.loss='dr_grpo' (which never scales by the std)."""
     micro_batch_size: int = 64
     """Sequences per forward/backward; gradients accumulate to one step per batch."""
+    pack_sequences: bool = True
+    """Pack each micro-batch's samples end to end into one row of only their real tokens (those up
+    to the last trained target), so no projection, norm or MLP computes padding; attention keeps
+    the samples apart (titanrl/models/packed_sequences.py). Results equal the padded forward's
+    (bitwise in batch-invariant mode). Applies where the layout allows: not with pp > 1, cp > 1
+    or on XLA (fixed shape buckets), which stay right-padded."""
     logprob_chunk_tokens: int | None = None
     """Tokens whose LM-head logits exist at once: the head, log-softmax and its backward run over
     chunks of this many tokens (logits recomputed in backward), so a micro-batch never holds its

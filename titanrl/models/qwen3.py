@@ -18,6 +18,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from titanrl import kernels
+from titanrl.models.packed_sequences import PackedSequences, packed_attention, varlen_flash_attention
 
 HF_ARCHITECTURE = "Qwen3ForCausalLM"
 
@@ -192,7 +193,8 @@ def apply_rotary(x_BTHD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Ten
 
 
 class CausalSDPA(nn.Module):
-    """Default attention backend: causal softmax attention over one padded batch.
+    """Default attention backend: causal softmax attention over one padded batch, or over the
+    sequences of one packed row while `packed` is set (the trainer's packed micro-batches).
 
     Right padding is safe: a real token never attends to the pad tokens after it.
     """
@@ -202,8 +204,19 @@ class CausalSDPA(nn.Module):
         self.num_groups = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
         self.batch_invariant = False
+        self.packed: PackedSequences | None = None
+        """Set (by `packed_attention_layout`): q/k/v are [1, N, ., D] holding these sequences end to end."""
 
     def forward(self, q_BTHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return self._padded(q_BTHD, k_BTKD, v_BTKD)
+        if not self.batch_invariant:
+            out = varlen_flash_attention(q_BTHD, k_BTKD, v_BTKD, self.packed, self.scale)
+            if out is not None:
+                return out
+        return packed_attention(self._padded, q_BTHD, k_BTKD, v_BTKD, self.packed)
+
+    def _padded(self, q_BTHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
             return kernels.attention(q_BTHD, k_BTKD, v_BTKD, scale=self.scale)
         q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTKD, v_BTKD))

@@ -15,6 +15,7 @@ holding every row, and no collective.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from titanrl import kernels
 from titanrl.config.schema import TrainConfig
 from titanrl.trainer.batch import PackedBatch
 from titanrl.trainer.chunked_logprobs import chunked_token_logprobs
+from titanrl.models.packed_sequences import packed_attention_layout
 from titanrl.trainer.logprob_chunks import chunk_tokens_for
 from titanrl.trainer.moe import (
     MicroBatchRouting,
@@ -47,6 +49,7 @@ from titanrl.trainer.losses.policy import policy_loss
 from titanrl.trainer.losses.settings import LossSettings, loss_settings
 from titanrl.trainer.kl import kl_loss_sum
 from titanrl.trainer.parallel.expert_parallel import sum_router_grads
+from titanrl.trainer.packing import PackedMicroBatch, pack_micro_batch
 from titanrl.trainer.parallel.mesh import all_reduce, coord, dp_rank_and_size, owns
 from titanrl.trainer.parallel.parallelize import ParallelModel
 from titanrl.trainer.parallel.pipeline import build_schedule
@@ -195,6 +198,9 @@ class ParallelGRPOStep:
         self._outside_BT: torch.Tensor | None = None
         """The last head call's targets outside the truncated kept set (read by `_count_outside`)."""
         self.seq_multiple = sequence_multiple(pm.parallel)
+        # train.pack_sequences: pipelines run fixed-shape micro-batches, ring attention has no packed
+        # layout, and XLA compiles one program per padded shape bucket.
+        self.packing = train_config.pack_sequences and xla is None and not pm.pipelined and not pm.context
         if batch_invariant:
             check_batch_invariant(pm.parallel)
         for part in pm.parts:  # the whole model, or pipeline stages (their LM head included)
@@ -358,9 +364,15 @@ class ParallelGRPOStep:
                     loss.backward()
         return totals, scale
 
-    def _head(self, targets_BT: torch.Tensor):  # noqa: ANN202 (a models.qwen3.LMHead)
-        """The LM head for one micro-batch: (final-norm hidden [B, T, D], head weight [V, D]) ->
-        (logprobs [B, T], entropy [B, T]) of `targets_BT`, computed chunk by chunk."""
+    def _head(self, targets_BT: torch.Tensor, mask_BT: torch.Tensor | None = None,
+              packed: PackedMicroBatch | None = None):  # noqa: ANN202 (a models.qwen3.LMHead)
+        """The LM head for one micro-batch: (final-norm hidden, head weight [V, D]) -> (logprobs
+        [B, T], entropy [B, T]) of `targets_BT`, computed chunk by chunk.
+
+        With `mask_BT`, only the trained targets (mask > 0) reach the head, and the other slots
+        are 0: no logits are computed that the loss does not weigh. `packed`: the hidden states
+        are the packed row [1, N, D] of that micro-batch's real tokens, not [B, T, D].
+        """
 
         def head(hidden_BTD: torch.Tensor, weight_VD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if isinstance(weight_VD, DTensor) and weight_VD.device_mesh.mesh_dim_names != ("tp",):
@@ -368,17 +380,39 @@ class ParallelGRPOStep:
                 # runs outside the FSDP unit's forward, where its weight is not gathered.
                 raise RuntimeError(f"the LM head weight reached the logprob head sharded over "
                                    f"{weight_VD.device_mesh.mesh_dim_names}, expected whole or tp-sharded")
-            B, T, D = hidden_BTD.shape
+            B, T = targets_BT.shape
+            D = hidden_BTD.shape[-1]
             # A vocabulary-parallel head's rows are split over tp: size chunks by this rank's share.
             vocab_rows = -(-weight_VD.shape[0] // self.pm.parallel.tp)
-            outside = None
+            hidden_ND = hidden_BTD.reshape(-1, D)
+            if packed is not None:  # the real tokens' slots, in packed order (filler dropped)
+                rows, cols = packed.rows_R, packed.cols_R
+                hidden_ND = hidden_ND[:rows.numel()]
+            elif mask_BT is not None:
+                rows, cols = (i.reshape(-1) for i in torch.meshgrid(
+                    torch.arange(B, device=targets_BT.device), torch.arange(T, device=targets_BT.device),
+                    indexing="ij"))
+            if mask_BT is not None:
+                trained = (mask_BT[rows, cols] > 0).nonzero()[:, 0]
+                rows, cols, hidden_ND = rows[trained], cols[trained], hidden_ND[trained]
+                targets_N = targets_BT[rows, cols]
+            else:
+                targets_N = targets_BT.reshape(B * T)
+            outside_N = None
             if self.truncation is not None:
-                outside = self._outside_BT = torch.zeros(B, T, dtype=torch.bool, device=hidden_BTD.device)
+                outside_N = torch.zeros(targets_N.shape, dtype=torch.bool, device=hidden_BTD.device)
             logprobs, entropy = chunked_token_logprobs(
-                hidden_BTD.reshape(B * T, D), weight_VD, targets_BT.reshape(B * T), self.temperature,
+                hidden_ND, weight_VD, targets_N, self.temperature,
                 chunk_tokens_for(vocab_rows, self.cfg.logprob_chunk_tokens), self.batch_invariant,
-                truncation=self.truncation, outside_N=None if outside is None else outside.view(B * T))
-            return logprobs.view(B, T), entropy.view(B, T)
+                truncation=self.truncation, outside_N=outside_N)
+            if mask_BT is None:
+                if outside_N is not None:
+                    self._outside_BT = outside_N.view(B, T)
+                return logprobs.view(B, T), entropy.view(B, T)
+            if outside_N is not None:
+                self._outside_BT = outside_N.new_zeros(B, T).index_put((rows, cols), outside_N)
+            scatter = lambda t: t.new_zeros(B, T).index_put((rows, cols), t)  # noqa: E731
+            return scatter(logprobs), scatter(entropy)
 
         return head
 
@@ -464,20 +498,33 @@ class ParallelGRPOStep:
             if backward and isinstance(model, FSDPModule):
                 # Reduce-scatter gradients once, after the last micro-batch.
                 model.set_requires_gradient_sync(i == len(starts) - 1)
-            if routing is None:
-                # The head runs inside the model's forward: FSDP holds its weight unsharded there.
-                logprobs, entropy = model(sub.input_ids_BT, positions, head=self._head(sub.targets_BT))
-                yield lo, sub, logprobs, entropy, None
-                continue
-            # Which tokens count, decided on whole rows (a CP rank holds chunks of them).
-            real, completion = (self._per_token(m(whole.loss_mask_BT)) for m in (real_tokens, completion_inputs))
-            routing.begin(sub.routed_experts_BTLK)
-            try:
-                logprobs, entropy = model(sub.input_ids_BT, positions, head=self._head(sub.targets_BT))
-                aux = routing.collect(real, completion, sub.routed_experts_BTLK, real_total, moe)
-                yield lo, sub, logprobs, entropy, aux
-            finally:
-                routing.end()
+            packed = pack_micro_batch(sub.loss_mask_BT, self.seq_multiple) if self.packing else None
+            ids = sub.input_ids_BT if packed is None else packed.gather(sub.input_ids_BT)
+            if packed is not None:
+                positions = packed.positions_1N
+            # The head runs inside the model's forward: FSDP holds its weight unsharded there.
+            # On XLA every slot is computed (a trained-token selection would be a dynamic shape).
+            head = self._head(sub.targets_BT, None if self.xla is not None else sub.loss_mask_BT, packed)
+            with contextlib.ExitStack() as layout:
+                if packed is not None:  # open through the consumer's backward (recomputed attention)
+                    layout.enter_context(packed_attention_layout(model, packed.layout))
+                if routing is None:
+                    logprobs, entropy = model(ids, positions, head=head)
+                    yield lo, sub, logprobs, entropy, None
+                    continue
+                # Which tokens count, decided on whole rows (a CP rank holds chunks of them).
+                real, completion = (self._per_token(m(whole.loss_mask_BT)) for m in (real_tokens, completion_inputs))
+                routed = sub.routed_experts_BTLK
+                if packed is not None:
+                    real, completion = packed.gather(real), packed.gather(completion)
+                    routed = None if routed is None else packed.gather(routed)
+                routing.begin(routed)
+                try:
+                    logprobs, entropy = model(ids, positions, head=head)
+                    aux = routing.collect(real, completion, routed, real_total, moe)
+                    yield lo, sub, logprobs, entropy, aux
+                finally:
+                    routing.end()
 
     def _pipelined(self, local: PackedBatch, scale: _BatchScale, totals: _Totals, backward: bool) -> None:
         pm = self.pm

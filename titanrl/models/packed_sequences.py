@@ -1,0 +1,114 @@
+"""Variable-length sequences packed end to end into one row of tokens, and attention over them.
+
+The trainer packs a micro-batch's samples into one row [1, N] of only their real tokens (no
+padding), so every projection, norm and MLP computes exactly the tokens the loss needs. Only
+attention has to know where one sequence ends: `PackedSequences` is that layout, set on the
+model's attention backends for the duration of a forward and its backward
+(`packed_attention_layout`), in the way vLLM's forward context tells its attention where each
+request's tokens are. Positions (rotary) restart at 0 in every sequence and come in with the ids.
+
+`packed_attention` runs an attention function over the layout: on CUDA, through torch's varlen
+flash kernel (`torch.nn.attention.varlen.varlen_attn`) where it exists; elsewhere (CPU, and any
+backend that wants a padded batch, such as the batch-invariant kernel) it scatters the packed
+q/k/v into a right-padded [S, max_len] batch for the attention call alone and gathers the result
+back. Causal attention never lets a real token see the padding after it, so each sequence's
+output is what it would be unpacked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""A padded-batch causal attention: (q [B, T, H, D], k [B, T, K, D], v [B, T, K, D]) -> [B, T, H, D]."""
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """Where each sequence of a packed row [1, N] starts and ends."""
+
+    sequence_of_token: torch.Tensor
+    """[N] int64: the index (0..S-1) of the sequence each packed token belongs to."""
+    position_of_token: torch.Tensor
+    """[N] int64: each token's position inside its sequence (0 at its first token)."""
+    cu_seqlens: torch.Tensor
+    """[S + 1] int32: sequence s holds packed tokens cu_seqlens[s] .. cu_seqlens[s + 1] - 1."""
+    max_len: int
+    """Length of the longest sequence."""
+
+    @property
+    def num_sequences(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @classmethod
+    def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> PackedSequences:
+        """The layout of sequences of `lengths` (each >= 1) laid end to end, in order."""
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"packed sequences need at least one token each, got lengths {lengths}")
+        lengths_S = torch.tensor(lengths, dtype=torch.long, device=device)
+        starts_S = torch.cumsum(lengths_S, 0) - lengths_S
+        sequence_N = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_S)
+        position_N = torch.arange(int(lengths_S.sum()), device=device) - starts_S[sequence_N]
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
+        cu[1:] = torch.cumsum(lengths_S, 0)
+        return cls(sequence_N, position_N, cu, max(lengths))
+
+
+def _varlen_kernel() -> Callable | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch before 2.9
+        return None
+    return varlen_attn
+
+
+def packed_attention(attend: Attend, q_1NHD: torch.Tensor, k_1NKD: torch.Tensor, v_1NKD: torch.Tensor,
+                     packed: PackedSequences) -> torch.Tensor:
+    """`attend` (causal, over a right-padded batch) applied to each packed sequence: [1, N, H, D].
+
+    The padded batch exists only around the attention call ([S, max_len] rows; its pad slots are
+    zeros that no real query attends to), so its cost is attention's alone.
+    """
+    index = (packed.sequence_of_token, packed.position_of_token)
+
+    def padded(t_1NXD: torch.Tensor) -> torch.Tensor:
+        shape = (packed.num_sequences, packed.max_len, *t_1NXD.shape[2:])
+        return t_1NXD.new_zeros(shape).index_put(index, t_1NXD[0])
+
+    out_SLHD = attend(padded(q_1NHD), padded(k_1NKD), padded(v_1NKD))
+    return out_SLHD[index][None]
+
+
+def varlen_flash_attention(q_1NHD: torch.Tensor, k_1NKD: torch.Tensor, v_1NKD: torch.Tensor,
+                           packed: PackedSequences, scale: float) -> torch.Tensor | None:
+    """Causal attention of the packed sequences through torch's varlen flash kernel (CUDA, half
+    precision), or None where that kernel cannot run (then use `packed_attention`)."""
+    kernel = _varlen_kernel()
+    if kernel is None or not q_1NHD.is_cuda or q_1NHD.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    cu = packed.cu_seqlens.to(q_1NHD.device)
+    out = kernel(q_1NHD[0], k_1NKD[0], v_1NKD[0], cu, cu, packed.max_len, packed.max_len, scale=scale,
+                 window_size=(-1, 0), enable_gqa=q_1NHD.shape[2] != k_1NKD.shape[2])
+    return out[None]
+
+
+@contextlib.contextmanager
+def packed_attention_layout(model: nn.Module, packed: PackedSequences) -> Iterator[None]:
+    """Every attention backend of `model` (those with a `packed` attribute) treats its input as
+    `packed` until the block exits. Keep it open through the backward: activation checkpointing
+    recomputes attention there."""
+    backends = [m for m in model.modules() if hasattr(m, "packed")]
+    if not backends:
+        raise TypeError(f"{type(model).__name__} has no attention backend that can run packed sequences")
+    for m in backends:
+        m.packed = packed
+    try:
+        yield
+    finally:
+        for m in backends:
+            m.packed = None
