@@ -1,9 +1,10 @@
-"""One GRPO trainer step on a device: tokens/s, the padding it computes, and MFU, packed vs padded
-micro-batches, float32 vs bfloat16, batch-invariant off vs on.
+"""One GRPO trainer step on a device: tokens/s, the padding it computes, and MFU, padded vs packed
+micro-batches vs packed with shared prompts, float32 vs bfloat16, batch-invariant off vs on.
 
     .venv/bin/python benchmarks/trainer_step.py [--device cpu|cuda] [--repeats 5] [--peak-tflops X]
         [--size medium|19m] [--rows 64] [--prompt-len 16] [--completion-len 32] [--lengths fixed|varied]
-        [--dtypes float32,bfloat16] [--batch-invariant off,on] [--pack off,on] [--threads 1]
+        [--dtypes float32,bfloat16] [--batch-invariant off,on] [--layouts padded,packed,shared]
+        [--threads 1]
 
     # issue 21's 19M workload (8 prompts x 8 samples, completions of up to 64 tokens):
     .venv/bin/python benchmarks/trainer_step.py --size 19m --rows 64 --prompt-len 30 --completion-len 64 \\
@@ -22,11 +23,14 @@ prompt of `prompt-len/2 .. prompt-len` tokens, per sample a completion of `4 .. 
 and is timed in alternating order after one warm-up step, so load from other processes hits
 the arms alike.
 
-`train.pack_sequences` off is the trainer before packing (today's settings for pp/cp/XLA
-layouts): each sample a row, right-padded to the micro-batch's longest. Per arm: step_s
-(median), tokens_per_s (real tokens: up to each row's last trained target), pad_fraction (the
-computed token slots that are padding), speedup_vs_padded (the same dtype and mode, pack off,
-over this arm), vs_float32_off (step time over float32 padded, batch invariance off). FLOPs
+Layouts: `padded` (`train.pack_sequences` off) is the trainer before packing (today's settings
+for pp/cp/XLA layouts): each sample a row, right-padded to the micro-batch's longest; `packed`
+packs the real tokens into one row (`share_prompts` off); `shared` also computes each group's
+prompt once (`share_prompts`, the default). Per arm: step_s (median), tokens_per_s (real
+tokens: up to each row's last trained target, per second), computed_tokens (tokens that went
+through the model in the last step, counted at the embedding), pad_fraction (the computed token
+slots that are padding), speedup_vs_padded (the same dtype and mode, padded, over this arm),
+vs_float32_off (step time over float32 padded, batch invariance off). FLOPs
 count useful work only: 6 x (matmul parameters) x real tokens + 6 x layers x heads x head_dim x
 sum of each sequence's length^2 (causal attention, forward + backward); MFU = achieved FLOP/s /
 peak where the peak is known (`--peak-tflops`, or the table below for GPUs; none for CPUs).
@@ -59,6 +63,14 @@ PEAK_TFLOPS = {  # dense, per GPU, from the vendors' data sheets (SXM parts)
     "H100": {"float32": 67.0, "bfloat16": 989.0},
     "A100": {"float32": 19.5, "bfloat16": 312.0},
 }
+
+
+LAYOUTS = {
+    "padded": dict(pack_sequences=False),
+    "packed": dict(pack_sequences=True, share_prompts=False),
+    "shared": dict(pack_sequences=True, share_prompts=True),
+}
+"""The trainer settings of each `--layouts` arm."""
 
 
 def _groups(rows: int, prompt_len: int, completion_len: int, varied: bool):
@@ -122,7 +134,8 @@ def main() -> None:
     parser.add_argument("--lengths", choices=["fixed", "varied"], default="fixed")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated parameter dtypes")
     parser.add_argument("--batch-invariant", default="off,on", help="off, on or off,on")
-    parser.add_argument("--pack", default="off,on", help="train.pack_sequences arms: off, on or off,on")
+    parser.add_argument("--layouts", default="padded,packed,shared",
+                        help="comma-separated arms: padded (pack_sequences off), packed (share_prompts off), shared")
     parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
     args = parser.parse_args()
     if args.rows % 8:
@@ -136,52 +149,61 @@ def main() -> None:
         # GEMM and for the whole process: the other arms then run on that path too (the summary says so).
         strict_mkl = needs_strict_mkl()
         ensure_strict_mkl()
-    arms = [(dtype, bi, pack) for dtype in args.dtypes.split(",") for bi in _flags(args.batch_invariant)
-            for pack in _flags(args.pack)]
+    layouts = args.layouts.split(",")
+    if unknown := set(layouts) - set(LAYOUTS):
+        parser.error(f"--layouts: unknown {sorted(unknown)}; choose from {list(LAYOUTS)}")
+    arms = [(dtype, bi, layout) for dtype in args.dtypes.split(",") for bi in _flags(args.batch_invariant)
+            for layout in layouts]
     groups = _groups(args.rows, args.prompt_len, args.completion_len, args.lengths == "varied")
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_tiny_checkpoint(Path(tmp) / args.size, seed=0, **SIZES[args.size])
-        trainers, errors = {}, {}
-        for dtype, bi, pack in arms:
+        trainers, errors, computed = {}, {}, {}
+        for dtype, bi, layout in arms:
             try:
                 tr = GRPOTrainer(ModelConfig(checkpoint=str(ckpt), dtype=dtype),
                                  TrainConfig(device=args.device, threads=args.threads, micro_batch_size=args.rows,
-                                             pack_sequences=pack),
+                                             **LAYOUTS[layout]),
                                  temperature=1.0, seed=0, batch_invariant=bi)
                 tr.step(groups)  # warm-up (kernel builds, allocator, autotuning)
-                trainers[(dtype, bi, pack)] = tr
+                trainers[(dtype, bi, layout)] = tr
             except Exception as e:  # an arm this device cannot run is reported, not fatal
-                errors[(dtype, bi, pack)] = f"{type(e).__name__}: {e}"[:300]
+                errors[(dtype, bi, layout)] = f"{type(e).__name__}: {e}"[:300]
         times: dict[tuple, list[float]] = {arm: [] for arm in trainers}
         order = list(trainers)
         for r in range(args.repeats):
             for arm in (order if r % 2 == 0 else order[::-1]):
                 if args.device == "cuda":
                     torch.cuda.synchronize()
+                counted: list[int] = []
+                hook = trainers[arm].model.model.embed_tokens.register_forward_hook(
+                    lambda m, i, o, counted=counted: counted.append(i[0].numel()))
                 t0 = time.perf_counter()
                 trainers[arm].step(groups)
                 if args.device == "cuda":
                     torch.cuda.synchronize()
                 times[arm].append(time.perf_counter() - t0)
+                hook.remove()
+                computed[arm] = sum(counted)
         mask = next(iter(trainers.values())).prepare_batch(groups).loss_mask_BT if trainers else None
         lengths = real_tokens(mask).sum(1).tolist() if mask is not None else []
         padded_fraction = pad_fraction(mask, args.rows) if mask is not None else None
         median = {arm: statistics.median(t) for arm, t in times.items()}
-        base = median.get(("float32", False, False))
+        base = median.get(("float32", False, "padded"))
         for arm in arms:
-            dtype, bi, pack = arm
+            dtype, bi, layout = arm
             line = {"benchmark": "trainer_step", "device": args.device, "dtype": dtype, "batch_invariant": bi,
-                    "pack_sequences": pack}
+                    "layout": layout}
             if arm in errors:
                 line["error"] = errors[arm]
             else:
                 tr, step_s = trainers[arm], median[arm]
                 flops = _flops_per_step(tr.model, tr.model_config, lengths)
                 peak = _peak(args.device, dtype, args.peak_tflops)
-                padded = median.get((dtype, bi, False))
+                padded = median.get((dtype, bi, "padded"))
                 line.update(step_s=round(step_s, 4), tokens_per_s=round(sum(lengths) / step_s, 1),
-                            pad_fraction=0.0 if pack else round(padded_fraction, 4),
+                            computed_tokens=computed[arm],
+                            pad_fraction=round(padded_fraction, 4) if layout == "padded" else 0.0,
                             speedup_vs_padded=round(padded / step_s, 3) if padded else None,
                             tflops=round(flops / step_s / 1e12, 4),
                             mfu=round(flops / step_s / peak, 4) if peak else None,

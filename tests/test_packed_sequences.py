@@ -108,3 +108,40 @@ def test_varlen_flash_kernel_matches_padded_attention_on_cuda() -> None:
     assert fast is not None, "torch's varlen kernel did not run on CUDA"
     reference = packed_attention(backend._padded, q, k, v, layout)
     torch.testing.assert_close(fast.float(), reference.float(), rtol=2e-2, atol=2e-2)
+
+
+def _shared_prefix_attention(share: bool):
+    """Two sequences that start with the same 4 tokens: the packed row holds the prefix once
+    (sequence 1 keeps only its 3 own tokens), and attention of each own token must equal that of
+    the sequence laid out in full. Returns (expected, packed output) at the packed tokens."""
+    gen = torch.Generator().manual_seed(2)
+    H, K, D = 4, 2, 8
+    prefix, tails = 4, [2, 3]
+    full = [torch.randn(prefix + n, 3, H, D, generator=gen) for n in tails]
+    full[1][:prefix] = full[0][:prefix]  # the shared prompt: same q/k/v (same hidden states)
+    sdpa = CausalSDPA(H, K, D)
+
+    def attend(q, k, v):
+        return sdpa._padded(q, k[:, :, :K], v[:, :, :K])
+
+    expected = [attend(*(s[None, :, i] for i in range(3)))[0] for s in full]
+    packed_tokens = torch.cat([full[0], full[1][prefix:]])[None]  # [1, N, 3, H, D]
+    layout = PackedSequences(
+        sequence_of_token=torch.tensor([0] * (prefix + tails[0]) + [1] * tails[1]),
+        position_of_token=torch.tensor(list(range(prefix + tails[0])) + list(range(prefix, prefix + tails[1]))),
+        cu_seqlens=torch.tensor([0, prefix + tails[0], prefix + sum(tails)], dtype=torch.int32),
+        max_len=prefix + max(tails),
+        shared_token_E=torch.arange(prefix) if share else None,
+        shared_sequence_E=torch.ones(prefix, dtype=torch.long) if share else None,
+        shared_position_E=torch.arange(prefix) if share else None)
+    q, k, v = (packed_tokens[:, :, i] for i in range(3))
+    out = packed_attention(attend, q, k[:, :, :K], v[:, :, :K], layout)[0]
+    return torch.cat([expected[0], expected[1][prefix:]]), out
+
+
+def test_shared_prefix_keys_reach_the_sequences_that_share_them() -> None:
+    expected, out = _shared_prefix_attention(share=True)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    # Negative control: without the prefix's copies, sequence 1's own tokens see no prompt.
+    expected, out = _shared_prefix_attention(share=False)
+    assert torch.equal(out[:6], expected[:6]) and not torch.allclose(out[6:], expected[6:], atol=1e-3)

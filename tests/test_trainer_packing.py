@@ -44,9 +44,10 @@ def _groups(seed: int = 0, routed_layers: int = 0) -> list[Group]:
     return out
 
 
-def _gradients(checkpoint, groups, pack: bool, batch_invariant: bool = False, **train):
+def _gradients(checkpoint, groups, pack: bool, batch_invariant: bool = False, share: bool = True, **train):
     trainer = GRPOTrainer(ModelConfig(checkpoint=str(checkpoint)),
-                          TrainConfig(device="cpu", micro_batch_size=5, pack_sequences=pack, **train),
+                          TrainConfig(device="cpu", micro_batch_size=5, pack_sequences=pack, share_prompts=share,
+                                      **train),
                           temperature=1.0, seed=0, batch_invariant=batch_invariant)
     tokens = []
     hook = trainer.model.model.embed_tokens.register_forward_hook(lambda m, i, o: tokens.append(i[0].numel()))
@@ -68,11 +69,12 @@ def _assert_same_gradients(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("share", [False, True], ids=["packed", "shared_prompts"])
 @pytest.mark.parametrize("batch_invariant", [False, True])
-def test_packed_step_has_the_padded_gradients_and_computes_only_real_tokens(checkpoint, batch_invariant):
+def test_packed_step_has_the_padded_gradients_and_computes_only_real_tokens(checkpoint, batch_invariant, share):
     groups = _groups()
     g_pad, s_pad, lp_pad, computed_pad, batch = _gradients(checkpoint, groups, False, batch_invariant)
-    g_pack, s_pack, lp_pack, computed_pack, _ = _gradients(checkpoint, groups, True, batch_invariant)
+    g_pack, s_pack, lp_pack, computed_pack, _ = _gradients(checkpoint, groups, True, batch_invariant, share)
     _assert_same_gradients(g_pack, g_pad)
     assert s_pack.tokens == s_pad.tokens
     assert s_pack.loss_sum == pytest.approx(s_pad.loss_sum, rel=1e-6)
@@ -80,9 +82,13 @@ def test_packed_step_has_the_padded_gradients_and_computes_only_real_tokens(chec
         assert torch.equal(lp_pack, lp_pad)
     else:
         torch.testing.assert_close(lp_pack, lp_pad, rtol=1e-5, atol=1e-6)
-    # Real tokens: up to each row's last trained target; the padded step computes more.
-    real = sum(int(pack_micro_batch(batch.loss_mask_BT[lo:lo + 5]).rows_R.numel()) for lo in range(0, 12, 5))
-    assert computed_pack == real
+    # Real tokens: up to each row's last trained target (a group's prompt once, when shared);
+    # the padded step computes more.
+    micro_batches = [(batch.loss_mask_BT[lo:lo + 5], batch.input_ids_BT[lo:lo + 5]) for lo in range(0, 12, 5)]
+    real = sum(int(pack_micro_batch(mask).rows_R.numel()) for mask, _ in micro_batches)
+    shared = sum(pack_micro_batch(mask, 1, ids).shared_slots for mask, ids in micro_batches)
+    assert shared > 0
+    assert computed_pack == (real - shared if share else real)
     assert computed_pad > computed_pack
 
 
@@ -94,12 +100,14 @@ def test_packed_step_with_activation_checkpointing(checkpoint):
     _assert_same_gradients(g_pack, g_pad)
 
 
-def test_packed_moe_step_with_router_replay_and_aux_loss(tmp_path):
+@pytest.mark.parametrize("share", [False, True], ids=["packed", "shared_prompts"])
+def test_packed_moe_step_with_router_replay_and_aux_loss(tmp_path, share):
+    """The auxiliary loss and routing counts weigh a shared prompt token once per sample holding it."""
     ckpt = write_tiny_moe_checkpoint(tmp_path / "moe", seed=0)
-    groups = _groups(seed=2, routed_layers=2)
+    groups = _groups(seed=2, routed_layers=2)  # a group's tokens are all routed alike: prompts shared
     kw = dict(router_replay=True, moe_load_balance="aux_loss")
     g_pad, s_pad, *_ = _gradients(ckpt, groups, False, **kw)
-    g_pack, s_pack, *_ = _gradients(ckpt, groups, True, **kw)
+    g_pack, s_pack, *_ = _gradients(ckpt, groups, True, share=share, **kw)
     _assert_same_gradients(g_pack, g_pad)
     assert s_pack.moe is not None and s_pad.moe is not None
     torch.testing.assert_close(torch.tensor(s_pack.moe.aux_loss), torch.tensor(s_pad.moe.aux_loss))
@@ -116,3 +124,30 @@ def test_pack_micro_batch_layout_and_filler():
     assert pack_micro_batch(torch.zeros(2, 3)) is None
     # Row 0 computes 3 slots for 3 real tokens, row 1 none, row 2 (same micro-batch) 3 for 1.
     assert pad_fraction(mask, micro_batch_rows=3) == pytest.approx(1 - 4 / 9)
+
+
+def test_pack_micro_batch_shares_a_prompt_once():
+    """Rows 0 and 2 start with the same prompt up to their first trained position (column 2):
+    row 2 keeps only its completion and reads the prompt's keys from row 0's tokens."""
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 1, 2, 0], [5, 6, 7, 3, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 0.]])
+    packed = pack_micro_batch(mask, 1, ids)
+    assert packed.rows_R.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2]
+    assert packed.cols_R.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 3]
+    assert packed.shared_slots == 3
+    # Row 2's column 3 is its own token (the 9th); its prompt slots are row 0's tokens 0-2.
+    assert packed.slot_token_S.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 8]
+    layout = packed.layout
+    assert layout.sequence_of_token.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2]
+    assert layout.position_of_token.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 3]
+    assert layout.shared_token_E.tolist() == [0, 1, 2] and layout.shared_sequence_E.tolist() == [2, 2, 2]
+    assert layout.shared_position_E.tolist() == [0, 1, 2] and layout.max_len == 4
+    assert packed.slots_per_token().tolist() == [[2, 2, 2, 1, 1, 1, 1, 1, 1]]
+    # A different key (e.g. other routed experts) keeps the rows apart.
+    keys = torch.arange(15).view(3, 5)
+    assert pack_micro_batch(mask, 1, ids, keys).shared_slots == 0
+    # A row whose only trained slot is its first one shares everything: no sequence of its own.
+    mask[2] = torch.tensor([0, 0, 1, 0, 0.])
+    packed = pack_micro_batch(mask, 2, ids)
+    assert packed.rows_R.numel() == 8 and packed.filler == 0 and packed.layout.num_sequences == 2
+    assert packed.slot_token_S.tolist()[-3:] == [0, 1, 2] and not packed.layout.shares_prefixes

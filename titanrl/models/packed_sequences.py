@@ -13,6 +13,13 @@ backend that wants a padded batch, such as the batch-invariant kernel) it scatte
 q/k/v into a right-padded [S, max_len] batch for the attention call alone and gathers the result
 back. Causal attention never lets a real token see the padding after it, so each sequence's
 output is what it would be unpacked.
+
+Shared prefixes: the samples of a GRPO group start with the same prompt, whose hidden states are
+the same in every sample (attention is causal). The packed row can then hold each prompt once;
+`PackedSequences.shared_*` lists the extra slots where a prompt token's keys and values appear
+again, at the head of each other sequence that starts with that prompt. Only attention sees the
+copies (gradients from every copy add up in the one token), so the projections, norms and MLPs
+compute the prompt once per group.
 """
 
 from __future__ import annotations
@@ -39,7 +46,18 @@ class PackedSequences:
     cu_seqlens: torch.Tensor
     """[S + 1] int32: sequence s holds packed tokens cu_seqlens[s] .. cu_seqlens[s + 1] - 1."""
     max_len: int
-    """Length of the longest sequence."""
+    """Length of the longest sequence (its shared prefix included)."""
+    shared_token_E: torch.Tensor | None = None
+    """[E] int64: packed tokens whose keys and values also sit at the head of another sequence
+    (a prefix it shares with the sequence that holds the token); None: no sequence shares one."""
+    shared_sequence_E: torch.Tensor | None = None
+    """[E] int64: the sequence each shared copy goes into."""
+    shared_position_E: torch.Tensor | None = None
+    """[E] int64: the copy's position there (that of the token in its own sequence)."""
+
+    @property
+    def shares_prefixes(self) -> bool:
+        return self.shared_token_E is not None and self.shared_token_E.numel() > 0
 
     @property
     def num_sequences(self) -> int:
@@ -75,21 +93,30 @@ def packed_attention(attend: Attend, q_1NHD: torch.Tensor, k_1NKD: torch.Tensor,
     zeros that no real query attends to), so its cost is attention's alone.
     """
     index = (packed.sequence_of_token, packed.position_of_token)
+    kv_index, kv_source = index, None
+    if packed.shares_prefixes:  # keys and values also fill the shared-prefix slots (queries don't)
+        kv_index = (torch.cat([index[0], packed.shared_sequence_E]), torch.cat([index[1], packed.shared_position_E]))
+        kv_source = packed.shared_token_E
 
-    def padded(t_1NXD: torch.Tensor) -> torch.Tensor:
+    def padded(t_1NXD: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor], copies: torch.Tensor | None
+               ) -> torch.Tensor:
         shape = (packed.num_sequences, packed.max_len, *t_1NXD.shape[2:])
-        return t_1NXD.new_zeros(shape).index_put(index, t_1NXD[0])
+        values = t_1NXD[0] if copies is None else torch.cat([t_1NXD[0], t_1NXD[0][copies]])
+        return t_1NXD.new_zeros(shape).index_put(slots, values)
 
-    out_SLHD = attend(padded(q_1NHD), padded(k_1NKD), padded(v_1NKD))
+    out_SLHD = attend(padded(q_1NHD, index, None), padded(k_1NKD, kv_index, kv_source),
+                      padded(v_1NKD, kv_index, kv_source))
     return out_SLHD[index][None]
 
 
 def varlen_flash_attention(q_1NHD: torch.Tensor, k_1NKD: torch.Tensor, v_1NKD: torch.Tensor,
                            packed: PackedSequences, scale: float) -> torch.Tensor | None:
     """Causal attention of the packed sequences through torch's varlen flash kernel (CUDA, half
-    precision), or None where that kernel cannot run (then use `packed_attention`)."""
+    precision), or None where that kernel cannot run (then use `packed_attention`): also for
+    shared prefixes, whose keys the kernel's contiguous sequences cannot hold twice."""
     kernel = _varlen_kernel()
-    if kernel is None or not q_1NHD.is_cuda or q_1NHD.dtype not in (torch.float16, torch.bfloat16):
+    half = q_1NHD.dtype in (torch.float16, torch.bfloat16)
+    if packed.shares_prefixes or kernel is None or not q_1NHD.is_cuda or not half:
         return None
     cu = packed.cu_seqlens.to(q_1NHD.device)
     out = kernel(q_1NHD[0], k_1NKD[0], v_1NKD[0], cu, cu, packed.max_len, packed.max_len, scale=scale,

@@ -201,6 +201,7 @@ class ParallelGRPOStep:
         # train.pack_sequences: pipelines run fixed-shape micro-batches, ring attention has no packed
         # layout, and XLA compiles one program per padded shape bucket.
         self.packing = train_config.pack_sequences and xla is None and not pm.pipelined and not pm.context
+        self.share_prompts = self.packing and train_config.share_prompts
         if batch_invariant:
             check_batch_invariant(pm.parallel)
         for part in pm.parts:  # the whole model, or pipeline stages (their LM head included)
@@ -385,16 +386,17 @@ class ParallelGRPOStep:
             # A vocabulary-parallel head's rows are split over tp: size chunks by this rank's share.
             vocab_rows = -(-weight_VD.shape[0] // self.pm.parallel.tp)
             hidden_ND = hidden_BTD.reshape(-1, D)
-            if packed is not None:  # the real tokens' slots, in packed order (filler dropped)
-                rows, cols = packed.rows_R, packed.cols_R
-                hidden_ND = hidden_ND[:rows.numel()]
+            source = None  # the hidden row of each slot (rows, cols); None: the slots' own order
+            if packed is not None:  # every real slot, from its packed token (a shared prompt's for several)
+                rows, cols, source = packed.slot_rows_S, packed.slot_cols_S, packed.slot_token_S
             elif mask_BT is not None:
                 rows, cols = (i.reshape(-1) for i in torch.meshgrid(
                     torch.arange(B, device=targets_BT.device), torch.arange(T, device=targets_BT.device),
                     indexing="ij"))
             if mask_BT is not None:
                 trained = (mask_BT[rows, cols] > 0).nonzero()[:, 0]
-                rows, cols, hidden_ND = rows[trained], cols[trained], hidden_ND[trained]
+                rows, cols = rows[trained], cols[trained]
+                hidden_ND = hidden_ND[trained if source is None else source[trained]]
                 targets_N = targets_BT[rows, cols]
             else:
                 targets_N = targets_BT.reshape(B * T)
@@ -498,7 +500,10 @@ class ParallelGRPOStep:
             if backward and isinstance(model, FSDPModule):
                 # Reduce-scatter gradients once, after the last micro-batch.
                 model.set_requires_gradient_sync(i == len(starts) - 1)
-            packed = pack_micro_batch(sub.loss_mask_BT, self.seq_multiple) if self.packing else None
+            packed = None
+            if self.packing:  # shared prompts must also have been routed alike (router replay)
+                packed = pack_micro_batch(sub.loss_mask_BT, self.seq_multiple,
+                                          sub.input_ids_BT if self.share_prompts else None, sub.routed_experts_BTLK)
             ids = sub.input_ids_BT if packed is None else packed.gather(sub.input_ids_BT)
             if packed is not None:
                 positions = packed.positions_1N
@@ -515,8 +520,8 @@ class ParallelGRPOStep:
                 # Which tokens count, decided on whole rows (a CP rank holds chunks of them).
                 real, completion = (self._per_token(m(whole.loss_mask_BT)) for m in (real_tokens, completion_inputs))
                 routed = sub.routed_experts_BTLK
-                if packed is not None:
-                    real, completion = packed.gather(real), packed.gather(completion)
+                if packed is not None:  # a shared prompt token counts once per row that holds it
+                    real, completion = packed.slots_per_token(), packed.gather(completion)
                     routed = None if routed is None else packed.gather(routed)
                 routing.begin(routed)
                 try:
