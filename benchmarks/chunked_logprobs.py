@@ -22,7 +22,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import resource  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -68,16 +67,9 @@ def arm(tokens: int, vocab: int, chunk: int, truncation: str = "") -> dict:
             "seconds": round(seconds, 2)}
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next(ln for ln in f if ln.startswith("flags"))
-        return " ".join(sorted(x for x in line.split(":", 1)[1].split() if x.startswith(("avx", "amx", "fma"))))
-    except (OSError, StopIteration):
-        return platform.processor()
-
-
 def main() -> None:
+    from titanrl.kernels.cpu_build import isa_flags
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=151936)
@@ -111,7 +103,7 @@ def main() -> None:
         "truncated_peak_ratio": {r["truncation"]: round(r["peak_rss_above_inputs_mib"]
                                                         / max(results[1]["peak_rss_above_inputs_mib"], 1), 2)
                                  for r in truncated},
-        "cpu_flags": _cpu_flags(), "threads": 1,
+        "cpu_flags": isa_flags(), "threads": 1,
     }))
 
 

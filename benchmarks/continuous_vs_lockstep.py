@@ -28,17 +28,9 @@ from typing import Any
 import titanrl
 from titanrl.cli import load_config_file
 from titanrl.config import apply_overrides
+from titanrl.kernels.cpu_build import isa_flags
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic" / "config.py"
-
-
-def cpu_flags() -> str:
-    """The instruction-set extensions that decide kernel speed here (AVX2 / AVX-512 / AMX)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return "unknown"
-    return " ".join(sorted(f for f in flags.split(":")[1].split() if f.startswith(("avx", "amx", "fma"))))
 
 
 def measure(root: Path, name: str, steps: int, continuous: bool) -> dict[str, Any]:
@@ -64,7 +56,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    flags = cpu_flags()
+    flags = isa_flags()
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             load_start = os.getloadavg()[0]

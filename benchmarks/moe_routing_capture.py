@@ -29,7 +29,7 @@ from pathlib import Path  # noqa: E402
 
 
 def main() -> None:
-    from trainer_step import _cpu_flags  # this folder's trainer benchmark: one reader of the CPU flags
+    from titanrl.kernels.cpu_build import isa_flags
 
     from titanrl.models.qwen3_moe import Qwen3MoeConfig
     from titanrl.models.tiny import tiny_config, write_checkpoint
@@ -76,7 +76,7 @@ def main() -> None:
         "ratio_recording_over_off": round(rate[True] / rate[False], 3),
         "same_tokens": tokens[True] == tokens[False],
         "repeats": args.repeats,
-        "cpu_flags": _cpu_flags(),
+        "cpu_flags": isa_flags(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     print(json.dumps(result))

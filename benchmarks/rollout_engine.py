@@ -382,13 +382,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
     import vllm
-    from trainer_step import _cpu_flags  # benchmarks/ is on sys.path when run as a script
+    from titanrl.kernels.cpu_build import isa_flags
 
     t_start = time.perf_counter()
     sizes = ["tiny"] if args.quick else list(SIZES)
     report: dict = {
         "benchmark": "rollout_engine",
-        "cpu_flags": _cpu_flags(),
+        "cpu_flags": isa_flags(),
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -116,7 +116,7 @@ def main() -> None:
         print(json.dumps(run_arm(ckpt, ARMS[arm], args.rows, args.completion, args.threads)))
         return
 
-    from trainer_step import _cpu_flags  # this folder's trainer benchmark: one reader of the CPU flags
+    from titanrl.kernels.cpu_build import isa_flags
 
     from titanrl.models.qwen3 import Qwen3Config
     from titanrl.models.tiny import config_from_hf_json, write_checkpoint
@@ -149,7 +149,7 @@ def main() -> None:
 
     summary = {"benchmark": "trainer_memory", "summary": True, "layers": args.layers, "rows": args.rows,
                "seq_len": PROMPT_LEN + args.completion - 1, "vocab_size": QWEN3_0_6B["vocab_size"],
-               "threads": args.threads, "cpu_flags": _cpu_flags(),
+               "threads": args.threads, "cpu_flags": isa_flags(),
                "chunked_logprobs_peak_ratio": ratio("full_logits", "chunked"),
                "activation_checkpointing_peak_ratio": ratio("chunked", "chunked+checkpointing"),
                "activation_checkpointing_peak_ratio_full_logits": ratio("full_logits", "full_logits+checkpointing"),

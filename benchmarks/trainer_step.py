@@ -116,7 +116,7 @@ def _flags(value: str) -> list[bool]:
 
 def main() -> None:
     from titanrl.config import ModelConfig, TrainConfig
-    from titanrl.kernels.cpu_build import cpu_flags_line
+    from titanrl.kernels.cpu_build import isa_flags
     from titanrl.models.tiny import write_tiny_checkpoint
     from titanrl.trainer.moe import real_tokens
     from titanrl.trainer.packing import pad_fraction
@@ -211,7 +211,7 @@ def main() -> None:
             lines.append(line)
     host = {"benchmark": "trainer_step", "summary": True, "device": args.device, "threads": args.threads,
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-            "cpu_flags": " ".join(f for f in cpu_flags_line().split() if f.startswith(("avx", "amx", "fma"))),
+            "cpu_flags": isa_flags(),
             "size": args.size, "rows": args.rows, "lengths": args.lengths, "prompt_len": args.prompt_len,
             "completion_len": args.completion_len, "real_tokens": int(sum(lengths)),
             "padded_pad_fraction": None if padded_fraction is None else round(padded_fraction, 4),

@@ -7,6 +7,9 @@ Model: the 25M-parameter `medium` Qwen3 of benchmarks/rollout_engine.py (hidden 
 8 heads / 4 KV heads, head_dim 64, intermediate 1536, tied embeddings), float32, random init.
 Actors: one GRPOTrainer and two RolloutWorkers (real Ray actors, each worker with its own vLLM
 engine, in-process; then the same with the multiprocess engine, engine core in its own process).
+Each engine runs with `rollout.vllm_kernels` off (`engine`: in_process, multiprocess: torch's
+kernels read the Parameters) and on (`...+vllm_kernels`: vLLM's oneDNN kernels on prepacked
+copies, rebuilt after every push); `--vllm-kernels` picks.
 
   bound_seconds   one `dst.copy_(src)` of the model's bytes in this process between warm buffers,
                   timed right before every push of the row (interleaved, so the bound sees the
@@ -21,6 +24,8 @@ engine, in-process; then the same with the multiprocess engine, engine core in i
                   `send_weights` (the transfer of broadcast and pipelined shared memory; ~0 for
                   the object store).
 
+`shared_memory` loads zero-copy (WeightSyncPlan.zero_copy: the receivers' Parameters become
+views of the segment); `shared_memory_copy` is the same transport with every receiver copying.
 `legacy_update_weights` is the path before titanrl.weight_sync (state_dict_for_push, then
 update_weights with the dict), for comparison. `gloo_floor` is one gloo broadcast of the model's
 bytes from one buffer into `--workers` other processes' buffers (no Ray, no packing, no
@@ -49,6 +54,8 @@ MEDIUM = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_k
               intermediate_size=1536)
 """The `medium` size of benchmarks/rollout_engine.py (~25M parameters)."""
 TRANSPORTS = ["object_store", "shared_memory", "broadcast"]
+VARIANTS = {"shared_memory_copy": ("shared_memory", {"zero_copy": False})}
+"""Rows beside the transports: shared memory with every receiver copying (the path before zero copy)."""
 TARGET_RATIOS = {"shared_memory": 2.0, "broadcast": 4.0}
 """issue 21: the shared-memory push within 2x of one warm copy of the model's bytes, broadcast within 4x."""
 
@@ -113,12 +120,12 @@ def gloo_floor(nbytes: int, receivers: int, repeats: int) -> list[float]:
     return times
 
 
-def start_workers(ray, ckpt: str, n: int, multiprocess: bool) -> list:
+def start_workers(ray, ckpt: str, n: int, multiprocess: bool, vllm_kernels: bool) -> list:
     from titanrl.config import ModelConfig, RolloutConfig
     from titanrl.rollout.worker import RolloutWorker
 
     rc = RolloutConfig(num_workers=n, max_model_len=256, max_num_seqs=8, kv_cache_gib=0.25,
-                       vllm_multiprocess=multiprocess)
+                       vllm_multiprocess=multiprocess, vllm_kernels=vllm_kernels)
     workers = [ray.remote(RolloutWorker).options(num_cpus=0).remote(i, ModelConfig(checkpoint=ckpt), rc, [zero_reward],
                                                                       "prompt", 0) for i in range(n)]
     ray.get([w.ready.remote() for w in workers])
@@ -129,7 +136,8 @@ def bench_transport(ray, trainer, workers, transport: str, repeats: int, version
                     bound: CopyBound) -> dict:
     from titanrl.weight_sync import WeightSync
 
-    options = {"bucket_bytes": bucket_bytes} if transport == "broadcast" else {}
+    transport, options = VARIANTS.get(transport, (transport, {}))
+    options = {**options, **({"bucket_bytes": bucket_bytes} if transport == "broadcast" else {})}
     sync = WeightSync.open(trainer, workers, transport, **options)
     walls, publishes, loads, bounds = [], [], [], []
     try:
@@ -167,6 +175,7 @@ def bench_legacy(ray, trainer, workers, repeats: int, version: int, bound: CopyB
 def row(transport: str, engine: str, r: dict, common: dict) -> dict:
     """One JSON line: the timings, the bound measured next to them, and their ratios."""
     return {"transport": transport, "engine": engine, **{k: round(v, 5) for k, v in r.items()}, **common,
+            "target": TARGET_RATIOS.get(transport),
             "ratio": round(r["seconds"] / r["bound_seconds"], 2),
             "ratio_best": round(r["best_seconds"] / r["bound_best_seconds"], 2)}
 
@@ -178,6 +187,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--bucket-mib", type=int, default=32, help="broadcast bucket size")
     parser.add_argument("--no-multiprocess", action="store_true", help="skip the multiprocess-engine runs")
+    parser.add_argument("--vllm-kernels", default="off,on",
+                        help="rollout.vllm_kernels values to run the engines with: 'on' repacks vLLM's "
+                             "prepacked weights after every push, 'off' reads the Parameters (comma list)")
     args = parser.parse_args(argv)
 
     import ray
@@ -205,10 +217,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         bound = CopyBound(model_bytes)
         common = {"model_bytes": model_bytes, "num_tensors": len(layout.tensors), "workers": args.workers}
         version = 1
-        engines = ["in_process"] + ([] if args.no_multiprocess else ["multiprocess"])
-        for engine in engines:
-            workers = start_workers(ray, ckpt, args.workers, engine == "multiprocess")
-            for transport in TRANSPORTS:
+        kernels = [{"on": True, "off": False}[k.strip()] for k in args.vllm_kernels.split(",")]
+        engines = [(mode, vk) for mode in ["in_process"] + ([] if args.no_multiprocess else ["multiprocess"])
+                   for vk in kernels]
+        for mode, vllm_kernels in engines:
+            engine = f"{mode}+vllm_kernels" if vllm_kernels else mode
+            workers = start_workers(ray, ckpt, args.workers, mode == "multiprocess", vllm_kernels)
+            for transport in [*TRANSPORTS, *VARIANTS]:
                 r = bench_transport(ray, trainer, workers, transport, args.repeats, version, args.bucket_mib << 20,
                                     bound)
                 version += args.repeats + 1

@@ -106,6 +106,7 @@ def test_transport_delivers_trainer_weights_bit_exact(transport, ray_session, tr
         _assert_engine_holds(vllm_engine, target)
         if transport == "shared_memory":
             assert not (SHM / first.segment).exists()  # unlinked once mapped: a crash leaves no name
+            assert vllm_engine.last_push_views == len(target)  # zero copy: every tensor viewed, none copied
         _restore(vllm_engine, vllm_tiny_checkpoint)
         second = _push(ray, trainer, receiver, start + 3)
         assert vllm_engine.policy_version == start + 3
@@ -276,6 +277,8 @@ def test_multiprocess_engine_receives_tensors_from_every_transport(tmp_path, ray
             _push(ray_session, trainer, receiver, version)
             assert engine.policy_version == version
             _assert_engine_holds(engine, target)
+            # Both segment routes load zero-copy: the trainer's and the engine's own (object store).
+            assert engine.last_push_views == (len(target) if transport != "broadcast" else 0)
             receiver.close()
             ray_session.get(trainer.close_weight_sync.remote())
             engine.update_weights(read_state_dict(ckpt), version=version)  # back, via the local segment

@@ -105,6 +105,11 @@ class RolloutConfig:
     """KV-cache memory per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     vllm_multiprocess: bool = False
     """Run vLLM's engine core in its own process (slower start on CPU, isolates crashes)."""
+    vllm_kernels: bool = True
+    """On CPU, outside batch-invariant mode, run the model's linear layers and rotary through
+    vLLM's own kernels (oneDNN on prepacked weights): faster generation, but every weight push
+    repacks (~4 memory copies of the model per worker, measured). False: torch's kernels on the
+    Parameters themselves, so a zero-copy shared-memory push costs the trainer's one copy."""
     record_routed_experts: bool | None = None
     """Record the experts the generator routed every token through (Sample.routed_experts, which
     router replay trains on); None: on for mixture-of-experts checkpoints, off for dense ones.

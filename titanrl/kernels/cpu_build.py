@@ -55,6 +55,12 @@ def cpu_flags_line() -> str:
     return platform.processor()
 
 
+def isa_flags() -> str:
+    """The instruction-set extensions that decide kernel speed here (AVX / AVX-512 / AMX / FMA),
+    sorted: what every benchmark line records about its CPU."""
+    return " ".join(sorted(f for f in cpu_flags_line().split() if f.startswith(("avx", "amx", "fma"))))
+
+
 def _cpu_features() -> bytes:
     """The CPU's instruction-set flags: a -march=native build is only loaded on a matching CPU."""
     return cpu_flags_line().encode()

@@ -65,7 +65,7 @@ class WeightReceiver:
             else:
                 if self.plan is None:
                     raise WeightSyncError("shared_memory needs open_weight_sync(plan, rank) on every worker first")
-                self.engine.load_shared_memory(ann, version, self.rank, recompute_running)
+                self.engine.load_shared_memory(ann, version, self.rank, recompute_running, self.plan.zero_copy)
         return time.perf_counter() - t0
 
     def close(self) -> None:

@@ -79,6 +79,7 @@ class RolloutWorker:
                 kv_cache_gib=rc.kv_cache_gib,
                 seed=seed + 1000 * worker_id,
                 multiprocess=rc.vllm_multiprocess,
+                vllm_kernels=rc.vllm_kernels,
                 batch_invariant=batch_invariant,
                 # Untruncated, the processed logprobs are the full softmax at the temperature: 'raw' too.
                 logprobs=rc.logprobs if rc.top_k > 0 or rc.top_p < 1 else "sampled",

@@ -34,6 +34,11 @@ class WeightSyncPlan:
     direct_bytes: int = 1 << 20
     """broadcast: a tensor of at least this many bytes goes in a broadcast of its own, straight from
     the trainer's tensor into the engine's parameter; smaller ones are packed into buckets."""
+    zero_copy: bool = True
+    """shared_memory: each receiver's Parameters become views of the segment the trainer wrote
+    (where dtype and shape match), so a push costs the trainer's one copy and no receiver copy;
+    the segment then stays reserved until the next version replaces the views. False: every
+    receiver copies the segment into its own Parameters."""
     timeout_s: float = 300.0
     """Longest wait for a peer: group set-up, one bucket, or a free shared-memory segment."""
     group_name: str = "titanrl_weight_sync"

@@ -118,6 +118,13 @@ class Segment:
         self._head[4] = 0
         self._head[1] = version
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """True if `tensor`'s memory lies in this segment's mapping (a zero-copy Parameter)."""
+        if self._buf is None:
+            return False
+        start = self._buf.data_ptr()
+        return start <= tensor.data_ptr() < start + self._buf.numel()
+
     def mark_mapped(self, rank: int) -> None:
         self._buf[_MAPPED + rank - 1] = 1
 

@@ -1,7 +1,10 @@
 """Shared-memory transport: the trainer writes a version once into a segment every worker maps.
 
-Cost per push: one copy trainer -> segment, and each receiver's copy segment -> parameters
-(straight from the mapped views, no intermediate buffer). The two overlap: `publish` only
+Cost per push: one copy trainer -> segment. Receivers load zero-copy (`WeightSyncPlan.zero_copy`):
+a Parameter whose dtype and shape match takes the segment's view of its bytes as its data, so
+the segment stays pinned (its "done" flag unraised) until a later version replaces every such
+view; a Parameter that must be cast is copied. Without zero copy each receiver copies segment
+-> parameters (straight from the mapped views, no intermediate buffer). The two overlap: `publish` only
 reserves a segment and announces it, `send` writes it chunk by chunk and advances the
 segment's "written" counter, and receivers copy each chunk as soon as the counter passes it.
 That needs stores to become visible to other processes in program order, which x86 guarantees;
@@ -24,6 +27,8 @@ import secrets
 import time
 import weakref
 from collections.abc import Iterator
+
+import torch
 
 from titanrl.weight_sync.announcement import WeightAnnouncement
 from titanrl.weight_sync.layout import TensorSpec, WeightLayout, WeightSyncError, torch_dtype
@@ -135,11 +140,16 @@ class SharedMemorySender:
 
 class SegmentCache:
     """Receiver side: the segments this process has mapped, per sender, kept while their sender
-    uses them (their names disappear once every receiver mapped them: they cannot be mapped again)."""
+    uses them (their names disappear once every receiver mapped them: they cannot be mapped again),
+    and the ones that zero-copy loads left Parameters viewing."""
 
     def __init__(self) -> None:
         self.segments: dict[str, dict[str, Segment]] = {}
         """sender_id -> segment name -> mapped segment."""
+        self.pinned: dict[str, tuple[str, Segment, int]] = {}
+        """Segment name -> (sender_id, segment, this receiver's rank in it) for segments some
+        Parameter's data still lies in: their "done" flag waits until none does (then the sender
+        may overwrite them)."""
 
     def get(self, sender_id: str, name: str) -> Segment:
         mine = self.segments.setdefault(sender_id, {})
@@ -148,16 +158,52 @@ class SegmentCache:
         return mine[name]
 
     def retain(self, sender_id: str, names: set[str]) -> None:
-        """Unmaps the sender's segments not in `names` (ones it has given up)."""
+        """Unmaps the sender's segments not in `names` (ones it has given up); pinned ones stay."""
         mine = self.segments.get(sender_id, {})
-        for name in [n for n in mine if n not in names]:
+        for name in [n for n in mine if n not in names and n not in self.pinned]:
             mine.pop(name).close()
         if not mine:
             self.segments.pop(sender_id, None)
 
-    def close(self, keep: set[str] = frozenset()) -> None:
-        """Unmaps every segment, except those of the senders in `keep`."""
-        for sender_id in [s for s in self.segments if s not in keep]:
+    def pin(self, sender_id: str, seg: Segment, rank: int) -> None:
+        """Parameters now view `seg`: it is not done until `release_unviewed` finds none that does."""
+        self.pinned[seg.name] = (sender_id, seg, rank)
+
+    def release_unviewed(self, tensors: list[torch.Tensor]) -> None:
+        """Raises the "done" flag of every pinned segment none of `tensors` (the model's
+        Parameters) lies in any more: the sender may reuse it."""
+        for name, (_, seg, rank) in list(self.pinned.items()):
+            if not any(seg.holds(t) for t in tensors):
+                seg.mark_done(rank)
+                del self.pinned[name]
+
+    def make_private(self, params: list[torch.Tensor], senders: set[str] | None = None) -> int:
+        """Gives every Parameter that views a pinned segment (of `senders`; None: of any) a copy
+        of its own, then releases those segments. Called before anything writes Parameters in
+        place (other receivers map the same memory) and before a sender's segments are unmapped.
+        Returns how many Parameters were copied."""
+        segs = [seg for sender, seg, _ in self.pinned.values() if senders is None or sender in senders]
+        copied = 0
+        with torch.no_grad():
+            for p in params:
+                if any(seg.holds(p) for seg in segs):
+                    p.data = p.data.clone()
+                    copied += 1
+        self.release_unviewed(params)
+        return copied
+
+    def pinned_segments(self) -> list[Segment]:
+        return [seg for _, seg, _ in self.pinned.values()]
+
+    def close(self, keep: set[str] = frozenset(), params: list[torch.Tensor] | None = None) -> None:
+        """Unmaps every segment, except those of the senders in `keep`. `params`: the model's
+        Parameters, copied out of the segments going away (required once loads were zero-copy)."""
+        leaving = {s for s in self.segments if s not in keep}
+        if params is not None:
+            self.make_private(params, leaving)
+        for name in [n for n, (sender, _, _) in self.pinned.items() if sender in leaving]:
+            del self.pinned[name]  # not told done: its sender never rewrites it under a view
+        for sender_id in leaving:
             self.retain(sender_id, set())
 
 
@@ -175,10 +221,18 @@ def _wait_written(seg: Segment, nbytes: int, version: int, deadline: float) -> N
         pause = min(pause * 2, 1e-3)
 
 
+def _adoptable(dest: torch.Tensor, spec: TensorSpec) -> bool:
+    """The segment's bytes can become `dest`'s data as they are (no cast, same shape, contiguous)."""
+    return dest.dtype == torch_dtype(spec.dtype) and tuple(dest.shape) == spec.shape and dest.is_contiguous()
+
+
 def load_from_segment(target: ParameterTarget, announcement: WeightAnnouncement, rank: int,
-                      cache: SegmentCache, allow_partial: bool = False) -> int:
-    """Receiver side: copies the announced version from its segment into the parameters, following
-    the writer; returns how many tensors were loaded. `rank` is this receiver's (1..num_receivers)."""
+                      cache: SegmentCache, allow_partial: bool = False, zero_copy: bool = False) -> tuple[int, int]:
+    """Receiver side: loads the announced version from its segment into the parameters, following
+    the writer; returns how many tensors were loaded and how many of them are views of the segment.
+    `rank` is this receiver's (1..num_receivers).
+    `zero_copy`: Parameters whose dtype and shape match take views of the segment as their data
+    (the segment is pinned in `cache` until a later version replaces them); others are copied."""
     ann = announcement
     if ann.segment is None:
         raise WeightSyncError("a shared_memory announcement without a segment name")
@@ -197,16 +251,27 @@ def load_from_segment(target: ParameterTarget, announcement: WeightAnnouncement,
                               f"the layout needs {ann.layout.total_bytes}")
     deadline = time.monotonic() + ann.timeout_s
     data = seg.data
-    loaded = 0
+    loaded = adopted = 0
+    params = target.tensors()
     for spec, dest in zip(ann.layout.tensors, dests, strict=True):
         if dest is None:
             continue
         src = data[spec.offset : spec.offset + spec.nbytes].view(torch_dtype(spec.dtype))
-        for first, count in _chunks(spec):
-            _wait_written(seg, spec.offset + (first + count) * spec.itemsize, ann.version, deadline)
-            write_piece(dest, first, src[first : first + count])
+        if zero_copy and _adoptable(dest, spec):
+            _wait_written(seg, spec.offset + spec.nbytes, ann.version, deadline)
+            target.adopt(spec.name, src.view(spec.shape))
+            adopted += 1
+        else:
+            dest = target.private(spec.name, cache.pinned_segments())
+            for first, count in _chunks(spec):
+                _wait_written(seg, spec.offset + (first + count) * spec.itemsize, ann.version, deadline)
+                write_piece(dest, first, src[first : first + count])
         loaded += 1
-    seg.mark_done(rank)
+    if adopted:
+        cache.pin(ann.sender_id, seg, rank)
+    else:
+        seg.mark_done(rank)
+    cache.release_unviewed(params)  # the versions these views replaced may be rewritten now
     if seg.all_mapped():
         seg.unlink()  # the last receiver to map it removes the name (the sender does, if this races)
-    return loaded
+    return loaded, adopted

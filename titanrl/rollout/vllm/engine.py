@@ -180,6 +180,8 @@ class VllmEngine:
                              f"{config.checkpoint!r} is {self.model_config.HF_ARCHITECTURE}")
         self.policy_version = 0
         self.last_push_seconds: float | None = None
+        self.last_push_views = 0
+        """Tensors of the last push that the engine took as views of a shared-memory segment (zero copy)."""
         t0 = time.perf_counter()
         with _env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if config.multiprocess else "0"}):
             kwargs = dict(
@@ -345,7 +347,7 @@ class VllmEngine:
             ann = self._local_sender.publish(int(version), source)
             self._local_sender.send(int(version), source)  # all written before the engine reads
             results = self.llm.collective_rpc("titanrl_load_shared_memory",
-                                              args=(ann.to_wire(), int(version), 1, allow_partial))
+                                              args=(ann.to_wire(), int(version), 1, allow_partial, True))
         else:
             results = self.llm.collective_rpc("titanrl_update_weights", args=(tensors, int(version), allow_partial))
         self._finish_push(results, version, t0, recompute_running)
@@ -358,19 +360,22 @@ class VllmEngine:
             raise RuntimeError("vLLM could not reset its prefix cache after a weight push (requests running?)")
         self.policy_version = int(version)
         self.last_push_seconds = time.perf_counter() - t0
+        self.last_push_views = min(r.get("views", 0) for r in results)
 
     # --- weight transports (titanrl.weight_sync) ----------------------------------------
     # The bytes go straight to where the model lives: the worker extension maps the segment or
     # joins the broadcast group itself (in the engine-core process for the multiprocess engine).
 
     def load_shared_memory(self, announcement: WeightAnnouncement, version: int, rank: int,
-                           recompute_running: bool = False) -> None:
+                           recompute_running: bool = False, zero_copy: bool = True) -> None:
         """Loads a 'shared_memory' announcement (its segment, mapped by the model's process) as
-        `version`; `rank` is this receiver's in the plan (1..num_receivers)."""
+        `version`; `rank` is this receiver's in the plan (1..num_receivers); `zero_copy`: see
+        WeightSyncPlan.zero_copy."""
         self._check_open()
         t0 = time.perf_counter()
         results = self.llm.collective_rpc("titanrl_load_shared_memory",
-                                          args=(announcement.to_wire(), int(version), int(rank), False))
+                                          args=(announcement.to_wire(), int(version), int(rank), False,
+                                                bool(zero_copy)))
         self._finish_push(results, version, t0, recompute_running)
 
     def open_weight_group(self, plan: WeightSyncPlan, rank: int) -> None:

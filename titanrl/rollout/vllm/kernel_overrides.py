@@ -56,6 +56,20 @@ def packed_gemm(weight_NK: torch.Tensor) -> Gemm:
     return lambda x: holder.cpu_linear(x, holder.weight, None)
 
 
+def stacked_rows(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The weights stacked along dim 0 (q/k/v, gate/up): a view when they already lie back to back
+    in one storage (as a zero-copy shared-memory push leaves them), else a copy (`torch.cat`)."""
+    first = weights[0]
+    expected = first.data_ptr()
+    for w in weights:
+        if (w.dtype != first.dtype or w.shape[1:] != first.shape[1:] or not w.is_contiguous()
+                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or w.data_ptr() != expected):
+            return torch.cat(weights)
+        expected += w.nbytes
+    rows = sum(w.shape[0] for w in weights)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
+
+
 class VllmCpuLinear(nn.Linear):
     """nn.Linear whose forward runs vLLM's CPU GEMM on a packed copy of `weight`."""
 
@@ -107,7 +121,7 @@ class VllmAttention(Attention):
     qkv_gemm: Gemm | None = None
 
     def repack(self) -> None:
-        self.qkv_gemm = packed_gemm(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+        self.qkv_gemm = packed_gemm(stacked_rows([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
         self.qkv_sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
 
     def forward(self, x_BTD: torch.Tensor, cos, sin) -> torch.Tensor:  # type: ignore[override]
@@ -129,7 +143,7 @@ class VllmMLP(MLP):
     gate_up_gemm: Gemm | None = None
 
     def repack(self) -> None:
-        self.gate_up_gemm = packed_gemm(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+        self.gate_up_gemm = packed_gemm(stacked_rows([self.gate_proj.weight, self.up_proj.weight]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:

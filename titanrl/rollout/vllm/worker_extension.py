@@ -54,10 +54,19 @@ class TitanRLWorkerExtension:
         state = payload if isinstance(payload, dict) else load_safetensors_bytes(payload)
         model = _find_titan_model(self.get_model())  # type: ignore[attr-defined]
         # Names and shapes all checked before the first copy: a bad push never half-loads.
-        ParameterTarget(model).check(layout_of(state.items()), allow_partial)
+        target = ParameterTarget(model)
+        target.check(layout_of(state.items()), allow_partial)
+        self._titanrl_unshare(target)  # load_weights writes in place
         loaded = model.load_weights(state.items())
         self._titanrl_pushed(model, version)
         return {"version": int(version), "num_tensors": len(loaded), "seconds": time.perf_counter() - t0}
+
+    def _titanrl_unshare(self, target) -> None:
+        """Parameters that view a shared-memory segment (zero-copy loads) get memory of their
+        own before anything writes them in place: every receiver maps the same segment."""
+        cache = getattr(self, "_titanrl_segments", None)
+        if cache is not None and cache.pinned:
+            cache.make_private(target.tensors())
 
     def titanrl_policy_version(self) -> int | None:
         """The version of the last push this worker applied (None before the first)."""
@@ -101,8 +110,9 @@ class TitanRLWorkerExtension:
     # --- weight transports (titanrl.weight_sync): the bytes land in this process ---------------
 
     def titanrl_load_shared_memory(self, announcement: dict, version: int, rank: int,
-                                   allow_partial: bool = False) -> dict:
-        """Copies a shared-memory announcement's tensors from the mapped segment into the parameters."""
+                                   allow_partial: bool = False, zero_copy: bool = False) -> dict:
+        """Loads a shared-memory announcement's tensors from the mapped segment into the parameters
+        (`zero_copy`: as views of the segment where dtype and shape match; see load_from_segment)."""
         from titanrl.weight_sync.announcement import WeightAnnouncement
         from titanrl.weight_sync.shared_memory import SegmentCache, load_from_segment
         from titanrl.weight_sync.target import ParameterTarget
@@ -116,9 +126,10 @@ class TitanRLWorkerExtension:
         if getattr(self, "_titanrl_segments", None) is None:
             self._titanrl_segments = SegmentCache()
         model = _find_titan_model(self.get_model())  # type: ignore[attr-defined]
-        n = load_from_segment(ParameterTarget(model), ann, int(rank), self._titanrl_segments, allow_partial)
+        n, views = load_from_segment(ParameterTarget(model), ann, int(rank), self._titanrl_segments, allow_partial,
+                                     bool(zero_copy))
         self._titanrl_pushed(model, version)
-        return {"version": int(version), "num_tensors": n, "seconds": time.perf_counter() - t0}
+        return {"version": int(version), "num_tensors": n, "views": views, "seconds": time.perf_counter() - t0}
 
     def titanrl_open_weight_group(self, plan: dict, rank: int) -> None:
         """Joins the trainer's broadcast group as `rank` (blocks until every member has joined)."""
@@ -140,7 +151,9 @@ class TitanRLWorkerExtension:
         if group is None:
             raise WeightSyncError("no broadcast group: open_weight_sync(plan, rank) first")
         model = _find_titan_model(self.get_model())  # type: ignore[attr-defined]
-        n = receive_broadcast(group, ParameterTarget(model), WeightAnnouncement.from_wire(announcement), int(version))
+        target = ParameterTarget(model)
+        self._titanrl_unshare(target)  # the broadcast writes in place
+        n = receive_broadcast(group, target, WeightAnnouncement.from_wire(announcement), int(version))
         self._titanrl_pushed(model, version)
         return {"version": int(version), "num_tensors": n, "seconds": time.perf_counter() - t0}
 
@@ -152,4 +165,8 @@ class TitanRLWorkerExtension:
             group.close()
         cache = getattr(self, "_titanrl_segments", None)
         if segments and cache is not None:
-            cache.close(keep=set(keep))
+            from titanrl.weight_sync.target import ParameterTarget
+
+            # Parameters still viewing a departing sender's segment are copied out first.
+            params = ParameterTarget(_find_titan_model(self.get_model())).tensors() if cache.pinned else None  # type: ignore[attr-defined]
+            cache.close(keep=set(keep), params=params)
