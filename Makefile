@@ -22,8 +22,14 @@ XLA_TORCH_INDEX ?=
 XLA_STAMP := $(XLA_VENV)/.titanrl-install-stamp
 # `make demo DEVICE=xla` trains the example with its trainer on XLA.
 DEVICE ?= cpu
+# TRL's venv for benchmarks/vs_trl.py (TRL's GRPOTrainer, HF generate): TRL may want other
+# transformers versions than vLLM's, so it gets its own. Base titanrl only (no vLLM, no Ray).
+# Measured 2026-12-03: torch 2.13.0+cpu, transformers 5.19.0 (as .venv), trl 1.16.0,
+# accelerate 1.16.0, datasets 5.2.0; no torchvision came along.
+TRL_VENV ?= .venv-trl
+TRL_STAMP := $(TRL_VENV)/.titanrl-install-stamp
 
-.PHONY: install system-deps demo test test-xla xla-venv clean-venv
+.PHONY: install system-deps demo test test-xla xla-venv trl-venv clean-venv
 
 # bubblewrap: the code-execution sandbox (titanrl.envs). Debian's package; needs root.
 system-deps:
@@ -52,6 +58,16 @@ $(XLA_STAMP): pyproject.toml
 
 xla-venv: $(XLA_STAMP)
 
+$(TRL_STAMP): pyproject.toml
+	@test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	# CPU torch first (as for .venv), and pinned again below so the resolver cannot swap it.
+	$(TRL_VENV)/bin/python -m pip install -q $(PIP_INDEX) torch==2.13.0
+	$(TRL_VENV)/bin/python -m pip install -q $(PIP_INDEX) torch==2.13.0 trl accelerate datasets -e .
+	$(TRL_VENV)/bin/python -c "import torch, transformers, trl, accelerate, datasets; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__, '| accelerate', accelerate.__version__, '| datasets', datasets.__version__)"
+	@touch $(TRL_STAMP)
+
+trl-venv: $(TRL_STAMP)
+
 demo: install $(if $(filter xla,$(DEVICE)),xla-venv)
 	$(VENV)/bin/titanrl train examples/arithmetic/config.py $(if $(filter xla,$(DEVICE)),--train.device=xla)
 
@@ -68,4 +84,4 @@ test-xla:
 	else echo "SKIPPED tests/xla: $(XLA_VENV) is not built (make xla-venv)"; fi
 
 clean-venv:
-	rm -rf $(VENV) $(XLA_VENV)
+	rm -rf $(VENV) $(XLA_VENV) $(TRL_VENV)
