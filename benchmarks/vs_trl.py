@@ -168,18 +168,11 @@ def titanrl_overrides(checkpoint: str, steps: int, threads: int, out_dir: str, e
     ]
 
 
-def cpu_flags() -> str:
-    """The instruction-set extensions that decide kernel speed here (AVX2 / AVX-512 / AMX)."""
-    from titanrl.kernels.cpu_build import cpu_flags_line
-
-    line = cpu_flags_line()
-    flags = line.split(":", 1)[1] if ":" in line else line
-    return " ".join(sorted(f for f in flags.split() if f.startswith(("avx", "amx", "fma"))))
-
-
 def machine_fields() -> dict[str, Any]:
     """What goes in every line: the CPU flags and the 1-minute load average now."""
-    return {"cpu_flags": cpu_flags(), "loadavg": round(os.getloadavg()[0], 2)}
+    from titanrl.kernels.cpu_build import isa_flags
+
+    return {"cpu_flags": isa_flags(), "loadavg": round(os.getloadavg()[0], 2)}
 
 
 def rounded(stats: dict[str, Any]) -> dict[str, Any]:
