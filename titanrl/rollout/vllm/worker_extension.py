@@ -167,6 +167,7 @@ class TitanRLWorkerExtension:
         if segments and cache is not None:
             from titanrl.weight_sync.target import ParameterTarget
 
-            # Parameters still viewing a departing sender's segment are copied out first.
-            params = ParameterTarget(_find_titan_model(self.get_model())).tensors() if cache.pinned else None  # type: ignore[attr-defined]
+            params = None
+            if cache.pinned:  # Parameters still viewing a departing sender's segment are copied out first
+                params = ParameterTarget(_find_titan_model(self.get_model())).tensors()  # type: ignore[attr-defined]
             cache.close(keep=set(keep), params=params)
