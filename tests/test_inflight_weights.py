@@ -34,7 +34,7 @@ async def _generate_with_update(engine, new_state, version: int, after_tokens: i
     """One 40-token request; `new_state` is pushed once it has `after_tokens` tokens."""
     async with AsyncGenerator(engine) as gen:
         request = asyncio.ensure_future(gen.generate(PROMPT, temperature=1.0, max_tokens=40, seed=11))
-        while not any(len(v) >= after_tokens for v in gen._versions.values()):
+        while max((await gen.running_tokens()).values(), default=0) < after_tokens:
             await asyncio.sleep(0)
         await gen.update_weights(new_state, version, regenerate=regenerate)
         return await request
@@ -117,3 +117,41 @@ def test_a_failing_engine_step_fails_waiting_requests_instead_of_hanging(vllm_en
     monkeypatch.undo()
     assert [str(r) for r in results] == ["engine step failed"] * 2
     assert asyncio.run(_run_plain(vllm_engine)).token_ids  # the engine itself still serves
+
+
+def test_versions_expand_at_the_token_counts_the_loads_saw():
+    """Pure bookkeeping: tokens before a load's count keep the older version, later ones the loaded
+    one, whatever order the changes were recorded in; a request never stepped has no tokens."""
+    from titanrl.rollout.vllm.async_engine import _Versions
+
+    versions = _Versions()
+    assert versions.expand(3) == []
+    versions.first = 4
+    assert versions.expand(3) == [4, 4, 4]
+    versions.changes += [(5, 6), (2, 5)]
+    assert versions.expand(7) == [4, 4, 5, 5, 5, 6, 6]
+    assert versions.expand(4) == [4, 4, 5, 5]  # a load after the request's last token changes nothing
+
+
+def test_engine_builds_outputs_only_for_finished_requests(vllm_engine, monkeypatch):
+    """Requests ask for their final output only (FINAL_ONLY, as LLM.generate does): no step hands
+    back a RequestOutput of a running request, which would cost the engine's thread a copy of its
+    tokens and logprobs per running request per step."""
+    llm_engine = vllm_engine.llm.llm_engine
+    step, seen = llm_engine.step, []
+
+    def recording_step():
+        outputs = step()
+        seen.extend(outputs)
+        return outputs
+
+    async def run():
+        async with AsyncGenerator(vllm_engine) as gen:
+            monkeypatch.setattr(llm_engine, "step", recording_step)
+            return await asyncio.gather(*(gen.generate(PROMPT, temperature=1.0, max_tokens=12, seed=i)
+                                          for i in range(4)))
+
+    completions = asyncio.run(run())
+    monkeypatch.undo()
+    assert len(seen) == 4 and all(o.finished for o in seen)
+    assert all(len(c.token_versions) == len(c.token_ids) > 0 for c in completions)

@@ -12,6 +12,13 @@ request's group is scored and handed back during the next step, not after it. Wh
 stepped vLLM on the loop itself, every hop of that hand-back (the group's gather, each reward
 call's helper thread, the reply) waited for a whole engine step, about 0.5 s per batch on the
 arithmetic example, which left the trainer idle in continuous runs.
+
+Requests ask vLLM for their final output only (`RequestOutputKind.FINAL_ONLY`, as `LLM.generate`
+does): a per-step output for every running request (512 on the arithmetic example) costs the
+engine's thread a RequestOutput with copies of the tokens and logprobs so far, every step, and
+nothing here needs them. Which policy version sampled each token is known without them: weights
+change only between steps, so a load records how many tokens each running request has at that
+moment (`_Versions`).
 """
 
 from __future__ import annotations
@@ -32,6 +39,25 @@ class WeightsChanged(Exception):
     """Raised into the requests that `update_weights(..., regenerate=True)` aborted."""
 
 
+class _Versions:
+    """The policy versions that sampled one request's tokens, kept as the points where they change."""
+
+    def __init__(self) -> None:
+        self.first: int | None = None
+        """The version of the step that started the request (None until that step has run)."""
+        self.changes: list[tuple[int, int]] = []
+        """(tokens sampled before the load, the loaded version), one per load while it ran."""
+
+    def expand(self, num_tokens: int) -> list[int]:
+        """One version per token: a token sampled after the i-th change's load has its version."""
+        if self.first is None:  # never stepped (cannot finish so): nothing was sampled
+            return []
+        versions = [self.first] * num_tokens
+        for start, version in sorted(self.changes):
+            versions[start:] = [version] * (num_tokens - min(start, num_tokens))
+        return versions
+
+
 class AsyncGenerator:
     """Owns the engine's request queue while `run()` is active (one event loop at a time)."""
 
@@ -39,8 +65,8 @@ class AsyncGenerator:
         self.engine = engine
         self._ids = itertools.count()
         self._pending: dict[str, asyncio.Future[Completion]] = {}
-        self._versions: dict[str, list[int]] = {}
-        """Per running request, the policy version of each token generated so far."""
+        self._versions: dict[str, _Versions] = {}
+        """Per running request, which policy versions sampled its tokens."""
         self._routing_keys: dict[str, str] = {}
         """Per running request, its routing record's key (when the engine records routing)."""
         self._to_add: list[tuple[str, Any, Any]] = []
@@ -94,6 +120,7 @@ class AsyncGenerator:
         matched stop string stays in the output."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         from titanrl.rollout.vllm.routing_record import ROUTING_KEY
 
@@ -116,10 +143,11 @@ class AsyncGenerator:
             stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
             logprobs=0,
             extra_args=extra_args,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # the finished request only (module docstring)
         )
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
-        self._versions[request_id] = []
+        self._versions[request_id] = _Versions()
         inputs = {"prompt": prompt} if isinstance(prompt, str) else TokensPrompt(prompt_token_ids=list(prompt))
         self._to_add.append((request_id, inputs, params))
         self._wake.set()
@@ -148,20 +176,18 @@ class AsyncGenerator:
             # The keys of every request this step can finish (the engine's thread reads this copy).
             keys = dict(self._routing_keys) if self._routing_keys else {}
             version, outputs, records = await self.on_engine(self._step, to_add, keys)
-            finished = []
-            for output in outputs:
-                versions = self._versions.get(output.request_id)
-                if versions is None:
-                    continue  # aborted meanwhile
-                versions += [version] * (len(output.outputs[0].token_ids) - len(versions))
-                if output.finished:
-                    finished.append((output, versions))
-            for output, versions in finished:
+            for request_id, _, _ in to_add:
+                versions = self._versions.get(request_id)
+                if versions is not None:  # (not aborted meanwhile) its first tokens came from this step
+                    versions.first = version
+            for output in outputs:  # finished requests only (FINAL_ONLY)
+                if not output.finished:
+                    continue
                 future = self._pending.pop(output.request_id, None)
-                self._versions.pop(output.request_id, None)
+                versions = self._versions.pop(output.request_id, None)
                 key = self._routing_keys.pop(output.request_id, None)
-                if future is not None and not future.done():
-                    completion = self._completion(output, versions)
+                if future is not None and not future.done() and versions is not None:
+                    completion = self._completion(output, versions.expand(len(output.outputs[0].token_ids)))
                     if key is not None:
                         completion.routed_experts = self.engine.fit_routing(records.get(key), completion)
                     future.set_result(completion)
@@ -202,11 +228,35 @@ class AsyncGenerator:
             for future in futures:
                 if not future.done():
                     future.set_exception(WeightsChanged(f"weights changed to version {version}"))
-        await self.on_engine(load)
+        # Counted right before the load, on the engine's thread: no step runs in between.
+        counts = await self.on_engine(lambda: (self._running_tokens(), load())[0])
+        for request_id, num_tokens in counts.items():
+            versions = self._versions.get(request_id)
+            if versions is not None:  # still running: its later tokens come from `version`
+                versions.changes.append((num_tokens, version))
         if self.engine.policy_version != version:
             raise RuntimeError(f"loading version {version} left the engine at version {self.engine.policy_version}")
         async with self._version_changed:
             self._version_changed.notify_all()
+
+    def _running_tokens(self) -> dict[str, int]:
+        """(On the engine's thread.) Tokens sampled so far by each of our requests the engine is
+        running (vLLM's output processor counts them as it detokenizes every step)."""
+        request_ids = list(self._versions)
+        if not request_ids:
+            return {}
+        processor = self.engine.llm.llm_engine.output_processor
+        counts = {}
+        for request_id in request_ids:
+            for internal_id in processor.external_req_ids.get(request_id, ()):
+                state = processor.request_states.get(internal_id)
+                if state is not None and state.detokenizer is not None:
+                    counts[request_id] = state.detokenizer.num_output_tokens()
+        return counts
+
+    async def running_tokens(self) -> dict[str, int]:
+        """Tokens sampled so far by each running request, between two engine steps."""
+        return await self.on_engine(self._running_tokens)
 
     async def wait_for_version(self, version: int) -> None:
         """Returns once the engine holds weights of `version` or newer."""
