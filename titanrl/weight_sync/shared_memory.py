@@ -182,18 +182,18 @@ class SegmentCache:
         of its own, then releases those segments. Called before anything writes Parameters in
         place (other receivers map the same memory) and before a sender's segments are unmapped.
         Returns how many Parameters were copied."""
-        segs = [seg for sender, seg, _ in self.pinned.values() if senders is None or sender in senders]
-        copied = 0
-        with torch.no_grad():
-            for p in params:
-                if any(seg.holds(p) for seg in segs):
-                    p.data = p.data.clone()
-                    copied += 1
+        copied = sum(self.unshare(p, senders) for p in params)
         self.release_unviewed(params)
         return copied
 
-    def pinned_segments(self) -> list[Segment]:
-        return [seg for _, seg, _ in self.pinned.values()]
+    def unshare(self, tensor: torch.Tensor, senders: set[str] | None = None) -> bool:
+        """Moves `tensor` into memory of its own (same values) if it views a pinned segment (of
+        `senders`; None: of any); returns whether it did. A view must never be written in place."""
+        if not any(seg.holds(tensor) for sender, seg, _ in self.pinned.values() if senders is None or sender in senders):
+            return False
+        with torch.no_grad():
+            tensor.data = tensor.data.clone()
+        return True
 
     def close(self, keep: set[str] = frozenset(), params: list[torch.Tensor] | None = None) -> None:
         """Unmaps every segment, except those of the senders in `keep`. `params`: the model's
@@ -262,7 +262,9 @@ def load_from_segment(target: ParameterTarget, announcement: WeightAnnouncement,
             target.adopt(spec.name, src.view(spec.shape))
             adopted += 1
         else:
-            dest = target.private(spec.name, cache.pinned_segments())
+            tensor = target.tensor(spec.name)
+            cache.unshare(tensor)  # it may view the version before, in a segment others map too
+            dest = tensor.data
             for first, count in _chunks(spec):
                 _wait_written(seg, spec.offset + (first + count) * spec.itemsize, ann.version, deadline)
                 write_piece(dest, first, src[first : first + count])

@@ -60,25 +60,17 @@ class ParameterTarget:
             return None
         return param.data
 
-
     def tensors(self) -> list[torch.Tensor]:
         """Every Parameter (and optional buffer) a layout may write, as the tensors themselves."""
         return [*self.params.values(), *self.optional.values()]
 
-    def _tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str) -> torch.Tensor:
+        """The Parameter (or optional buffer) `name` itself."""
         return self.params[name] if name in self.params else self.optional[name]
 
     def adopt(self, name: str, view: torch.Tensor) -> None:
         """Makes `view` (checked: same shape and dtype) the data of parameter `name`, no copy."""
-        self._tensor(name).data = view
-
-    def private(self, name: str, shared: list) -> torch.Tensor:
-        """Parameter `name`'s data, first copied into memory of its own if it lies in one of the
-        `shared` segments (a zero-copy view must never be written: other receivers map it too)."""
-        tensor = self._tensor(name)
-        if any(seg.holds(tensor) for seg in shared):
-            tensor.data = tensor.data.clone()
-        return tensor.data
+        self.tensor(name).data = view
 
 
 def write_piece(dest: torch.Tensor, first: int, src: torch.Tensor) -> None:
