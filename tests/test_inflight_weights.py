@@ -95,6 +95,53 @@ def test_regenerate_aborts_running_requests(vllm_engine, vllm_tiny_checkpoint):
         vllm_engine.update_weights(old_state, start)  # the shared engine goes back to where it was
 
 
+async def _deferred_update(engine, new_state, version: int, waiting_requests: int):
+    """One 40-token request on a generator with `defer_loads`; after 10 tokens `new_state` is
+    pushed while `waiting_requests` requests (0: none) wait for `version`. Returns the completion
+    and whether the load had landed before the request finished."""
+    async with AsyncGenerator(engine, defer_loads=True) as gen:
+        request = asyncio.ensure_future(gen.generate(PROMPT, temperature=1.0, max_tokens=40, seed=11))
+        while max((await gen.running_tokens()).values(), default=0) < 10:
+            await asyncio.sleep(0)
+        waiter = asyncio.ensure_future(gen.wait_for_version(version, requests=waiting_requests)) \
+            if waiting_requests else None
+        await asyncio.sleep(0)  # the waiter registers
+        await asyncio.wait_for(gen.update_weights(new_state, version), timeout=60)
+        landed_first = not request.done()
+        if waiter is not None:
+            await waiter
+        return await request, landed_first
+
+
+def test_a_deferred_load_waits_while_it_would_only_recompute(vllm_engine, vllm_tiny_checkpoint):
+    """With `defer_loads` and nobody waiting for the new weights, a load mid-request waits until the
+    request is done (it would recompute its KV cache and let nothing start): every token keeps the
+    old version, and the engine holds the new one afterwards."""
+    _, old_state, _, new_state = _models(vllm_tiny_checkpoint)
+    start = vllm_engine.policy_version
+    try:
+        c, landed_first = asyncio.run(_deferred_update(vllm_engine, new_state, start + 1, waiting_requests=0))
+        assert not landed_first
+        assert len(c.token_ids) == 40 and c.token_versions == [start] * 40
+        assert vllm_engine.policy_version == start + 1
+    finally:
+        vllm_engine.update_weights(old_state, start)
+
+
+def test_a_deferred_load_lands_at_once_when_it_lets_waiting_requests_start(vllm_engine, vllm_tiny_checkpoint):
+    """With `defer_loads`, a request waiting for the new weights and a free sequence slot make the
+    load worth its recompute of the one running request: it lands mid-request, as without deferral."""
+    _, old_state, _, new_state = _models(vllm_tiny_checkpoint)
+    start = vllm_engine.policy_version
+    try:
+        c, landed_first = asyncio.run(_deferred_update(vllm_engine, new_state, start + 1, waiting_requests=1))
+        assert landed_first
+        k = c.token_versions.index(start + 1)
+        assert 10 <= k < 40 and c.token_versions == [start] * k + [start + 1] * (40 - k)
+    finally:
+        vllm_engine.update_weights(old_state, start)
+
+
 def test_a_failing_engine_step_fails_waiting_requests_instead_of_hanging(vllm_engine, monkeypatch):
     """When the engine's step raises (vLLM state torn down, a worker error), every request awaiting a
     completion gets that error: without it their futures stay pending and the run hangs forever."""

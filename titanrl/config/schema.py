@@ -130,6 +130,11 @@ class RolloutConfig:
     """Continuous mode, when new weights arrive while requests are running: 'continue' keeps their
     tokens and recomputes their KV cache with the new weights (each token keeps the version that
     sampled it); 'regenerate' aborts unfinished groups and generates them again from scratch."""
+    defer_weight_loads: bool = True
+    """Continuous mode, 'continue': a new version waits between engine steps until no request is
+    running, or until loading it lets at least as many requests that wait for it start (in free
+    `max_num_seqs` slots) as it recomputes (a recompute is one more prefill of each running
+    request); False: it lands at the next step boundary."""
     weight_transport: WeightTransport = "object_store"
     """How new weights reach the workers: 'object_store' (Ray's object store), 'shared_memory'
     (one shared-memory copy read by every worker of the machine) or 'broadcast' (a

@@ -82,7 +82,8 @@ def start_rollouts(config: RunConfig, train_rows: list[dict[str, Any]],
 
     def make_worker(i: int) -> Any:
         return worker_cls.options(max_concurrency=most_in_flight + 16, **placement.worker_options(i)).remote(
-            i, *args, on_weight_update=rc.on_weight_update, **kwargs)
+            i, *args, on_weight_update=rc.on_weight_update,
+            defer_weight_loads=rc.defer_weight_loads, **kwargs)
 
     return ContinuousRollouts.for_run(
         make_worker, rc.num_workers, stream, rc.prompts_per_step, tc.max_staleness, tc.steps,

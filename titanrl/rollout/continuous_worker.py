@@ -32,8 +32,9 @@ T = TypeVar("T")
 class ContinuousRolloutWorker(GroupStream, RolloutWorker):
     """RolloutWorker's engine, rewards and environments, driven one group at a time."""
 
-    def __init__(self, *args: Any, on_weight_update: str = "continue", **kwargs: Any) -> None:
-        """Arguments as RolloutWorker's; `on_weight_update` is `rollout.on_weight_update`."""
+    def __init__(self, *args: Any, on_weight_update: str = "continue", defer_weight_loads: bool = True,
+                 **kwargs: Any) -> None:
+        """Arguments as RolloutWorker's; `on_weight_update` and `defer_weight_loads` are `rollout.`'s."""
         super().__init__(*args, **kwargs)
         if on_weight_update not in ("continue", "regenerate"):
             raise ValueError(f"on_weight_update must be 'continue' or 'regenerate', got {on_weight_update!r}")
@@ -42,7 +43,7 @@ class ContinuousRolloutWorker(GroupStream, RolloutWorker):
         self.loop = self.env_runner.loop if self.env_factory is not None else asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="titanrl-rollout-loop", daemon=True)
         self._thread.start()
-        self.generator = AsyncGenerator(self.engine)
+        self.generator = AsyncGenerator(self.engine, defer_loads=defer_weight_loads)
         self._updates = self._call(self._start())
 
     async def _start(self) -> asyncio.Lock:
@@ -67,7 +68,7 @@ class ContinuousRolloutWorker(GroupStream, RolloutWorker):
         return await self._on_worker_loop(self._generate_group(row, seed, group_id, min_version))
 
     async def _generate_group(self, row: dict[str, Any], seed: int, group_id: int, min_version: int) -> Group:
-        await self.generator.wait_for_version(min_version)
+        await self.generator.wait_for_version(min_version, requests=self.cfg.group_size)
         while True:
             try:
                 if self.env_factory is not None:
@@ -125,7 +126,7 @@ class ContinuousRolloutWorker(GroupStream, RolloutWorker):
 
     async def _evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int, correct_threshold: float,
                         min_version: int) -> dict[str, Any]:
-        await self.generator.wait_for_version(min_version)
+        await self.generator.wait_for_version(min_version, requests=len(rows))
         async with self._updates:
             if self.env_factory is not None:
                 return await self.env_runner.evaluate_async(rows, correct_threshold, self.generator)
