@@ -16,7 +16,7 @@ Dtype = Literal["float32", "bfloat16"]
 """Floating dtypes of parameters (model.dtype) and of compute (train.compute_dtype)."""
 Device = Literal["auto", "cpu", "cuda", "xla"]
 """Trainer devices: 'auto' is CUDA when present, else CPU; 'xla' runs the trainer in the XLA venv."""
-WeightTransport = Literal["object_store", "shared_memory", "broadcast"]
+WeightTransport = Literal["auto", "object_store", "shared_memory", "broadcast"]
 """How new weights reach the rollout workers."""
 PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
 """Pipeline schedules (config/parallel.py knows how many stages each runs per rank)."""
@@ -135,10 +135,13 @@ class RolloutConfig:
     running, or until loading it lets at least as many requests that wait for it start (in free
     `max_num_seqs` slots) as it recomputes (a recompute is one more prefill of each running
     request); False: it lands at the next step boundary."""
-    weight_transport: WeightTransport = "object_store"
+    weight_transport: WeightTransport = "auto"
     """How new weights reach the workers: 'object_store' (Ray's object store), 'shared_memory'
     (one shared-memory copy read by every worker of the machine) or 'broadcast' (a
-    torch.distributed group from the trainer to the workers: gloo on CPU, NCCL on GPU)."""
+    torch.distributed group from the trainer to the workers: gloo on CPU, NCCL on GPU). 'auto':
+    shared_memory when the driver started Ray on this machine, the engines run on CPU and
+    /dev/shm holds four versions of the model; object_store otherwise
+    (`titanrl.driver.weight_transport`)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling (lock-step rollouts only): a step's groups whose rewards are all equal
     (no learning signal) are replaced by groups of fresh prompts, generated as extra requests of

@@ -26,6 +26,7 @@ from titanrl.driver.out_of_memory import memory_hint
 from titanrl.driver.placement import Placement
 from titanrl.driver.ray_runtime import init_ray, ship_user_code_by_value
 from titanrl.driver.signals import SigtermAsInterrupt
+from titanrl.driver.weight_transport import choose_weight_transport, shm_free_bytes
 from titanrl.errors import RunStopped, RunTerminated
 from titanrl.rundir.driver_state import read_driver_state
 from titanrl.rundir.layout import config_record, create_run_dir, reopen_run_dir, set_aside_after
@@ -97,7 +98,8 @@ def _run(config: RunConfig, run_dir: Path, checkpoint: RunCheckpoint | None, dri
     ship_user_code_by_value(config.rewards + ([config.env.factory] if config.env.factory is not None else []))
     placement = Placement.create(config)
     try:
-        sync_options = placement.weight_sync_options(config.rollout.weight_transport)
+        transport = choose_weight_transport(config, placement.layout.rollout_device, shm_free_bytes())
+        sync_options = placement.weight_sync_options(transport)
     except BaseException:
         placement.remove()
         raise
@@ -117,8 +119,8 @@ def _run(config: RunConfig, run_dir: Path, checkpoint: RunCheckpoint | None, dri
         t0 = time.perf_counter()
         log.info(f"starting the trainer and {len(rollouts.workers)} vLLM rollout worker(s) (~20 s on CPU)")
         ray.get([w.ready.remote() for w in rollouts.workers] + [trainer.get_version.remote()])
-        rollouts.open_weight_sync(trainer, config.rollout.weight_transport, **sync_options)
-        log.info(f"actors ready in {time.perf_counter() - t0:.0f} s")
+        rollouts.open_weight_sync(trainer, transport, **sync_options)
+        log.info(f"actors ready in {time.perf_counter() - t0:.0f} s (weights by {transport})")
         if checkpoint is not None:
             loop.restore(checkpoint, driver_state)
         final = loop.run()
