@@ -142,6 +142,41 @@ def test_a_deferred_load_lands_at_once_when_it_lets_waiting_requests_start(vllm_
         vllm_engine.update_weights(old_state, start)
 
 
+def test_a_deferred_load_goes_on_when_the_engine_step_fails(vllm_engine, vllm_tiny_checkpoint, monkeypatch):
+    """A load deferred behind a running request does not wait forever for steps that will never
+    come once the engine's step fails: it lands, and the request gets the engine's error."""
+    _, old_state, _, new_state = _models(vllm_tiny_checkpoint)
+    start = vllm_engine.policy_version
+    llm_engine = vllm_engine.llm.llm_engine
+
+    def broken_step():
+        raise RuntimeError("engine step failed")
+
+    async def run():
+        gen = AsyncGenerator(vllm_engine, defer_loads=True)
+        await gen.__aenter__()
+        request = asyncio.ensure_future(gen.generate(PROMPT, temperature=1.0, max_tokens=200, seed=11))
+        while not await gen.running_tokens():
+            await asyncio.sleep(0)
+        load = asyncio.ensure_future(gen.update_weights(new_state, start + 1))
+        await asyncio.sleep(0.05)
+        deferred = not load.done()
+        monkeypatch.setattr(llm_engine, "step", broken_step)
+        await asyncio.wait_for(load, timeout=60)  # a regression is a failure, not a hung suite
+        with pytest.raises(RuntimeError, match="engine step failed"):
+            await request
+        with pytest.raises(RuntimeError, match="engine step failed"):
+            await gen.__aexit__(None, None, None)
+        return deferred
+
+    try:
+        assert asyncio.run(run())
+        assert vllm_engine.policy_version == start + 1
+    finally:
+        monkeypatch.undo()
+        vllm_engine.update_weights(old_state, start)
+
+
 def test_a_failing_engine_step_fails_waiting_requests_instead_of_hanging(vllm_engine, monkeypatch):
     """When the engine's step raises (vLLM state torn down, a worker error), every request awaiting a
     completion gets that error: without it their futures stay pending and the run hangs forever."""

@@ -180,9 +180,9 @@ class AsyncGenerator:
             for future in self._pending.values():
                 if not future.done():
                     future.set_exception(e)
-            # A deferred load waits for steps: with none to come, it goes on (`_worth_loading`).
-            loop = asyncio.get_running_loop()
-            loop.call_soon(lambda: loop.create_task(self._notify_stepped()))
+            # A deferred load waits for steps: with none to come, it goes on (`_worth_loading`
+            # sees this task done by the time the woken load runs).
+            await self._notify_stepped()
             raise
 
     async def _pump_steps(self) -> None:
