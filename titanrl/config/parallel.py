@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import typing
 
-from titanrl.config.schema import ParallelConfig, PPSchedule
+from titanrl.config.schema import ParallelConfig, PPSchedule, TrainConfig
 from titanrl.errors import ConfigError
 from titanrl.models.qwen3 import Qwen3Config
 
@@ -143,6 +143,25 @@ def check_batch_invariant(parallel: ParallelConfig) -> None:
             f"cp=1 and split the trainer with dp_shard / dp_replicate / pp instead (bitwise equal to one "
             f"process), or set batch_invariant=False"
         )
+
+
+def check_compile(train: TrainConfig, batch_invariant: bool, device: str | None = None) -> None:
+    """Raises ConfigError for a train.compile=True the trainer cannot honour (validation, and the
+    trainer itself when built from Python). device: the trainer's resolved device (default train.device)."""
+    if not train.compile:
+        return
+    if batch_invariant:
+        raise ConfigError("train.compile=True with batch_invariant=True: inductor's fused kernels would replace the "
+                          "batch-invariant ones the generator's bits depend on. Set one of them to False")
+    if (device or train.device) == "xla":
+        raise ConfigError("train.compile=True with train.device='xla': the XLA trainer compiles each step itself; "
+                          "set train.compile=False")
+    p = train.parallel
+    if p.world_size > 1 or p.ep > 1:
+        degrees = ", ".join(f"{d}={getattr(p, d)}" for d in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
+                            if getattr(p, d) > 1)
+        raise ConfigError(f"train.compile=True is checked with the single-process trainer only, not yet with "
+                          f"train.parallel {degrees}: set train.compile=False, or train.parallel to one process")
 
 
 def _divisors(n: int) -> list[int]:

@@ -264,6 +264,12 @@ class TrainConfig:
     'every_nth' (every activation_checkpointing_every-th block). Gradients are unchanged."""
     activation_checkpointing_every: int = 2
     """With activation_checkpointing='every_nth': checkpoint blocks N, 2N, ... (1-based), N >= 1."""
+    compile: bool = False
+    """Compile each decoder block with torch.compile (inductor, symbolic sizes): RMSNorm, rotary and
+    SiLU-and-mul chains become fused loops, forward and backward (1.2x a 19M model's CPU step, see
+    benchmarks/trainer_step.py). The first step pays the compile (~20 s on a CPU; a C++ compiler
+    is needed there). Not with batch_invariant (its own kernels), train.device='xla' (compiled
+    anyway), or a parallel layout (not yet checked: one trainer process only)."""
     max_staleness: int = 0
     """Oldest policy version the trainer accepts, in steps behind; 0 is synchronous on-policy."""
     ppo_epochs: int = 1

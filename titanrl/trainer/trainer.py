@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from titanrl.config.parallel import check_compile
 from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig, compute_dtype
 from titanrl.errors import ConfigError
 from titanrl.memory import peak_rss_gib, set_heap_mmap_threshold
@@ -81,6 +82,7 @@ class GRPOTrainer:
         if device_type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("train.device='cuda' but this process sees no GPU (torch.cuda.is_available() is "
                               "False): set train.device='cpu' or 'auto'")
+        check_compile(train_config, batch_invariant, device_type)
         # Same order on every rank, so rank 0 matches a single-process run.
         torch.manual_seed(seed)
         torch.set_num_threads(train_config.threads)
@@ -94,7 +96,8 @@ class GRPOTrainer:
         pushed to the generators, which compute in it too."""
         layout_options = dict(compute_dtype=self.compute_dtype,
                               activation_checkpointing=train_config.activation_checkpointing,
-                              activation_checkpointing_every=train_config.activation_checkpointing_every)
+                              activation_checkpointing_every=train_config.activation_checkpointing_every,
+                              compile_blocks=train_config.compile)
         parallel = train_config.parallel
         self.xla = None
         """The XLA runtime (titanrl.trainer.xla.runtime.XlaRuntime) on train.device='xla', else None."""

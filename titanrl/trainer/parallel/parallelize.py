@@ -1,8 +1,8 @@
 """`parallelize`: applies a ParallelConfig's layout to a Qwen3ForCausalLM on a device mesh.
 
 Order: context parallel (swap attention backends), activation checkpointing flags, pipeline
-split, then per stage tensor parallel, expert parallel (experts split over the ep ranks) and
-finally FSDP2 / HSDP over the data-parallel (x context-parallel) ranks. A tied embedding split across pipeline stages gets its
+split, then per stage tensor parallel, expert parallel (experts split over the ep ranks),
+torch.compile of each block (train.compile) and finally FSDP2 / HSDP over the data-parallel (x context-parallel) ranks. A tied embedding split across pipeline stages gets its
 gradient-summing group last (tied.py). The optimizers are built from the result
 (titanrl.trainer.optimizer).
 """
@@ -21,6 +21,7 @@ from titanrl.config.schema import ActivationCheckpointing, ParallelConfig
 from titanrl.models.hf_checkpoint import tie_head
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from titanrl.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
+from titanrl.trainer.parallel.compile import apply_compile
 from titanrl.trainer.parallel.fsdp import apply_fsdp
 from titanrl.trainer.parallel.expert_parallel import apply_expert_parallel
 from titanrl.trainer.parallel.mesh import coord, expert_meshes, fsdp_mesh
@@ -92,7 +93,7 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
                 load_balance: bool = True, device_type: str = "cpu",
                 activation_checkpointing: ActivationCheckpointing = "none",
                 activation_checkpointing_every: int = 2,
-                compute_dtype: torch.dtype | None = None) -> ParallelModel:
+                compute_dtype: torch.dtype | None = None, compile_blocks: bool = False) -> ParallelModel:
     """Shards `model` (a full copy, identical on every rank) for this rank; returns its parts.
 
     `model` must not be used directly afterwards: its modules now live in the returned parts.
@@ -104,6 +105,7 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
     compute_dtype: forward/backward dtype when it differs from the parameters' (mixed precision:
     FSDP2's MixedPrecisionPolicy, or mixed_precision.py's casts in a layout without FSDP); None or
     the parameters' dtype computes in that dtype.
+    compile_blocks: each decoder block through torch.compile (train.compile; compile.py).
     """
     if mesh is None and parallel.world_size != 1:
         raise ValueError(f"a layout of {parallel.world_size} ranks needs a device mesh (see mesh.build_mesh)")
@@ -138,6 +140,8 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
             apply_vocab_parallel(part, mesh["tp"])
         if experts is not None:
             apply_expert_parallel(_layers(part), experts[0], tokens_split_over_tp=parallel.tp > 1)
+        if compile_blocks:
+            apply_compile(_layers(part))
         if dp_mesh is not None:
             apply_fsdp(part, _layers(part), dp_mesh, compute_dtype, expert_mesh=experts[1] if experts else None)
         elif compute_dtype is not None:

@@ -1,0 +1,78 @@
+"""train.compile: decoder blocks through torch.compile give the eager trainer's gradients.
+
+Inductor fuses the elementwise chains and reorders their float32 arithmetic, so the comparison
+is to 1e-5, not bitwise (batch-invariant mode, the bitwise path, refuses compile).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_trainer_packing import _gradients, _groups
+from titanrl.config import ModelConfig, TrainConfig
+from titanrl.config.parallel import check_compile
+from titanrl.config.schema import ParallelConfig
+from titanrl.errors import ConfigError
+from titanrl.models.tiny import write_tiny_checkpoint, write_tiny_moe_checkpoint
+from titanrl.trainer.trainer import GRPOTrainer
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_compiled_blocks_give_eager_gradients(tmp_path, moe):
+    write = write_tiny_moe_checkpoint if moe else write_tiny_checkpoint
+    ckpt = write(tmp_path / "tiny", seed=1)
+    groups = _groups(seed=3)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager, eager_stats, eager_lp, _, _ = _gradients(ckpt, groups, pack=True)
+    assert _compiled_graphs() == 0
+    compiled, stats, lp, _, _ = _gradients(ckpt, groups, pack=True, compile=True)
+    assert _compiled_graphs() > 0, "train.compile=True compiled nothing"
+    assert compiled.keys() == eager.keys()
+    for name in eager:
+        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-4, atol=1e-5, msg=name)
+    torch.testing.assert_close(lp, eager_lp, rtol=0, atol=1e-5)
+    assert stats.loss_sum == pytest.approx(eager_stats.loss_sum, abs=1e-5)
+
+
+def test_compiled_trainer_reuses_one_graph_across_lengths(tmp_path):
+    """Packed micro-batches of other lengths reuse the symbolic-size graph: no compile per step."""
+    ckpt = write_tiny_checkpoint(tmp_path / "tiny", seed=1)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    trainer = GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), TrainConfig(device="cpu", compile=True),
+                          temperature=1.0, seed=0)
+    trainer.step(_groups(seed=0))
+    after_first = _compiled_graphs()
+    for seed in (1, 2):
+        trainer.step(_groups(seed=seed))
+    assert after_first > 0
+    assert _compiled_graphs() == after_first
+
+
+@pytest.mark.parametrize("settings, batch_invariant, device, needle", [
+    (dict(), True, None, "batch_invariant"),
+    (dict(device="xla"), False, None, "train.device='xla'"),
+    (dict(), False, "xla", "train.device='xla'"),
+    (dict(parallel=ParallelConfig(dp_shard=2)), False, None, "dp_shard=2"),
+    (dict(parallel=ParallelConfig(tp=2, pp=2)), False, None, "tp=2, pp=2"),
+])
+def test_compile_refuses_what_it_cannot_honour(settings, batch_invariant, device, needle):
+    with pytest.raises(ConfigError, match="train.compile=True") as e:
+        check_compile(TrainConfig(compile=True, **settings), batch_invariant, device)
+    assert needle in str(e.value)
+    check_compile(TrainConfig(compile=False, **settings), batch_invariant, device)  # off: nothing to refuse
+
+
+def test_trainer_refuses_compile_with_batch_invariance(tmp_path):
+    ckpt = write_tiny_checkpoint(tmp_path / "tiny", seed=1)
+    with pytest.raises(ConfigError, match="batch_invariant"):
+        GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), TrainConfig(device="cpu", compile=True),
+                    temperature=1.0, seed=0, batch_invariant=True)
