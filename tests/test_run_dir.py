@@ -107,6 +107,17 @@ def test_config_record_round_trips_without_differences(tmp_path):
     assert config_differences(saved, config_record(config)) == []
 
 
+def test_settings_added_since_the_run_was_saved_match_their_defaults(tmp_path):
+    """A record saved before a setting existed resumes when the setting is at its default, and
+    is refused when it is not (the saved run computed with the default)."""
+    config = _config(tmp_path)
+    saved = json.loads(json.dumps(config_record(config)))
+    del saved["train"]["pack_sequences"]  # as if written before train.pack_sequences existed
+    assert config_differences(saved, config_record(config)) == []
+    changed = dataclasses.replace(config, train=dataclasses.replace(config.train, pack_sequences=False))
+    assert config_differences(saved, config_record(changed)) == [("train.pack_sequences", True, False)]
+
+
 def test_rows_after_the_checkpoint_are_set_aside(tmp_path):
     """metrics/rollouts rows of steps after the checkpoint move to *.before-resume; earlier rows stay."""
     rows = [{"step": s, "loss": s / 10} for s in range(0, 7)]

@@ -18,8 +18,9 @@ from titanrl.rundir.checkpoints import RunCheckpoint, latest_checkpoint, remove_
 CONFIG_FILE = "config.json"
 RESUMABLE_SECTIONS = ("output",)
 """Config sections a resumed run may change; everything else must match the checkpointed run."""
-RESUMABLE_KEYS = ("train.steps",)
-"""Single keys a resumed run may change (a longer or shorter run of the same job)."""
+RESUMABLE_KEYS = ("train.steps", "train.compile")
+"""Single keys a resumed run may change: a longer or shorter run of the same job, and compiled
+blocks on or off (the same training, not the same bits: fused kernels round differently)."""
 RESUMABLE_PREFIXES = ("train.parallel.", "train.device")
 """Keys a resumed run may change because checkpoints reshard on load: a run saved with
 dp_shard=2 can continue with tp=2 (the same training, not the same bits: reduction orders differ)."""
@@ -84,13 +85,18 @@ def reopen_run_dir(config: RunConfig) -> tuple[Path, RunCheckpoint]:
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(dotted key, saved value, new value) for every key a resume may not change."""
+    """(dotted key, saved value, new value) for every key a resume may not change.
+
+    A setting added to TitanRL after the run was saved is absent from its record; it matches
+    when the new value is that setting's default (what the saved run computed with).
+    """
     flat_saved, flat_current = _flatten(saved), _flatten(current)
+    defaults = _flatten(config_record(RunConfig()))
     out = []
     for key in sorted(flat_saved.keys() | flat_current.keys()):
         if key.split(".")[0] in RESUMABLE_SECTIONS or key in RESUMABLE_KEYS or key.startswith(RESUMABLE_PREFIXES):
             continue
-        old, new = flat_saved.get(key, "<absent>"), flat_current.get(key, "<absent>")
+        old, new = flat_saved.get(key, defaults.get(key, "<absent>")), flat_current.get(key, "<absent>")
         if old != new:
             out.append((key, old, new))
     return out
