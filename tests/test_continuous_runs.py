@@ -64,13 +64,15 @@ def trainer_killing_reward(prompt: str, completion: str, **fields) -> float:
     return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
 
 
-def _config(tmp_path: Path, tiny_run, reward, **rollout) -> titanrl.RunConfig:
+def _config(tmp_path: Path, tiny_run, reward, threads_when_rollouts_idle: int | None = None,
+            **rollout) -> titanrl.RunConfig:
     return titanrl.RunConfig(
         model=titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)),
         data=titanrl.DataConfig(train_file=str(tiny_run.train_file), eval_file=str(tiny_run.eval_file(8))),
         rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=8, max_model_len=64,
                                       continuous=True, **rollout),
-        train=titanrl.TrainConfig(steps=4, lr=3e-3, max_staleness=1),
+        train=titanrl.TrainConfig(steps=4, lr=3e-3, max_staleness=1,
+                                  threads_when_rollouts_idle=threads_when_rollouts_idle),
         eval=titanrl.EvalConfig(every_steps=2, correct_threshold=0.5),
         output=titanrl.OutputConfig(dir=str(tmp_path / "run"), progress_bar=False, rollouts_per_step=4,
                                     save_every_steps=1),
@@ -102,7 +104,8 @@ def killed_worker_run(tmp_path_factory, ray_session, tiny_run) -> dict:
     tmp_path = tmp_path_factory.mktemp("killed_worker")
     _arm(tmp_path, kill_at=24)
     before = _shm_names()
-    config = _config(tmp_path, tiny_run, killing_reward, num_workers=2, weight_transport="shared_memory")
+    config = _config(tmp_path, tiny_run, killing_reward, num_workers=2, weight_transport="shared_memory",
+                     threads_when_rollouts_idle=2)
     result = titanrl.train(config)
     rows = [json.loads(line) for line in (result.run_dir / "rollouts.jsonl").read_text().splitlines()]
     return dict(config=config, result=result, rows=rows, shm_left=_shm_names() - before, alive=_alive_run_actors())
@@ -111,7 +114,8 @@ def killed_worker_run(tmp_path_factory, ray_session, tiny_run) -> dict:
 @pytest.mark.slow
 def test_killed_worker_is_replaced_and_every_group_is_trained_exactly_once(killed_worker_run):
     """Worker 0 or 1 is SIGKILLed mid-run (reward call 24 of 64, inside step 2's or 3's groups) of a run
-    pushing weights through shared memory. The run finishes: a replacement joined the re-formed
+    pushing weights through shared memory, its trainer taking idle workers' cores
+    (train.threads_when_rollouts_idle). The run finishes: a replacement joined the re-formed
     transport, took the newest weights and regenerated the lost groups; every step trained exactly
     its own 4 groups (no group lost, none twice); staleness stayed <= 1; the buffer and idle metrics
     are logged; every step's push reached the workers (eval after the last step reports its
@@ -126,6 +130,7 @@ def test_killed_worker_is_replaced_and_every_group_is_trained_exactly_once(kille
         assert m["staleness/max"] <= 1
         for key in ("buffer/groups_waiting", "buffer/groups_in_flight", "time/trainer_idle_s", "time/worker_idle_s"):
             assert isinstance(m[key], float), key
+        assert 0.0 <= m["train/rollouts_idle_frac"] <= 1.0
     assert any("time/weight_sync_s" in m for m in steps)
     evals = {m["step"]: m["eval/policy_version"] for m in result.metrics if "eval/policy_version" in m}
     assert evals == {0: 0, 2: 2, 4: 4}
@@ -171,11 +176,12 @@ def test_dead_trainer_stops_the_run_cleanly_with_the_last_checkpoint(tmp_path, r
 
 
 def _shm_names() -> set[str]:
-    """TitanRL's weight segments in /dev/shm (other processes' entries, e.g. multiprocessing
-    semaphores of a concurrent job, are not this run's to clean up)."""
+    """TitanRL's weight segments and busy-flag files in /dev/shm (other processes' entries, e.g.
+    multiprocessing semaphores of a concurrent job, are not this run's to clean up)."""
+    from titanrl.busy_flags import FILE_PREFIX
     from titanrl.weight_sync.segment import PREFIX
 
-    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(PREFIX)}
+    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith((PREFIX, FILE_PREFIX))}
 
 
 @pytest.mark.slow

@@ -164,5 +164,28 @@ def check_compile(train: TrainConfig, batch_invariant: bool, device: str | None 
                           f"train.parallel {degrees}: set train.compile=False, or train.parallel to one process")
 
 
+def check_idle_threads(train: TrainConfig, batch_invariant: bool, device: str | None = None) -> None:
+    """Raises ConfigError for a train.threads_when_rollouts_idle the trainer cannot honour.
+    device: the trainer's resolved device (default train.device; 'auto' may still become CUDA,
+    where the trainer ignores the setting)."""
+    idle = train.threads_when_rollouts_idle
+    if idle is None:
+        return
+    if idle < train.threads:
+        raise ConfigError(f"train.threads_when_rollouts_idle={idle} is below train.threads={train.threads}: it is "
+                          "the count for when the workers' cores are free too, so set it >= train.threads")
+    if batch_invariant:
+        raise ConfigError("train.threads_when_rollouts_idle with batch_invariant=True: a thread count that follows "
+                          "the workers' timing changes the trainer's float rounding. Unset one of them")
+    where = device or train.device
+    if where in ("cuda", "xla"):
+        raise ConfigError(f"train.threads_when_rollouts_idle shares CPU cores with the rollout workers; the trainer "
+                          f"runs on train.device={where!r}: unset it")
+    p = train.parallel
+    if p.world_size > 1 or p.ep > 1:
+        raise ConfigError("train.threads_when_rollouts_idle is implemented for the single-process trainer, not for "
+                          "a parallel train.parallel layout: unset it, or train.parallel to one process")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]

@@ -279,7 +279,19 @@ class TrainConfig:
     max_skipped_steps: int = 3
     """Consecutive steps with a non-finite loss or gradient norm (each skipped) that stop the run."""
     threads: int = 1
-    """Intra-op threads of the trainer process."""
+    """Intra-op threads of the trainer process (while a rollout worker is generating, when
+    threads_when_rollouts_idle is set)."""
+    threads_when_rollouts_idle: int | None = None
+    """Intra-op threads of the trainer while no rollout worker is generating; None: always
+    `threads`. With max_staleness >= 1 the trainer overlaps generation, and each worker waits for
+    the next weights once its batch is done: set `threads` to the cores the workers leave free and
+    this to all the cores, so the trainer takes the idle workers' cores without oversubscribing
+    them while they sample (it checks before each decoder layer; titanrl.trainer.idle_cores).
+    2-core CPU, issue 21's 19M run (benchmarks/vs_trl.py): 8.8 s per step against 9.2 s with
+    threads=2, whose trainer threads slowed generation from 4.8 to 6.1 s; with train.compile
+    7.42 s against 7.49 s (the trainer bounds the step either way). Single-process CPU
+    trainer on the workers' machine (ray_address unset); not with batch_invariant (the thread
+    count changes float rounding, so the trainer's numbers would depend on timing)."""
     heap_mmap_threshold_mib: int = 4
     """Host allocations of at least this many MiB get pages of their own from the kernel and give
     them back when freed (glibc's M_MMAP_THRESHOLD, set in each trainer process). glibc's own

@@ -19,12 +19,14 @@ from titanrl.driver.sources.lockstep import LockstepRollouts
 from titanrl.rollout.seeds import request_seed
 
 
-def start_trainer(config: RunConfig, placement: Placement, *, xla_device_type: str = "xla") -> Any:
+def start_trainer(config: RunConfig, placement: Placement, *, xla_device_type: str = "xla",
+                  busy_flags: str | None = None) -> Any:
     """The trainer actor: `GRPOTrainer`, or `TrainerGroup` (same interface) for a parallel layout.
 
     With train.device='xla' it is one `GRPOTrainer` (the parallel degrees are its SPMD mesh) under
     the XLA environment's interpreter (`titanrl.config.xla_env`). xla_device_type: the device it
     trains on there; tests pass 'cpu' to run that actor on torch_xla's torch without XLA.
+    busy_flags: the run's `titanrl.busy_flags` file (train.threads_when_rollouts_idle), or None.
     """
     import ray
 
@@ -42,6 +44,8 @@ def start_trainer(config: RunConfig, placement: Placement, *, xla_device_type: s
         trainer_cls: type = GRPOTrainer
     else:
         trainer_cls = TrainerGroup if tc.parallel.world_size > 1 else GRPOTrainer
+    if busy_flags is not None:
+        kwargs["busy_flags"] = busy_flags
     return ray.remote(trainer_cls).options(**options).remote(
         config.model, tc, config.rollout.temperature, config.seed, batch_invariant=config.batch_invariant,
         truncation=Truncation.scored_by_trainer(config.rollout), **kwargs,
@@ -49,9 +53,10 @@ def start_trainer(config: RunConfig, placement: Placement, *, xla_device_type: s
 
 
 def start_rollouts(config: RunConfig, train_rows: list[dict[str, Any]],
-                   placement: Placement) -> RolloutSource:
+                   placement: Placement, busy_flags: str | None = None) -> RolloutSource:
     """The rollout workers and the source of each step's groups (`rollout.continuous` picks which);
-    worker i (and any replacement of it) runs in the placement's bundle for worker i."""
+    worker i (and any replacement of it) runs in the placement's bundle for worker i and raises
+    byte i of `busy_flags` (the run's `titanrl.busy_flags` file, or None) while it samples."""
     import ray
 
     from titanrl.rollout.continuous_worker import ContinuousRolloutWorker
@@ -63,7 +68,7 @@ def start_rollouts(config: RunConfig, train_rows: list[dict[str, Any]],
     args = (config.model, rc, config.rewards, config.data.prompt_field, config.seed, config.env)
     kwargs = dict(reward_timeout_s=config.reward_timeout_s, reward_error_value=config.reward_error_value,
                   batch_invariant=config.batch_invariant, dtype=config.generator_dtype,
-                  reward_weights=list(config.reward_weights) or None)
+                  reward_weights=list(config.reward_weights) or None, busy_flags=busy_flags)
     if not rc.continuous:
         lockstep_cls = ray.remote(RolloutWorker)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from titanrl.busy_flags import BusyFlags
 from titanrl.config import RunConfig, validate
 from titanrl.data import load_run_rows
 from titanrl.driver.actors import shut_down, start_rollouts, start_trainer
@@ -103,11 +104,16 @@ def _run(config: RunConfig, run_dir: Path, checkpoint: RunCheckpoint | None, dri
     except BaseException:
         placement.remove()
         raise
+    # The workers' busy bytes, for a trainer that takes their cores while they wait.
+    busy = BusyFlags.create(config.rollout.num_workers) if config.train.threads_when_rollouts_idle is not None else None
+    busy_path = None if busy is None else busy.path
     try:
-        trainer = start_trainer(config, placement)
-        rollouts = start_rollouts(config, train_rows, placement)
+        trainer = start_trainer(config, placement, busy_flags=busy_path)
+        rollouts = start_rollouts(config, train_rows, placement, busy_flags=busy_path)
     except BaseException:
         placement.remove()
+        if busy is not None:
+            busy.unlink()
         raise
     if config.ray_address:
         log.info(f"placed {placement.summary()}")
@@ -149,6 +155,8 @@ def _run(config: RunConfig, run_dir: Path, checkpoint: RunCheckpoint | None, dri
         logger.close(failed=final is None)
         shut_down(rollouts, trainer)
         placement.remove()  # after the actors closed their engines: removal kills what is left in it
+        if busy is not None:
+            busy.unlink()
         if (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0:
             plot_run(run_dir)
     return RunResult(run_dir, final, read_metrics(run_dir))

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from titanrl.busy_flags import BusySlot
 from titanrl.config import EnvConfig, ModelConfig, RolloutConfig, resolve_env_factory, resolve_reward
 from titanrl.memory import peak_rss_gib
 from titanrl.rewards.batch_scoring import RewardScorer
@@ -39,6 +40,7 @@ class RolloutWorker:
         batch_invariant: bool = False,
         dtype: str | None = None,
         reward_weights: list[float] | None = None,
+        busy_flags: str | None = None,
     ) -> None:
         """`reward_timeout_s` and `reward_error_value` are RunConfig's: a reward call (or an
         episode's environment) that fails gives its sample `reward_error_value` instead of
@@ -47,7 +49,8 @@ class RolloutWorker:
         `batch_invariant` runs the engine's model through `titanrl.kernels` (RunConfig.batch_invariant).
         `dtype` is the engine's (RunConfig.generator_dtype: the trainer's compute dtype, which
         pushed weights arrive in); None: model_config.dtype. `reward_weights` is RunConfig's (one per
-        reward; None or empty: all 1)."""
+        reward; None or empty: all 1). `busy_flags`: the run's `titanrl.busy_flags` file; the engine
+        raises this worker's byte while it samples (train.threads_when_rollouts_idle)."""
         rc = rollout_config
         self.reward_timeout_s, self.reward_error_value = reward_timeout_s, reward_error_value
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -86,6 +89,7 @@ class RolloutWorker:
                 record_routed_experts=record_routing,
             )
         )
+        self.engine.activity = BusySlot.open(busy_flags, worker_id)
         self.eos_id = self.engine.model_config.eos_token_id
         self.single_turn = SingleTurn(prompt_field, [self.eos_id] if self.eos_id is not None else None,
                                       OverlongPenalty.of(rc))

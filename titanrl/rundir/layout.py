@@ -18,7 +18,7 @@ from titanrl.rundir.checkpoints import RunCheckpoint, latest_checkpoint, remove_
 CONFIG_FILE = "config.json"
 RESUMABLE_SECTIONS = ("output",)
 """Config sections a resumed run may change; everything else must match the checkpointed run."""
-RESUMABLE_KEYS = ("train.steps", "train.compile")
+RESUMABLE_KEYS = ("train.steps", "train.compile", "train.threads_when_rollouts_idle")
 """Single keys a resumed run may change: a longer or shorter run of the same job, and compiled
 blocks on or off (the same training, not the same bits: fused kernels round differently)."""
 RESUMABLE_PREFIXES = ("train.parallel.", "train.device")

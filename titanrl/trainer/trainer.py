@@ -23,13 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from titanrl.config.parallel import check_compile
+from titanrl.busy_flags import BusyFlags
+from titanrl.config.parallel import check_compile, check_idle_threads
 from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig, compute_dtype
 from titanrl.errors import ConfigError
 from titanrl.memory import peak_rss_gib, set_heap_mmap_threshold
 from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.batch import PackedBatch, advantages, minibatch_row_ranges, pack
+from titanrl.trainer.idle_cores import IdleCores
 from titanrl.trainer.kl import kl_metrics, kl_reward_penalty
 from titanrl.trainer.losses.measures import combine_passes, loss_metrics
 from titanrl.trainer.lr_schedule import build_scheduler, load_scheduler_state
@@ -64,6 +66,7 @@ class GRPOTrainer:
     def __init__(
         self, model_config: ModelConfig, train_config: TrainConfig, temperature: float, seed: int,
         batch_invariant: bool = False, *, device_type: str | None = None, truncation: Truncation | None = None,
+        busy_flags: str | None = None,
     ) -> None:
         """Loads the policy onto the device; for a parallel layout, joins the world (blocks until
         every rank has) and loads only this rank's shards (no rank holds the full model).
@@ -75,6 +78,8 @@ class GRPOTrainer:
         (titanrl.trainer.xla) and each optimizer step is one compiled program per shape bucket.
         truncation: the generator's top-k / top-p when its logprobs are the truncated distribution's
         (`Truncation.scored_by_trainer(rollout)`); the trainer then scores tokens under it too.
+        busy_flags: the run's `titanrl.busy_flags` file, which train.threads_when_rollouts_idle reads
+        (the driver makes it); None: the trainer keeps train.threads.
         A parallel layout (`train.parallel.world_size > 1`) needs the torch.distributed env vars
         (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) set: `ParallelTrainerRank` does.
         """
@@ -83,6 +88,7 @@ class GRPOTrainer:
             raise ConfigError("train.device='cuda' but this process sees no GPU (torch.cuda.is_available() is "
                               "False): set train.device='cpu' or 'auto'")
         check_compile(train_config, batch_invariant, device_type)
+        check_idle_threads(train_config, batch_invariant, device_type)
         # Same order on every rank, so rank 0 matches a single-process run.
         torch.manual_seed(seed)
         torch.set_num_threads(train_config.threads)
@@ -132,6 +138,12 @@ class GRPOTrainer:
             self._build_reference(*reference_source(model_config.checkpoint)) if train_config.kl_coef > 0 else None)
         """The frozen reference policy of train.kl_coef (titanrl.trainer.reference); None when 0."""
         self._init_expert_bias()
+        self.idle_cores: IdleCores | None = None
+        """train.threads_when_rollouts_idle at work (None: off, or no busy_flags file)."""
+        if busy_flags is not None and train_config.threads_when_rollouts_idle is not None:
+            self.idle_cores = IdleCores(BusyFlags(busy_flags), train_config.threads,
+                                        train_config.threads_when_rollouts_idle)
+            self.idle_cores.install(self.pm.parts[0].model.layers)
         self.version: PolicyVersion = 0
         self.skipped_steps = 0
         """`step` calls whose every optimizer step was skipped (non-finite loss or grad norm)."""
@@ -251,6 +263,9 @@ class GRPOTrainer:
             every forward of the call (all passes).
           train/truncation_outside_frac (top-k / top-p only): the share of those tokens whose target
             was outside the trainer's kept set (scored over the kept set plus the target).
+          train/rollouts_idle_frac (train.threads_when_rollouts_idle, with the run's busy flags): the
+            share of the call's thread checks (one per decoder layer, forward and backward) that found
+            every rollout worker idle, so ran on train.threads_when_rollouts_idle threads.
           train/mismatch_mean_abs, train/mismatch_max_abs: |trainer - generator| logprob on the
             first minibatch of the first pass, the only forward at the generator's weights.
           train/tokens: trained tokens in the groups; train/advantage_nonzero_frac.
@@ -279,6 +294,8 @@ class GRPOTrainer:
         if not groups:
             raise ValueError("GRPOTrainer.step needs at least one group")
         start = time.perf_counter()
+        if self.idle_cores is not None:
+            self.idle_cores.check()  # before the batch's first tensors
         batch = self.prepare_batch(groups)
         ranges = minibatch_row_ranges([len(g.samples) for g in groups], self.cfg.minibatches)
         # With one minibatch the first forward sees every row at the generator's weights;
@@ -322,6 +339,8 @@ class GRPOTrainer:
         if self.rank != 0:
             return None  # every rank computed the same numbers; rank 0 reports them
         truncated = {} if self.grpo.truncation is None else {"train/truncation_outside_frac": outside / seen_tokens}
+        if self.idle_cores is not None:
+            truncated["train/rollouts_idle_frac"] = self.idle_cores.take_idle_fraction()
         return {
             **parity.metrics(),
             **truncated,

@@ -184,13 +184,17 @@ class AsyncGenerator:
             # sees this task done by the time the woken load runs).
             await self._notify_stepped()
             raise
+        finally:
+            self.engine.activity.set(False)  # a stopped pump samples nothing
 
     async def _pump_steps(self) -> None:
         while True:
             if not self._pending:
+                self.engine.activity.set(False)
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            self.engine.activity.set(True)
             to_add, self._to_add = self._to_add, []
             # The keys of every request this step can finish (the engine's thread reads this copy).
             keys = dict(self._routing_keys) if self._routing_keys else {}

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from titanrl.busy_flags import BusySlot
 from titanrl.rollout.vllm.names import BATCH_INVARIANT_KEY, VLLM_ARCHITECTURES, VLLM_KERNELS_KEY
 from titanrl.rollout.vllm.plugin import register
 from titanrl.rollout.vllm.routing_record import ROUTING_KEY, fit_routing
@@ -216,6 +217,9 @@ class VllmEngine:
         self._local_sender: SharedMemorySender | None = None
         """Multiprocess engine: the segments `update_weights` hands to the engine core (made on first use)."""
         self._closed = False
+        self.activity = BusySlot.none()
+        """Raised while the engine samples (`generate`, or `AsyncGenerator`'s steps), so the trainer
+        can take this worker's cores while it waits (the worker sets it: train.threads_when_rollouts_idle)."""
         if not config.multiprocess:
             global _in_process_engines
             _in_process_engines += 1
@@ -262,7 +266,8 @@ class VllmEngine:
             for r in range(len(inputs) * n)
         ]
         version = self.policy_version
-        outputs = self.llm.generate([x for x in inputs for _ in range(n)], params, use_tqdm=False)
+        with self.activity:
+            outputs = self.llm.generate([x for x in inputs for _ in range(n)], params, use_tqdm=False)
         records = self.take_routed_experts(keys) if keys is not None else {}
         results: list[list[Completion]] = []
         for r, out in enumerate(outputs):
