@@ -41,9 +41,9 @@ class IdleCores:
         self.checks = 0
         self.idle_checks = 0
 
-    @torch.compiler.disable
     def check(self) -> None:
-        """Sets the thread count the workers' state asks for (a no-op when it is already that)."""
+        """Sets the thread count the workers' state asks for (a no-op when it is already that).
+        Called eagerly: from the compile-disabled layer wrapper, its grad hook, or between steps."""
         idle = not self.flags.any_busy()
         want = self.idle_threads if idle else self.threads
         if want != self.current:
