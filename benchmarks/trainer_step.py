@@ -15,7 +15,8 @@ On a 2-core CPU a bfloat16 step is many times slower than float32 unless the CPU
 
 Models: `medium` is the 25M-parameter model of benchmarks/batch_invariance.py (hidden 512,
 8 layers, head_dim 64, 259-token byte vocabulary); `19m` the same with 6 layers (issue 21's
-TRL comparison). One `GRPOTrainer.step` (forward, backward, clip, AdamW) on `--rows` sequences
+TRL comparison); `0.6b` Qwen3-0.6B's shape and 151,936-token vocabulary (for GPUs).
+One `GRPOTrainer.step` (forward, backward, clip, AdamW) on `--rows` sequences
 in one micro-batch. `--lengths fixed`: every prompt `--prompt-len` and every completion
 `--completion-len` tokens (a random-init policy rarely stops early); `varied`: per group a
 prompt of `prompt-len/2 .. prompt-len` tokens, per sample a completion of `4 .. completion-len`
@@ -59,6 +60,10 @@ SIZES = {
                    head_dim=64, intermediate_size=1536),
     "19m": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
                 head_dim=64, intermediate_size=1536),
+    # Qwen3-0.6B's shape with its real 151,936-row vocabulary (the byte tokenizer's ids are a
+    # subset): a GPU size, where the LM head and chunked logprobs carry real weight.
+    "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128, intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960),
 }
 PEAK_TFLOPS = {  # dense, per GPU, from the vendors' data sheets (SXM parts)
     "H200": {"float32": 67.0, "bfloat16": 989.0},

@@ -44,9 +44,11 @@ def _groups(seed: int = 0, routed_layers: int = 0) -> list[Group]:
     return out
 
 
-def _gradients(checkpoint, groups, pack: bool, batch_invariant: bool = False, share: bool = True, **train):
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(checkpoint)),
-                          TrainConfig(device="cpu", micro_batch_size=5, pack_sequences=pack, share_prompts=share,
+def _gradients(checkpoint, groups, pack: bool, batch_invariant: bool = False, share: bool = True,
+               device: str = "cpu", dtype: str = "float32", **train):
+    """One accumulation on `device`: gradients (on the CPU), stats, logprobs, tokens computed, batch."""
+    trainer = GRPOTrainer(ModelConfig(checkpoint=str(checkpoint), dtype=dtype),
+                          TrainConfig(device=device, micro_batch_size=5, pack_sequences=pack, share_prompts=share,
                                       **train),
                           temperature=1.0, seed=0, batch_invariant=batch_invariant)
     tokens = []
@@ -54,8 +56,8 @@ def _gradients(checkpoint, groups, pack: bool, batch_invariant: bool = False, sh
     batch = trainer.prepare_batch(groups)
     stats = trainer.accumulate_gradients(batch)
     hook.remove()
-    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    return grads, stats, trainer.grpo.batch_logprobs(batch), sum(tokens), batch
+    grads = {n: p.grad.float().cpu() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return grads, stats, trainer.grpo.batch_logprobs(batch).float().cpu(), sum(tokens), batch
 
 
 @pytest.fixture(scope="module")

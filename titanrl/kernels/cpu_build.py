@@ -55,6 +55,17 @@ def cpu_flags_line() -> str:
     return platform.processor()
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor string from /proc/cpuinfo (`GenuineIntel`, `AuthenticAMD`, ...), or ''."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def isa_flags() -> str:
     """The instruction-set extensions that decide kernel speed here (AVX / AVX-512 / AMX / FMA),
     sorted: what every benchmark line records about its CPU."""

@@ -7,8 +7,14 @@ machines). On a CPU with AVX-512 (measured: Intel Xeon with AVX-512 and AMX, tor
 count and on the row's position, and the padding no longer holds a row's bits: batch-invariant
 logprobs then differ by ~1e-7 between a sequence alone and in a batch. MKL's Conditional
 Numerical Reproducibility mode `AVX2,STRICT` runs the AVX2 kernels (strictly, whatever the
-thread count) on any CPU that has AVX2, and with it every row-invariance check of
+thread count) on any Intel CPU that has AVX2, and with it every row-invariance check of
 tests/test_kernels.py passes there again.
+
+On AMD CPUs with AVX-512 (measured: an EPYC with avx512f/bw/dq/vl/bf16, torch 2.13) MKL keeps
+to the code path it takes on non-Intel processors: that path passes the same row checks in its
+default mode, and MKL refuses the AVX2 branch there (`mkl_cbwr_set` returns -3; `MKL_CBWR=AVX2,STRICT`
+turns into its slower COMPATIBLE branch). So only Intel CPUs with AVX-512 are pinned;
+tests/test_mkl_mode.py checks the default rows wherever no pinning is asked for.
 
 MKL takes the mode only before its first GEMM in the process. So:
 - a process started by TitanRL for a batch-invariant run (the trainer, the rollout workers)
@@ -22,11 +28,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from pathlib import Path
 
 import torch
 
-from titanrl.kernels.cpu_build import cpu_flags_line
+from titanrl.kernels.cpu_build import cpu_flags_line, cpu_vendor
 
 ENV_VAR, ENV_VALUE = "MKL_CBWR", "AVX2,STRICT"
 """The environment variable MKL reads at start-up for its reproducibility mode, and our value."""
@@ -36,9 +43,10 @@ _CBWR_ALL, _CBWR_AVX2, _CBWR_STRICT = -1, 10, 0x10000
 
 @functools.cache
 def needs_strict_mkl() -> bool:
-    """True on a CPU with AVX-512 when torch's GEMMs go through MKL (where the padding alone
-    does not keep a row's bits: see the module docstring)."""
-    return torch.backends.mkl.is_available() and "avx512f" in cpu_flags_line().split()
+    """True on an Intel CPU with AVX-512 when torch's GEMMs go through MKL (where the padding
+    alone does not keep a row's bits: see the module docstring)."""
+    return (torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel"
+            and "avx512f" in cpu_flags_line().split())
 
 
 @functools.cache
@@ -64,6 +72,9 @@ def ensure_strict_mkl() -> None:
     if _strict or not needs_strict_mkl():
         return
     library = _mkl_library()
+    if library is None and os.environ.get(ENV_VAR) == ENV_VALUE:
+        _strict = True  # MKL read the mode at start-up; this torch build only hides the query
+        return
     if library is None:
         raise RuntimeError(
             f"batch-invariant kernels on this AVX-512 CPU need MKL's {ENV_VALUE} mode, but {torch.__file__}'s "

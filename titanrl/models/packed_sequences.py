@@ -25,6 +25,8 @@ compute the prompt once per group.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -118,10 +120,32 @@ def varlen_flash_attention(q_1NHD: torch.Tensor, k_1NKD: torch.Tensor, v_1NKD: t
     half = q_1NHD.dtype in (torch.float16, torch.bfloat16)
     if packed.shares_prefixes or kernel is None or not q_1NHD.is_cuda or not half:
         return None
+    causal, takes_gqa = _varlen_options(kernel)
+    if causal is None:
+        return None
+    q_NHD, k_NKD, v_NKD = q_1NHD[0], k_1NKD[0], v_1NKD[0]
+    gqa = q_NHD.shape[1] != k_NKD.shape[1]
+    if gqa and not takes_gqa:  # older torch: give each query head its own copy of its kv head
+        groups = q_NHD.shape[1] // k_NKD.shape[1]
+        k_NKD, v_NKD = k_NKD.repeat_interleave(groups, dim=1), v_NKD.repeat_interleave(groups, dim=1)
+    options = dict(causal, scale=scale, **({"enable_gqa": gqa} if takes_gqa else {}))
     cu = packed.cu_seqlens.to(q_1NHD.device)
-    out = kernel(q_1NHD[0], k_1NKD[0], v_1NKD[0], cu, cu, packed.max_len, packed.max_len, scale=scale,
-                 window_size=(-1, 0), enable_gqa=q_1NHD.shape[2] != k_1NKD.shape[2])
-    return out[None]
+    return kernel(q_NHD, k_NKD, v_NKD, cu, cu, packed.max_len, packed.max_len, **options)[None]
+
+
+@functools.cache
+def _varlen_options(kernel: Callable) -> tuple[dict | None, bool]:
+    """How this torch's `varlen_attn` says "causal" (torch 2.13: `window_size=(-1, 0)`; earlier
+    releases: `is_causal=True`; None where it cannot), and whether it takes `enable_gqa` (torch
+    2.11 does not: measured on an H200, 2026-12-04)."""
+    parameters = inspect.signature(kernel).parameters
+    if "window_size" in parameters:
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in parameters:
+        causal = {"is_causal": True}
+    else:
+        causal = None
+    return causal, "enable_gqa" in parameters
 
 
 @contextlib.contextmanager

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The trainer's GPU checks in one short run, for a lent CUDA machine with torch but no vLLM/Ray:
+#   bash benchmarks/gpu_trainer_check.sh OUT_DIR
+# 1. pytest of the CUDA tests (packed/varlen flash, compile, MoE, device placement, Triton kernels)
+#    -> OUT_DIR/gpu_pytest.txt
+# 2. benchmarks/trainer_step.py on Qwen3-0.6B's shape (151,936-token vocabulary), bfloat16:
+#    padded vs packed vs shared-prompt layouts, eager vs compiled -> OUT_DIR/trainer_step_gpu.jsonl
+# Each part has its own time limit so one slow part cannot eat the other's.
+set -uo pipefail
+out=${1:?usage: gpu_trainer_check.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# MKL reads its strict mode at start-up on Intel AVX-512 hosts (titanrl.kernels.mkl_mode)
+export MKL_CBWR=AVX2,STRICT
+py=${PYTHON:-python3}
+# Pure-Python packages titanrl imports that such a machine may lack, carried as wheels in .whl/
+if [ -d .whl ]; then
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $py -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
+} 2>&1 | tee "$out/gpu_env.txt"
+
+timeout 240 $py -m pytest -q -p no:cacheprovider -rs \
+  tests/test_trainer_cuda.py tests/test_trainer_device.py tests/test_packed_sequences.py \
+  tests/test_kernels_triton.py -m "gpu or not gpu" 2>&1 | tee "$out/gpu_pytest.txt"
+echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$out/gpu_pytest.txt"
+
+step="$py benchmarks/trainer_step.py --device cuda --size 0.6b --rows 64 --prompt-len 128 --completion-len 512
+  --lengths varied --dtypes bfloat16 --batch-invariant off --repeats 3 --out $out/trainer_step_gpu.jsonl"
+timeout 120 $step --layouts padded,packed,shared --compile off 2>&1 | tail -n 20
+echo "trainer_step layouts exit: ${PIPESTATUS[0]}"
+timeout 150 $step --layouts shared --compile off,on 2>&1 | tail -n 20
+echo "trainer_step compile exit: ${PIPESTATUS[0]}"
