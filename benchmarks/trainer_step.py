@@ -4,7 +4,7 @@ micro-batches vs packed with shared prompts, float32 vs bfloat16, batch-invarian
     .venv/bin/python benchmarks/trainer_step.py [--device cpu|cuda] [--repeats 5] [--peak-tflops X]
         [--size medium|19m] [--rows 64] [--prompt-len 16] [--completion-len 32] [--lengths fixed|varied]
         [--dtypes float32,bfloat16] [--batch-invariant off,on] [--layouts padded,packed,shared]
-        [--threads 1] [--compile off|on|off,on]
+        [--threads 1] [--compile off|on|off,on] [--cpu-matmul auto|mkl|onednn|mkl,onednn]
 
     # issue 21's 19M workload (8 prompts x 8 samples, completions of up to 64 tokens):
     .venv/bin/python benchmarks/trainer_step.py --size 19m --rows 64 --prompt-len 30 --completion-len 64 \\
@@ -32,7 +32,8 @@ tokens: up to each row's last trained target, per second), computed_tokens (toke
 through the model in the last step, counted at the embedding), pad_fraction (the computed token
 slots that are padding), speedup_vs_padded (the same dtype and mode, padded, over this arm),
 vs_float32_off (step time over float32 padded, batch invariance off, eager), speedup_vs_eager
-(`--compile on` arms: the same arm eager over this one), warmup_s (the first step: compile
+(`--compile on` arms: the same arm eager over this one), speedup_vs_first_cpu_matmul (`--cpu-matmul
+mkl,onednn`: the same arm with the first library listed over this one), warmup_s (the first step: compile
 time included). FLOPs
 count useful work only: 6 x (matmul parameters) x real tokens + 6 x layers x heads x head_dim x
 sum of each sequence's length^2 (causal attention, forward + backward); MFU = achieved FLOP/s /
@@ -143,6 +144,8 @@ def main() -> None:
     parser.add_argument("--batch-invariant", default="off,on", help="off, on or off,on")
     parser.add_argument("--compile", default="off", help="train.compile: off, on or off,on (batch-invariant arms "
                         "stay eager: compile refuses them)")
+    parser.add_argument("--cpu-matmul", default="auto", help="train.cpu_matmul arms: auto, mkl, onednn or a "
+                        "comma-separated list (mkl,onednn: side by side)")
     parser.add_argument("--layouts", default="padded,packed,shared",
                         help="comma-separated arms: padded (pack_sequences off), packed (share_prompts off), shared")
     parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
@@ -161,8 +164,9 @@ def main() -> None:
     layouts = args.layouts.split(",")
     if unknown := set(layouts) - set(LAYOUTS):
         parser.error(f"--layouts: unknown {sorted(unknown)}; choose from {list(LAYOUTS)}")
-    arms = [(dtype, bi, layout, compiled) for dtype in args.dtypes.split(",") for bi in _flags(args.batch_invariant)
-            for layout in layouts for compiled in _flags(args.compile) if not (bi and compiled)]
+    arms = [(dtype, bi, layout, compiled, matmul) for dtype in args.dtypes.split(",")
+            for bi in _flags(args.batch_invariant) for layout in layouts for compiled in _flags(args.compile)
+            for matmul in args.cpu_matmul.split(",") if not (bi and compiled) and not (bi and matmul == "onednn")]
     groups = _groups(args.rows, args.prompt_len, args.completion_len, args.lengths == "varied")
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,11 +174,11 @@ def main() -> None:
         trainers, errors, computed = {}, {}, {}
         warmup_s = {}
         for arm in arms:
-            dtype, bi, layout, compiled = arm
+            dtype, bi, layout, compiled, matmul = arm
             try:
                 tr = GRPOTrainer(ModelConfig(checkpoint=str(ckpt), dtype=dtype),
                                  TrainConfig(device=args.device, threads=args.threads, micro_batch_size=args.rows,
-                                             compile=compiled, **LAYOUTS[layout]),
+                                             compile=compiled, cpu_matmul=matmul, **LAYOUTS[layout]),
                                  temperature=1.0, seed=0, batch_invariant=bi)
                 t0 = time.perf_counter()
                 tr.step(groups)  # warm-up (kernel builds, allocator, autotuning, torch.compile)
@@ -202,24 +206,27 @@ def main() -> None:
         lengths = real_tokens(mask).sum(1).tolist() if mask is not None else []
         padded_fraction = pad_fraction(mask, args.rows) if mask is not None else None
         median = {arm: statistics.median(t) for arm, t in times.items()}
-        base = median.get(("float32", False, "padded", False))
+        first_matmul = args.cpu_matmul.split(",")[0]
+        base = median.get(("float32", False, "padded", False, first_matmul))
         for arm in arms:
-            dtype, bi, layout, compiled = arm
+            dtype, bi, layout, compiled, matmul = arm
             line = {"benchmark": "trainer_step", "device": args.device, "dtype": dtype, "batch_invariant": bi,
-                    "layout": layout, "compile": compiled}
+                    "layout": layout, "compile": compiled, "cpu_matmul": matmul}
             if arm in errors:
                 line["error"] = errors[arm]
             else:
                 tr, step_s = trainers[arm], median[arm]
                 flops = _flops_per_step(tr.model, tr.model_config, lengths)
                 peak = _peak(args.device, dtype, args.peak_tflops)
-                padded = median.get((dtype, bi, "padded", compiled))
-                eager = median.get((dtype, bi, layout, False)) if compiled else None
+                padded = median.get((dtype, bi, "padded", compiled, matmul))
+                eager = median.get((dtype, bi, layout, False, matmul)) if compiled else None
+                first = median.get((dtype, bi, layout, compiled, first_matmul)) if matmul != first_matmul else None
                 line.update(step_s=round(step_s, 4), tokens_per_s=round(sum(lengths) / step_s, 1),
                             computed_tokens=computed[arm],
                             pad_fraction=round(padded_fraction, 4) if layout == "padded" else 0.0,
                             speedup_vs_padded=round(padded / step_s, 3) if padded else None,
                             speedup_vs_eager=round(eager / step_s, 3) if eager else None,
+                            speedup_vs_first_cpu_matmul=round(first / step_s, 3) if first else None,
                             warmup_s=round(warmup_s[arm], 2),
                             tflops=round(flops / step_s / 1e12, 4),
                             mfu=round(flops / step_s / peak, 4) if peak else None,

@@ -95,7 +95,7 @@ def test_string_choices_are_literal_types():
         "model.dtype", "data.on_overlong", "rollout.on_weight_update", "rollout.weight_transport", "rollout.logprobs",
         "train.lr_decay", "train.device", "train.parallel.pp_schedule", "train.activation_checkpointing",
         "train.moe_load_balance", "output.wandb_mode", "train.kl_estimator", "train.loss",
-        "train.off_policy_correction",
+        "train.off_policy_correction", "train.cpu_matmul",
     }
 
 

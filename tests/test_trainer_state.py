@@ -172,10 +172,11 @@ def test_policy_rebuilds_without_original_checkpoint(ckpt, tmp_path):
 
 def test_export_hf_loads_in_transformers(ckpt, tmp_path):
     """export_hf writes an HF checkpoint that transformers' Qwen3ForCausalLM loads and that gives the
-    trainer model's logits bitwise."""
+    trainer model's logits bitwise (with MKL's GEMMs, as transformers runs them: oneDNN's round
+    differently, see train.cpu_matmul)."""
     from transformers import Qwen3ForCausalLM
 
-    a = _trainer(ckpt)
+    a = _trainer(ckpt, cpu_matmul="mkl")
     a.step(_batches(1)[0])
     a.save_state(str(tmp_path / "s"))
     out = export_hf(tmp_path / "s", tmp_path / "hf")

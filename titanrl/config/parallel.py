@@ -187,5 +187,30 @@ def check_idle_threads(train: TrainConfig, batch_invariant: bool, device: str | 
                           "a parallel train.parallel layout: unset it, or train.parallel to one process")
 
 
+def uses_onednn_linears(train: TrainConfig, batch_invariant: bool, device: str, dtype: str) -> bool:
+    """Whether the trainer's linear layers run through oneDNN (train.cpu_matmul, resolved here);
+    raises ConfigError for an explicit 'onednn' the trainer cannot honour. device: the trainer's
+    resolved device; dtype: its compute dtype."""
+    from titanrl.kernels.onednn_linear import onednn_available, onednn_is_faster_here
+
+    if train.cpu_matmul == "mkl":
+        return False
+    p = train.parallel
+    refusal = None
+    if batch_invariant:
+        refusal = "batch_invariant=True runs its own batch-invariant kernels"
+    elif device != "cpu":
+        refusal = f"the trainer runs on train.device={device!r}, not the CPU"
+    elif p.world_size > 1 or p.ep > 1:
+        refusal = "it is implemented for the single-process trainer, not a parallel train.parallel layout"
+    elif dtype != "float32":
+        refusal = f"the trainer computes in {dtype}; it is measured for float32 only"
+    elif not onednn_available():
+        refusal = "this torch has no oneDNN (torch.backends.mkldnn is unavailable)"
+    if train.cpu_matmul == "onednn" and refusal:
+        raise ConfigError(f"train.cpu_matmul='onednn' cannot apply: {refusal}. Set train.cpu_matmul='auto' or 'mkl'")
+    return refusal is None and (train.cpu_matmul == "onednn" or onednn_is_faster_here())
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]

@@ -21,6 +21,8 @@ WeightTransport = Literal["auto", "object_store", "shared_memory", "broadcast"]
 PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
 """Pipeline schedules (config/parallel.py knows how many stages each runs per rank)."""
 ActivationCheckpointing = Literal["none", "full", "every_nth"]
+
+CpuMatmul = Literal["auto", "mkl", "onednn"]
 """Which decoder blocks recompute their activations in backward instead of storing them."""
 MoeLoadBalance = Literal["aux_loss", "bias", "none"]
 """How a mixture-of-experts policy's expert load is balanced (train.moe_load_balance)."""
@@ -270,6 +272,11 @@ class TrainConfig:
     benchmarks/trainer_step.py). The first step pays the compile (~20 s on a CPU; a C++ compiler
     is needed there). Not with batch_invariant (its own kernels), train.device='xla' (compiled
     anyway), or a parallel layout (not yet checked: one trainer process only)."""
+    cpu_matmul: CpuMatmul = "auto"
+    """Library for the single-process CPU trainer's float32 linear layers outside batch_invariant:
+    'mkl' (torch's default), 'onednn' (torch's mkldnn ops for the forward and input-gradient GEMMs;
+    1.2-2x MKL's on an AMD EPYC with AVX-512, where MKL keeps to its AVX2 kernels), or 'auto'
+    (onednn on AMD CPUs with AVX-512, mkl elsewhere and wherever onednn cannot run)."""
     max_staleness: int = 0
     """Oldest policy version the trainer accepts, in steps behind; 0 is synchronous on-policy."""
     ppo_epochs: int = 1

@@ -320,12 +320,15 @@ def _validate_kl(config: RunConfig) -> None:
 
 def _validate_trainer_layout(config: RunConfig, model_config: Any) -> None:
     """The trainer's device and parallel layout against the model (the layout sets the world size)."""
-    from titanrl.config.parallel import check_compile, check_idle_threads, validate_parallel
+    from titanrl.config.parallel import check_compile, check_idle_threads, uses_onednn_linears, validate_parallel
+    from titanrl.config.schema import compute_dtype
 
     p = config.train.parallel
     validate_parallel(p, model_config, world_size=None, batch_invariant=config.batch_invariant)
     check_compile(config.train, config.batch_invariant)
     check_idle_threads(config.train, config.batch_invariant)
+    if config.train.cpu_matmul == "onednn" and config.train.device in ("cpu", "auto"):
+        uses_onednn_linears(config.train, config.batch_invariant, "cpu", compute_dtype(config.model, config.train))
     if config.train.threads_when_rollouts_idle is not None and config.ray_address is not None:
         raise ConfigError("train.threads_when_rollouts_idle needs the rollout workers on the trainer's machine "
                           f"(their busy flags are a /dev/shm file), but ray_address={config.ray_address!r} joins "

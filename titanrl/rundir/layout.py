@@ -18,9 +18,10 @@ from titanrl.rundir.checkpoints import RunCheckpoint, latest_checkpoint, remove_
 CONFIG_FILE = "config.json"
 RESUMABLE_SECTIONS = ("output",)
 """Config sections a resumed run may change; everything else must match the checkpointed run."""
-RESUMABLE_KEYS = ("train.steps", "train.compile", "train.threads_when_rollouts_idle")
+RESUMABLE_KEYS = ("train.steps", "train.compile", "train.threads_when_rollouts_idle", "train.cpu_matmul")
 """Single keys a resumed run may change: a longer or shorter run of the same job, and compiled
-blocks on or off (the same training, not the same bits: fused kernels round differently)."""
+blocks or the CPU matmul library switched (the same training, not the same bits: other kernels
+round differently)."""
 RESUMABLE_PREFIXES = ("train.parallel.", "train.device")
 """Keys a resumed run may change because checkpoints reshard on load: a run saved with
 dp_shard=2 can continue with tp=2 (the same training, not the same bits: reduction orders differ)."""

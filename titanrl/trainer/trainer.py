@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from titanrl.busy_flags import BusyFlags
-from titanrl.config.parallel import check_compile, check_idle_threads
+from titanrl.config.parallel import check_compile, check_idle_threads, uses_onednn_linears
 from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig, compute_dtype
 from titanrl.errors import ConfigError
 from titanrl.memory import peak_rss_gib, set_heap_mmap_threshold
@@ -89,6 +89,8 @@ class GRPOTrainer:
                               "False): set train.device='cpu' or 'auto'")
         check_compile(train_config, batch_invariant, device_type)
         check_idle_threads(train_config, batch_invariant, device_type)
+        onednn_linears = uses_onednn_linears(train_config, batch_invariant, device_type,
+                                             compute_dtype(model_config, train_config))
         # Same order on every rank, so rank 0 matches a single-process run.
         torch.manual_seed(seed)
         torch.set_num_threads(train_config.threads)
@@ -103,7 +105,7 @@ class GRPOTrainer:
         layout_options = dict(compute_dtype=self.compute_dtype,
                               activation_checkpointing=train_config.activation_checkpointing,
                               activation_checkpointing_every=train_config.activation_checkpointing_every,
-                              compile_blocks=train_config.compile)
+                              compile_blocks=train_config.compile, onednn_linears=onednn_linears)
         parallel = train_config.parallel
         self.xla = None
         """The XLA runtime (titanrl.trainer.xla.runtime.XlaRuntime) on train.device='xla', else None."""

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanrl.config.schema import ActivationCheckpointing, ParallelConfig
+from titanrl.kernels.onednn_linear import apply_onednn_linears
 from titanrl.models.hf_checkpoint import tie_head
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from titanrl.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -93,7 +94,8 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
                 load_balance: bool = True, device_type: str = "cpu",
                 activation_checkpointing: ActivationCheckpointing = "none",
                 activation_checkpointing_every: int = 2,
-                compute_dtype: torch.dtype | None = None, compile_blocks: bool = False) -> ParallelModel:
+                compute_dtype: torch.dtype | None = None, compile_blocks: bool = False,
+                onednn_linears: bool = False) -> ParallelModel:
     """Shards `model` (a full copy, identical on every rank) for this rank; returns its parts.
 
     `model` must not be used directly afterwards: its modules now live in the returned parts.
@@ -106,6 +108,7 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
     FSDP2's MixedPrecisionPolicy, or mixed_precision.py's casts in a layout without FSDP); None or
     the parameters' dtype computes in that dtype.
     compile_blocks: each decoder block through torch.compile (train.compile; compile.py).
+    onednn_linears: the linear layers' GEMMs through oneDNN (train.cpu_matmul; one CPU process only).
     """
     if mesh is None and parallel.world_size != 1:
         raise ValueError(f"a layout of {parallel.world_size} ranks needs a device mesh (see mesh.build_mesh)")
@@ -140,6 +143,8 @@ def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceM
             apply_vocab_parallel(part, mesh["tp"])
         if experts is not None:
             apply_expert_parallel(_layers(part), experts[0], tokens_split_over_tp=parallel.tp > 1)
+        if onednn_linears:
+            apply_onednn_linears(part)
         if compile_blocks:
             apply_compile(_layers(part))
         if dp_mesh is not None:
