@@ -76,3 +76,31 @@ def test_trainer_refuses_compile_with_batch_invariance(tmp_path):
     with pytest.raises(ConfigError, match="batch_invariant"):
         GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), TrainConfig(device="cpu", compile=True),
                     temperature=1.0, seed=0, batch_invariant=True)
+
+
+def test_compiled_blocks_take_the_thread_count_at_run_time(tmp_path, monkeypatch):
+    """A block compiled while the trainer runs 1 thread still gets OpenMP regions, sized when they
+    run (train.threads_when_rollouts_idle raises the count later); Inductor's default would emit
+    none and stay single-threaded."""
+    from torch._inductor.utils import run_and_get_code
+
+    from titanrl.trainer.parallel import compile as compile_module
+
+    ckpt = write_tiny_checkpoint(tmp_path / "tiny", seed=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        counts = {}
+        for dynamic in (True, False):  # False: the negative control, Inductor's default
+            monkeypatch.setattr(compile_module, "INDUCTOR_OPTIONS", {"cpp.dynamic_threads": dynamic})
+            torch._dynamo.reset()
+            trainer = GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), TrainConfig(device="cpu", compile=True,
+                                                                                 threads=1),
+                                  temperature=1.0, seed=0)
+            batch = trainer.prepare_batch(_groups(seed=0))
+            _, code = run_and_get_code(trainer.accumulate_gradients, batch)
+            counts[dynamic] = "\n".join(code).count("#pragma omp parallel")
+    finally:
+        torch.set_num_threads(threads)
+    assert counts[True] > 0, "the compiled block has no OpenMP region"
+    assert counts[False] == 0, counts  # the control: compiled at 1 thread, serial for good

@@ -16,6 +16,11 @@ backend, whose kernel is a library one already and whose packed layout (sequence
 the longest length) changes with every micro-batch, which would recompile the block each step;
 and a mixture-of-experts layer's experts, whose per-expert token counts are data (and whose
 grouped matmul has no float32 meta kernel for the compiler to trace).
+
+Inductor's CPU kernels take their thread count at run time (`cpp.dynamic_threads`), not the one
+`torch.get_num_threads()` gave at compile time: a block compiled while the trainer ran 1 thread
+(`train.threads_when_rollouts_idle`, during generation) was otherwise single-threaded for good,
+with no OpenMP region at all, when the idle workers' cores came free.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from torch import nn
 
 EAGER_PARTS = ("self_attn.backend", "mlp.experts")
 """Submodules of a decoder block (where it has them) that run eagerly inside the compiled block."""
+INDUCTOR_OPTIONS = {"cpp.dynamic_threads": True}
+"""Inductor settings of every compiled block (see the module docstring)."""
 
 
 def apply_compile(layers: Sequence[nn.Module]) -> None:
-    """Compiles each decoder block of `layers` in place (`torch.compile(dynamic=True)`), all but
-    its `EAGER_PARTS`."""
+    """Compiles each decoder block of `layers` in place (`torch.compile(dynamic=True)` with
+    `INDUCTOR_OPTIONS`), all but its `EAGER_PARTS`."""
     for layer in layers:
         for path in EAGER_PARTS:
             try:
@@ -39,4 +46,4 @@ def apply_compile(layers: Sequence[nn.Module]) -> None:
             except AttributeError:  # a dense block has no experts
                 continue
             part.forward = torch.compiler.disable(part.forward)  # on the instance: names unchanged
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, options=INDUCTOR_OPTIONS)
