@@ -6,6 +6,10 @@
 # 2. benchmarks/trainer_step.py on Qwen3-0.6B's shape (151,936-token vocabulary), bfloat16:
 #    padded vs packed vs shared-prompt layouts, eager vs compiled -> OUT_DIR/trainer_step_gpu.jsonl
 # Each part has its own time limit so one slow part cannot eat the other's.
+# A machine whose Python lacks titanrl's pure-Python needs (the lent H200's image lacks tyro,
+# docstring_parser and typeguard) takes them as wheels in .whl/, fetched where pip works:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux2014_x86_64 -d .whl tyro docstring-parser typeguard
 set -uo pipefail
 out=${1:?usage: gpu_trainer_check.sh OUT_DIR}
 mkdir -p "$out"
