@@ -21,9 +21,9 @@ WeightTransport = Literal["auto", "object_store", "shared_memory", "broadcast"]
 PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
 """Pipeline schedules (config/parallel.py knows how many stages each runs per rank)."""
 ActivationCheckpointing = Literal["none", "full", "every_nth"]
-
-CpuMatmul = Literal["auto", "mkl", "onednn"]
 """Which decoder blocks recompute their activations in backward instead of storing them."""
+CpuMatmul = Literal["auto", "mkl", "onednn"]
+"""Which library runs the CPU trainer's float32 linear layers (train.cpu_matmul)."""
 MoeLoadBalance = Literal["aux_loss", "bias", "none"]
 """How a mixture-of-experts policy's expert load is balanced (train.moe_load_balance)."""
 KlEstimator = Literal["k1", "k2", "k3"]

@@ -43,27 +43,32 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "titanrl" / "kernels"
 
 
-def cpu_flags_line() -> str:
-    """The CPU's instruction-set flags line from /proc/cpuinfo (`flags`, or `Features` on ARM);
-    the processor name where there is none."""
+def _cpuinfo_line(*keys: str) -> str | None:
+    """The first /proc/cpuinfo line that starts with one of `keys`, or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+            if line.startswith(keys):
                 return line
     except OSError:
         pass
-    return platform.processor()
+    return None
+
+
+def cpu_flags_line() -> str:
+    """The CPU's instruction-set flags line from /proc/cpuinfo (`flags`, or `Features` on ARM);
+    the processor name where there is none."""
+    return _cpuinfo_line("flags", "Features") or platform.processor()
 
 
 def cpu_vendor() -> str:
     """The CPU's vendor string from /proc/cpuinfo (`GenuineIntel`, `AuthenticAMD`, ...), or ''."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    line = _cpuinfo_line("vendor_id")
+    return line.split(":", 1)[1].strip() if line else ""
+
+
+def has_avx512() -> bool:
+    """True where the CPU has AVX-512 (its foundation flag, avx512f)."""
+    return "avx512f" in cpu_flags_line().split()
 
 
 def isa_flags() -> str:

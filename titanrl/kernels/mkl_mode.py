@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from titanrl.kernels.cpu_build import cpu_flags_line, cpu_vendor
+from titanrl.kernels.cpu_build import cpu_vendor, has_avx512
 
 ENV_VAR, ENV_VALUE = "MKL_CBWR", "AVX2,STRICT"
 """The environment variable MKL reads at start-up for its reproducibility mode, and our value."""
@@ -45,8 +45,7 @@ _CBWR_ALL, _CBWR_AVX2, _CBWR_STRICT = -1, 10, 0x10000
 def needs_strict_mkl() -> bool:
     """True on an Intel CPU with AVX-512 when torch's GEMMs go through MKL (where the padding
     alone does not keep a row's bits: see the module docstring)."""
-    return (torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel"
-            and "avx512f" in cpu_flags_line().split())
+    return torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel" and has_avx512()
 
 
 @functools.cache

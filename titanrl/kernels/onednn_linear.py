@@ -21,7 +21,7 @@ import functools
 import torch
 from torch import nn
 
-from titanrl.kernels.cpu_build import cpu_flags_line, cpu_vendor
+from titanrl.kernels.cpu_build import cpu_vendor, has_avx512
 
 
 @functools.cache
@@ -34,7 +34,7 @@ def onednn_available() -> bool:
 def onednn_is_faster_here() -> bool:
     """Where `train.cpu_matmul='auto'` picks oneDNN: AMD CPUs with AVX-512 (measured, see the
     module docstring). Elsewhere (AVX2 CPUs, Intel, ARM) MKL stays: not measured to lose there."""
-    return onednn_available() and cpu_vendor() == "AuthenticAMD" and "avx512f" in cpu_flags_line().split()
+    return onednn_available() and cpu_vendor() == "AuthenticAMD" and has_avx512()
 
 
 @torch.library.custom_op("titanrl::onednn_matmul_nt", mutates_args=())
