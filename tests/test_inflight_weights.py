@@ -237,3 +237,39 @@ def test_engine_builds_outputs_only_for_finished_requests(vllm_engine, monkeypat
     monkeypatch.undo()
     assert len(seen) == 4 and all(o.finished for o in seen)
     assert all(len(c.token_versions) == len(c.token_ids) > 0 for c in completions)
+
+
+def test_the_engine_steps_while_the_loop_hands_finished_requests_back(vllm_engine, monkeypatch):
+    """The next step starts before the loop hands a step's finished requests back: while the loop
+    is busy with a finished request (here blocked for 0.3 s, as scoring and streaming a group keep it
+    busy), the engine's thread is stepping the requests still running."""
+    import threading
+    import time
+
+    llm_engine = vllm_engine.llm.llm_engine
+    step, intervals = llm_engine.step, []
+
+    def slow_step():  # slow enough that a step started before the block is still running in it
+        start = time.perf_counter()
+        time.sleep(0.05)
+        outputs = step()
+        intervals.append((start, time.perf_counter(), threading.current_thread().name))
+        return outputs
+
+    async def run():
+        async with AsyncGenerator(vllm_engine) as gen:
+            monkeypatch.setattr(llm_engine, "step", slow_step)
+            short = gen.generate(PROMPT, temperature=1.0, max_tokens=2, seed=1)
+            long = asyncio.ensure_future(gen.generate(PROMPT, temperature=1.0, max_tokens=30, seed=2))
+            await short
+            blocked_from = time.perf_counter()
+            time.sleep(0.3)  # the loop busy with the finished request
+            blocked = (blocked_from, time.perf_counter())
+            return blocked, await long
+
+    (blocked_from, blocked_to), long = asyncio.run(run())
+    monkeypatch.undo()
+    assert len(long.token_ids) == 30
+    during = [i for i in intervals if i[0] < blocked_to and i[1] > blocked_from]
+    assert during, f"no engine step ran while the loop was busy: {intervals} vs {(blocked_from, blocked_to)}"
+    assert all(name.startswith("titanrl-engine") for _, _, name in intervals)
