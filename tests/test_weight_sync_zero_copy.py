@@ -35,7 +35,7 @@ class Receiver:
         source = TensorsWeights(weights)
         ann = sender.publish(version, source)
         sender.send(version, source)
-        load_from_segment(self.target, ann, 1, self.cache, zero_copy=zero_copy)
+        self.counts = load_from_segment(self.target, ann, 1, self.cache, zero_copy=zero_copy)
         return self.cache.segments[sender.sender_id][ann.segment]  # this receiver's mapping of it
 
     def holds(self, weights: dict) -> bool:
@@ -51,6 +51,7 @@ def test_zero_copy_parameters_view_the_segment_which_stays_reserved_until_replac
     try:
         seg1 = rx.load(sender, 1, v1)
         assert rx.holds(v1)
+        assert rx.counts == (3, 3)  # (loaded, adopted as views): both Linear weights and the bias
         assert all(seg1.holds(p) for p in rx.model.parameters())
         assert not seg1.is_free()  # pinned by the views
 

@@ -251,16 +251,17 @@ def load_from_segment(target: ParameterTarget, announcement: WeightAnnouncement,
                               f"the layout needs {ann.layout.total_bytes}")
     deadline = time.monotonic() + ann.timeout_s
     data = seg.data
-    loaded = adopted = 0
+    loaded = 0
     params = target.tensors()
+    views: list[tuple[str, torch.Tensor]] = []
+    """Segment views to adopt: taken once the whole version is written (one wait: following the
+    writer tensor by tensor gains nothing for a view, and each poll wakes this process)."""
     for spec, dest in zip(ann.layout.tensors, dests, strict=True):
         if dest is None:
             continue
         src = data[spec.offset : spec.offset + spec.nbytes].view(torch_dtype(spec.dtype))
         if zero_copy and _adoptable(dest, spec):
-            _wait_written(seg, spec.offset + spec.nbytes, ann.version, deadline)
-            target.adopt(spec.name, src.view(spec.shape))
-            adopted += 1
+            views.append((spec.name, src.view(spec.shape)))
         else:
             tensor = target.tensor(spec.name)
             cache.unshare(tensor)  # it may view the version before, in a segment others map too
@@ -269,11 +270,14 @@ def load_from_segment(target: ParameterTarget, announcement: WeightAnnouncement,
                 _wait_written(seg, spec.offset + (first + count) * spec.itemsize, ann.version, deadline)
                 write_piece(dest, first, src[first : first + count])
         loaded += 1
-    if adopted:
+    if views:
+        _wait_written(seg, ann.layout.total_bytes, ann.version, deadline)
+        for name, view in views:
+            target.adopt(name, view)
         cache.pin(ann.sender_id, seg, rank)
     else:
         seg.mark_done(rank)
     cache.release_unviewed(params)  # the versions these views replaced may be rewritten now
     if seg.all_mapped():
         seg.unlink()  # the last receiver to map it removes the name (the sender does, if this races)
-    return loaded, adopted
+    return loaded, len(views)
