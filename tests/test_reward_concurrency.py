@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from titanrl.config import ConfigError, DataConfig, ModelConfig, RolloutConfig, RunConfig, apply_overrides, validate
-from titanrl.rewards.batch_scoring import HELPER_NAME, RewardScorer, ToScore
+from titanrl.rewards.batch_scoring import FAST_STREAK, HELPER_NAME, RewardScorer, ToScore
 
 
 class Peak:
@@ -180,6 +180,65 @@ def test_failures_are_contained_per_sample_exactly_as_when_scored_alone(concurre
         release.set()  # let the abandoned 'hang' calls return
         time.sleep(0.05)
         release.clear()
+
+
+@pytest.mark.parametrize("timeout_s", [0.3, None])
+def test_a_fast_sync_reward_scores_a_batch_on_one_helper_with_each_calls_own_result(timeout_s):
+    """Once a sync reward has been fast (FAST_STREAK calls under FAST_CALL_S), a batch's calls run
+    back to back on one helper thread instead of one helper each (one hand-off for the lot), and
+    every sample still gets exactly what it gets scored alone: errors, non-numbers, a returned
+    awaitable, and a hung call that times out by itself (the samples after it are scored)."""
+    threads: list[int] = []
+
+    def graded(prompt, completion, mode, **fields):
+        threads.append(threading.get_ident())
+        return mode_reward(prompt, completion, mode, **fields)
+
+    modes = MODES if timeout_s is not None else [m for m in MODES if "hang" not in m and m != "slow_awaitable"]
+    items = [ToScore(f"{mode} #{k}", "3", {"mode": mode}) for k in range(2) for mode in modes]
+    try:
+        alone = RewardScorer([graded], timeout_s=timeout_s, error_value=-1.0, concurrency=1)
+        try:
+            expected = [alone.score([item])[0] for item in items]
+        finally:
+            alone.close()
+        scorer = RewardScorer([graded], timeout_s=timeout_s, error_value=-1.0, concurrency=4)
+        try:
+            scorer.score(_items(FAST_STREAK, mode="ok"))  # one helper per call while its speed is unknown
+            threads.clear()
+            assert scorer.score(_items(8, mode="ok")) == [(1.0, None)] * 8
+            assert len(threads) == 8 and len(set(threads)) == 1
+            assert scorer.score(items) == expected
+        finally:
+            scorer.close()
+        if timeout_s is not None:
+            by_prompt = dict(zip((i.prompt for i in items), expected, strict=True))
+            reward, error = by_prompt["hang #0"]
+            assert reward == -1.0 and error.endswith("graded timed out after 0.3 s (prompt 'hang #0')")
+    finally:
+        release.set()  # let the abandoned 'hang' calls return
+        time.sleep(0.05)
+        release.clear()
+
+
+def test_a_slow_sync_reward_keeps_one_helper_per_sample():
+    """A reward whose calls take milliseconds (a grader service, a sandbox) is never run back to
+    back: its samples keep running on several helpers at once."""
+    threads: list[int] = []
+
+    def slow(prompt, completion, **fields):
+        threads.append(threading.get_ident())
+        time.sleep(0.005)
+        return 1.0
+
+    scorer = RewardScorer([slow], timeout_s=5.0, error_value=-1.0, concurrency=4)
+    try:
+        scorer.score(_items(FAST_STREAK))
+        threads.clear()
+        assert scorer.score(_items(8)) == [(1.0, None)] * 8
+        assert len(set(threads)) > 1
+    finally:
+        scorer.close()
 
 
 def test_timeout_counts_from_the_call_not_the_wait_for_a_helper():

@@ -135,15 +135,19 @@ class Job:
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.value: Any = None
         self.error: BaseException | None = None
+        self.seconds = 0.0
+        """How long the call itself took (without the hand-offs to and from the helper)."""
         self.done = threading.Event()
         self.on_done: Callable[[], None] | None = None
         """Called in the helper thread once the call returned (wakes an event loop); must not raise."""
 
     def run(self) -> None:
+        start = time.perf_counter()
         try:
             self.value = self.fn(*self.args, **self.kwargs)
         except BaseException as e:  # even SystemExit: in a helper thread it would otherwise vanish
             self.error = e
+        self.seconds = time.perf_counter() - start
         self.done.set()
         if self.on_done is not None:
             self.on_done()
