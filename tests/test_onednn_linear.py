@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from test_trainer_packing import _gradients, _groups
+from test_trainer_packing import _assert_same_gradients, _gradients, _groups
 from titanrl.config import ConfigError, ModelConfig, TrainConfig
 from titanrl.config.parallel import uses_onednn_linears
 from titanrl.config.schema import ParallelConfig
@@ -70,9 +70,7 @@ def test_trainer_with_onednn_has_the_mkl_gradients(tmp_path, moe):
     groups = _groups(seed=3)
     mkl, mkl_stats, mkl_lp, *_ = _gradients(ckpt, groups, pack=True, cpu_matmul="mkl")
     ours, stats, lp, *_ = _gradients(ckpt, groups, pack=True, cpu_matmul="onednn")
-    assert ours.keys() == mkl.keys() and ours
-    for name in mkl:
-        torch.testing.assert_close(ours[name], mkl[name], rtol=1e-4, atol=1e-6, msg=name)
+    _assert_same_gradients(ours, mkl, atol=1e-6)
     torch.testing.assert_close(lp, mkl_lp, rtol=0, atol=1e-5)
     assert stats.loss_sum == pytest.approx(mkl_stats.loss_sum, rel=1e-6)
 
@@ -84,8 +82,7 @@ def test_compiled_blocks_with_onednn_have_the_eager_mkl_gradients(tmp_path):
     torch._dynamo.reset()
     eager, *_ = _gradients(ckpt, groups, pack=True, cpu_matmul="mkl")
     compiled, *_ = _gradients(ckpt, groups, pack=True, cpu_matmul="onednn", compile=True)
-    for name in eager:
-        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-4, atol=1e-5, msg=name)
+    _assert_same_gradients(compiled, eager, atol=1e-5)
 
 
 @pytest.mark.parametrize("settings, batch_invariant, device, dtype, needle", [

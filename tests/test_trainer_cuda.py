@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from test_trainer_packing import _gradients, _groups
+from test_trainer_packing import _assert_same_gradients, _gradients, _groups
 from titanrl.models import packed_sequences
 from titanrl.models.tiny import write_tiny_checkpoint, write_tiny_moe_checkpoint
 
@@ -26,9 +26,7 @@ def checkpoint(tmp_path_factory):
 
 def _assert_close_to_cpu(gpu: dict, cpu: dict) -> None:
     """float32 GPU against CPU: other reduction orders, so an absolute floor for near-zero entries."""
-    assert gpu.keys() == cpu.keys() and cpu
-    for name in cpu:
-        torch.testing.assert_close(gpu[name], cpu[name], rtol=1e-4, atol=1e-6, msg=name)
+    _assert_same_gradients(gpu, cpu, atol=1e-6)
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -82,9 +80,7 @@ def test_cuda_compiled_blocks_give_eager_gradients(tmp_path, moe):
     torch._dynamo.reset()
     eager, _, eager_lp, *_ = _gradients(ckpt, groups, True, device="cuda")
     compiled, _, lp, *_ = _gradients(ckpt, groups, True, device="cuda", compile=True)
-    assert compiled.keys() == eager.keys()
-    for name in eager:
-        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-4, atol=1e-5, msg=name)
+    _assert_same_gradients(compiled, eager, atol=1e-5)
     torch.testing.assert_close(lp, eager_lp, rtol=0, atol=1e-5)
 
 

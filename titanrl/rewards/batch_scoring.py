@@ -232,7 +232,7 @@ class RewardScorer:
         helper.jobs.put(calls)  # type: ignore[arg-type]  (a RewardThread runs anything with run())
         done = await self._watch(calls, finished, helper)
         results = calls.results[:done]
-        for item, r, (value, error, _, took) in zip(items, running, results, strict=False):
+        for item, r, (value, error, took) in zip(items, running, results, strict=False):
             r.terms.seconds[reward.name] = took
             self._timed(reward.fn, took)
             # Its deadline as if it had just returned: a later call in the batch may have hung.
@@ -386,8 +386,8 @@ class CallBatch:
 
     def __init__(self, fn: Callable[..., Any], calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
         self.fn, self.calls = fn, calls
-        self.results: list[tuple[Any, BaseException | None, float, float]] = []
-        """(value, error, start, seconds) of each call made so far, in order."""
+        self.results: list[tuple[Any, BaseException | None, float]] = []
+        """(value, error, seconds) of each call made so far, in order."""
         self.current_start = time.perf_counter()
         """When the call being made now began (the watchdog's deadline counts from it)."""
         self.stop = False
@@ -403,7 +403,7 @@ class CallBatch:
                 value, error = self.fn(*args, **kwargs), None
             except BaseException as e:  # noqa: BLE001 (even SystemExit: in a helper thread it would vanish)
                 value, error = None, e
-            self.results.append((value, error, start, time.perf_counter() - start))
+            self.results.append((value, error, time.perf_counter() - start))
         if self.on_done is not None:
             self.on_done()
 

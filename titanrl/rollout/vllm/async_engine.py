@@ -15,8 +15,9 @@ arithmetic example, which left the trainer idle in continuous runs. The pump kee
 ahead: it sends the next step to the engine's thread before handing the last one's finished
 requests back, so the engine does not sit idle between two steps while the loop (which also
 scores rewards and streams groups back) comes round to the pump again. That idle time was 16 %
-of the engine thread's; continuous rollouts went from 0.84x to about lock-step's step time on
-the arithmetic example (benchmarks/continuous_vs_lockstep.py).
+of the engine thread's; continuous rollouts went from 0.84x lock-step's step time on the
+arithmetic example to 0.88-0.96x (benchmarks/continuous_vs_lockstep.py; still short of it: the
+rest is the GIL the loop's threads take between the engine thread's torch calls).
 
 Requests ask vLLM for their final output only (`RequestOutputKind.FINAL_ONLY`, as `LLM.generate`
 does): a per-step output for every running request (512 on the arithmetic example) costs the
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -46,6 +47,9 @@ if TYPE_CHECKING:  # the weight-version bookkeeping runs without loading torch a
     from titanrl.rollout.vllm.engine import Completion, VllmEngine
 
 T = TypeVar("T")
+StepResult = tuple[list[tuple[str, Any, Any]], int, list[Any], dict[str, Any]]
+"""What `_step` returns: the requests it added, the policy version it ran under, its outputs and
+the routing records of the requests it finished."""
 
 
 class WeightsChanged(Exception):
@@ -69,10 +73,6 @@ class _Versions:
         for start, version in sorted(self.changes):
             versions[start:] = [version] * (num_tokens - min(start, num_tokens))
         return versions
-
-
-async def _paired(first: T, second: Awaitable[Any]) -> tuple[T, Any]:
-    return first, await second
 
 
 class AsyncGenerator:
@@ -100,7 +100,7 @@ class AsyncGenerator:
         self._stepped = asyncio.Condition()
         """Notified after every step and whenever `_waiting` changes (deferred loads re-check)."""
         self._engine_thread: ThreadPoolExecutor | None = None
-        self._in_flight: asyncio.Future[tuple[list[tuple[str, Any, Any]], Any]] | None = None
+        self._in_flight: asyncio.Future[StepResult] | None = None
         """The step on the engine's thread while the pump hands the one before back (`_pump_steps`)."""
 
     async def __aenter__(self) -> AsyncGenerator:
@@ -210,7 +210,7 @@ class AsyncGenerator:
                         continue
                     self.engine.activity.set(True)
                     self._in_flight = self._submit_step(loop)
-                to_add, (version, outputs, records) = await self._in_flight
+                to_add, version, outputs, records = await self._in_flight
                 finished = [o for o in outputs if o.finished]  # FINAL_ONLY: finished requests only
                 # The next step starts before this one's outputs are handed back: the engine
                 # computes while the loop scores rewards and streams groups back (module docstring).
@@ -236,22 +236,20 @@ class AsyncGenerator:
                 self._in_flight.cancel()
                 self._in_flight = None
 
-    def _submit_step(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[tuple[list[tuple[str, Any, Any]], Any]]:
+    def _submit_step(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[StepResult]:
         """Sends one step, with the requests queued since the last, to the engine's thread."""
         to_add, self._to_add = self._to_add, []
         # The keys of every request this step can finish (the engine's thread reads this copy).
         keys = dict(self._routing_keys) if self._routing_keys else {}
         assert self._engine_thread is not None
-        step = loop.run_in_executor(self._engine_thread, self._step, to_add, keys)
-        return asyncio.ensure_future(_paired(to_add, step))
+        return loop.run_in_executor(self._engine_thread, self._step, to_add, keys)
 
     async def _notify_stepped(self) -> None:
         async with self._stepped:
             self._stepped.notify_all()
 
-    def _step(self, to_add: list[tuple[str, Any, Any]],
-              routing_keys: dict[str, str]) -> tuple[int, list[Any], dict[str, Any]]:
-        """(On the engine's thread.) Adds `to_add`, runs one engine step; returns the policy version
+    def _step(self, to_add: list[tuple[str, Any, Any]], routing_keys: dict[str, str]) -> StepResult:
+        """(On the engine's thread.) Adds `to_add`, runs one engine step; returns `to_add`, the policy version
         it ran under (weights change only between steps), its outputs, and the routing records of
         the requests it finished (one fetch: an RPC to the multiprocess engine core)."""
         llm_engine = self.engine.llm.llm_engine
@@ -261,7 +259,7 @@ class AsyncGenerator:
         outputs = llm_engine.step()
         keys = [routing_keys[o.request_id] for o in outputs if o.finished and o.request_id in routing_keys]
         records = self.engine.take_routed_experts(keys) if keys else {}
-        return version, outputs, records
+        return to_add, version, outputs, records
 
     async def update_weights(self, state_dict: dict, version: int, regenerate: bool = False) -> None:
         """Loads new weights (a state dict) between two engine steps, with requests in flight.
