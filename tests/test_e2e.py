@@ -57,8 +57,10 @@ def test_grpo_run_writes_metrics_changes_weights_and_syncs_versions(tmp_path, ra
 
 
 @pytest.mark.slow
-def test_code_exec_episodes_run_through_the_driver(tmp_path, ray_session):
-    """The code_exec example runs episodes in Ray workers, scores them in the sandbox and logs env metrics."""
+@pytest.mark.parametrize("continuous", [False, True], ids=["lockstep", "continuous"])
+def test_code_exec_episodes_run_through_the_driver(tmp_path, ray_session, continuous):
+    """The code_exec example runs episodes in Ray workers, scores them in the sandbox and logs env
+    metrics, in lock-step and continuous rollouts (whose sandboxes start on the actor's event loop)."""
     from pathlib import Path
 
     from titanrl.cli import load_config_file
@@ -70,7 +72,7 @@ def test_code_exec_episodes_run_through_the_driver(tmp_path, ray_session):
         [
             "train.steps=1", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=48",
             "eval.every_steps=1", "env.sandbox_pool_size=2", f"output.dir={tmp_path / 'run'}",
-            "output.progress_bar=false", "output.tensorboard=false",
+            "output.progress_bar=false", "output.tensorboard=false", f"rollout.continuous={str(continuous).lower()}",
         ],
     )
     result = titanrl.train(config)

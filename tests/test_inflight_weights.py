@@ -273,3 +273,29 @@ def test_the_engine_steps_while_the_loop_hands_finished_requests_back(vllm_engin
     during = [i for i in intervals if i[0] < blocked_to and i[1] > blocked_from]
     assert during, f"no engine step ran while the loop was busy: {intervals} vs {(blocked_from, blocked_to)}"
     assert all(name.startswith("titanrl-engine") for _, _, name in intervals)
+
+
+def test_the_engine_thread_computes_with_the_callers_intra_op_thread_count(vllm_engine):
+    """OpenMP keeps the thread count per thread: the engine's thread must use the count of the
+    thread that entered the generator (the worker's `threads_per_worker`), not OMP_NUM_THREADS
+    (vLLM's CPU attention fails a step whose count differs from the one it planned with)."""
+    from titanrl.rollout.vllm.engine import use_intra_op_threads
+
+    before = torch.get_num_threads()
+    wanted = before + 1  # differs from OMP_NUM_THREADS, which a new thread would start at
+
+    async def run():
+        use_intra_op_threads(wanted)
+        async with AsyncGenerator(vllm_engine) as gen:
+            # A step first: vLLM's attention plans with the thread's OpenMP count before any
+            # torch op could bring the thread to torch's count.
+            completion = await gen.generate(PROMPT, temperature=1.0, max_tokens=3, seed=1)
+            seen = await gen.on_engine(torch.get_num_threads)
+        return seen, completion
+
+    try:
+        seen, completion = asyncio.run(run())
+    finally:
+        use_intra_op_threads(before)
+    assert seen == wanted
+    assert len(completion.token_ids) == 3

@@ -2,8 +2,9 @@
 
 Every episode of every group is its own asyncio task; an `AsyncGenerator` pump steps vLLM
 for whichever episodes are waiting on the model, while others wait on their environments.
-The worker keeps one event loop (and one pre-warmed SandboxPool) for its whole life, so
-sandboxes are started once, not per batch. An episode's extra rewards are scored as soon as
+The worker keeps one event loop (and one pre-warmed SandboxPool on it) for its whole life, so
+sandboxes are started once, not per batch: the runner's own loop for a lock-step worker
+(`start_blocking`), the actor's loop for a continuous one (`start`). An episode's extra rewards are scored as soon as
 it ends, on the same loop, while the other episodes keep generating.
 """
 
@@ -58,14 +59,36 @@ class EnvRunner:
         # A turn ends at eos, or at <|im_end|> for chat models whose eos is <|endoftext|>.
         self.stop_token_ids = [t for t in (engine.model_config.eos_token_id, _token_id(self.tokenizer, "<|im_end|>"))
                                if t is not None]
-        self.loop = asyncio.new_event_loop()
         self.pool = None
         if env_config.sandbox_pool_size > 0:
             from titanrl.envs import SandboxPool
 
             self.pool = SandboxPool(size=env_config.sandbox_pool_size)
-            self.loop.run_until_complete(self.pool.start())
+        self._pool_started = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The runner's own event loop, for the blocking `generate` and `evaluate` (`start_blocking`)."""
         self.context = EnvContext(sandbox_pool=self.pool, worker_id=worker_id, tokenizer=self.tokenizer)
+
+    async def start(self) -> None:
+        """Starts the sandbox pool on the running event loop, which every episode must then use
+        (its sandboxes' pipes belong to that loop); idempotent."""
+        if self.pool is not None and not self._pool_started:
+            await self.pool.start()
+            self._pool_started = True
+
+    def start_blocking(self) -> None:
+        """For blocking callers (`generate`, `evaluate`): makes the runner's own event loop and
+        starts the sandbox pool on it, so a missing sandbox fails the worker at start-up."""
+        if self.loop is None:
+            if self._pool_started:
+                raise RuntimeError("EnvRunner: the sandbox pool was started on an event loop (`start`); "
+                                   "use the async generate_group/evaluate_async there")
+            self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self.start())
+
+    def _run_blocking(self, coroutine: Any) -> Any:
+        self.start_blocking()
+        return self.loop.run_until_complete(coroutine)
 
     def _budget(self) -> EpisodeBudget:
         return EpisodeBudget(
@@ -143,7 +166,7 @@ class EnvRunner:
         """`seed` is `titanrl.rollout.seeds.request_seed(run_seed, first_group_id, group_size, env.max_turns)`."""
         start, scoring_s = time.perf_counter(), self.scorer.seconds
         n = self.rc.group_size
-        episodes = self.loop.run_until_complete(self._episodes(rows, n, self.rc.temperature, seed))
+        episodes = self._run_blocking(self._episodes(rows, n, self.rc.temperature, seed))
         groups = [self._group(row, episodes[j * n : (j + 1) * n], first_group_id + j) for j, row in enumerate(rows)]
         return RolloutBatch(groups, sum(group_tokens(g) for g in groups), time.perf_counter() - start,
                             self.engine.policy_version, reward_seconds=self.scorer.seconds - scoring_s,
@@ -181,7 +204,7 @@ class EnvRunner:
         ])
 
     def evaluate(self, rows: list[dict[str, Any]], correct_threshold: float) -> dict[str, Any]:
-        return self.loop.run_until_complete(self.evaluate_async(rows, correct_threshold))
+        return self._run_blocking(self.evaluate_async(rows, correct_threshold))
 
     async def evaluate_async(self, rows: list[dict[str, Any]], correct_threshold: float,
                              generator: AsyncGenerator | None = None) -> dict[str, Any]:
@@ -189,8 +212,16 @@ class EnvRunner:
         scored = [s for _, s in await self._episodes(rows, 1, 0.0, None, generator)]
         return scored_summary(scored, correct_threshold, self.engine.policy_version)
 
+    async def close_pool(self) -> None:
+        """Stops the sandbox pool on the loop it was started on (the running one)."""
+        if self.pool is not None and self._pool_started:
+            await self.pool.close()
+            self._pool_started = False
+
     def close(self) -> None:
-        if self.pool is not None:
-            self.loop.run_until_complete(self.pool.close())
+        """Stops the pool if it runs on the runner's own loop (an async caller awaits `close_pool`
+        first), and the reward helpers."""
+        if self.loop is not None:
+            self.loop.run_until_complete(self.close_pool())
+            self.loop.close()
         self.scorer.close()
-        self.loop.close()

@@ -107,6 +107,11 @@ class RolloutWorker:
                 self.engine, self.env_factory, self.env_config, rc, self.rewards, prompt_field, worker_id,
                 reward_timeout_s=reward_timeout_s, reward_error_value=reward_error_value, reward_weights=reward_weights,
             )
+            self._start_environments()
+
+    def _start_environments(self) -> None:
+        """Starts the env runner's sandboxes now, so a worker that cannot run them fails at start-up."""
+        self.env_runner.start_blocking()
 
     def ready(self) -> dict[str, float]:
         """Returns once the engine is up (the driver waits on this)."""

@@ -104,7 +104,13 @@ class AsyncGenerator:
         """The step on the engine's thread while the pump hands the one before back (`_pump_steps`)."""
 
     async def __aenter__(self) -> AsyncGenerator:
-        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="titanrl-engine")
+        import torch
+
+        from titanrl.rollout.vllm.engine import use_intra_op_threads
+
+        # The engine's thread computes with this thread's intra-op thread count (`threads_per_worker`).
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="titanrl-engine", initializer=use_intra_op_threads,
+                                                 initargs=(torch.get_num_threads(),))
         self._pump = asyncio.create_task(self._run())
         return self
 

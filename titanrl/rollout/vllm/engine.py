@@ -157,6 +157,14 @@ _in_process_engines = 0
 _original_set_num_threads = torch.set_num_threads
 
 
+def use_intra_op_threads(num_threads: int) -> None:
+    """Sets the calling thread's intra-op thread count, also once vLLM's CPU worker has stubbed
+    out `torch.set_num_threads`. A thread that steps an engine made on another thread needs this:
+    OpenMP keeps the count per thread (a new one starts at OMP_NUM_THREADS, or every core), and
+    vLLM's CPU attention fails when a step runs with another count than it planned with."""
+    _original_set_num_threads(num_threads)
+
+
 class VllmEngine:
     """A vLLM `LLM` running our model (`TitanQwen3ForVLLM`, or `TitanQwen3MoeForVLLM` for a
     Qwen3-MoE checkpoint), with `generate` and in-place `update_weights`."""
