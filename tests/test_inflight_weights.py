@@ -275,6 +275,40 @@ def test_the_engine_steps_while_the_loop_hands_finished_requests_back(vllm_engin
     assert all(name.startswith("titanrl-engine") for _, _, name in intervals)
 
 
+def test_generate_n_is_n_seeded_requests_and_each_sample_records_its_own_versions(vllm_engine, vllm_tiny_checkpoint):
+    """`generate_n(n=3, seed=s)` (one request vLLM fans out) samples what three requests seeded
+    s, s+1, s+2 sample; a push after 10 tokens is recorded in every sample's token versions."""
+    _, old_state, _, new_state = _models(vllm_tiny_checkpoint)
+    start = vllm_engine.policy_version
+    sampling = dict(temperature=1.0, max_tokens=30)
+
+    async def separate_and_together():
+        async with AsyncGenerator(vllm_engine) as gen:
+            separate = await asyncio.gather(*(gen.generate(PROMPT, seed=20 + i, **sampling) for i in range(3)))
+            together = await gen.generate_n(PROMPT, n=3, seed=20, **sampling)
+        return separate, together
+
+    async def with_update():
+        async with AsyncGenerator(vllm_engine) as gen:
+            request = asyncio.ensure_future(gen.generate_n(PROMPT, n=3, seed=20, **sampling))
+            while min((await gen.running_tokens()).values(), default=0) < 10:
+                await asyncio.sleep(0)
+            await gen.update_weights(new_state, start + 1)
+            return await request
+
+    separate, together = asyncio.run(separate_and_together())
+    try:
+        updated = asyncio.run(with_update())
+    finally:
+        vllm_engine.update_weights(old_state, start)
+    assert [c.token_ids for c in together] == [c.token_ids for c in separate]
+    assert len({tuple(c.token_ids) for c in together}) == 3  # three seeds, three samples
+    for c in updated:
+        k = c.token_versions.index(start + 1)
+        assert 10 <= k < len(c.token_ids) == 30
+        assert c.token_versions == [start] * k + [start + 1] * (30 - k)
+
+
 def test_the_engine_thread_computes_with_the_callers_intra_op_thread_count(vllm_engine):
     """OpenMP keeps the thread count per thread: the engine's thread must use the count of the
     thread that entered the generator (the worker's `threads_per_worker`), not OMP_NUM_THREADS

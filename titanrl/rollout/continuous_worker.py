@@ -84,10 +84,8 @@ class ContinuousRolloutWorker(GroupStream, RolloutWorker):
     async def _single_turn_group(self, row: dict[str, Any], seed: int, group_id: int) -> Group:
         # Tokenized once for the group's samples (the engine would tokenize each request's text).
         prompt_ids = self.engine.llm.get_tokenizer().encode(self.single_turn.prompt(row))
-        completions = await asyncio.gather(*(
-            self.generator.generate(prompt_ids, seed=seed + i, **self.single_turn.sampling(self.cfg))
-            for i in range(self.cfg.group_size)
-        ))
+        completions = await self.generator.generate_n(prompt_ids, n=self.cfg.group_size, seed=seed,
+                                                      **self.single_turn.sampling(self.cfg))
         scored = await self.scorer.score_results_async(self.single_turn.to_score([row], [completions]))
         (group,) = self.single_turn.groups([row], [completions], scored, group_id)
         return group

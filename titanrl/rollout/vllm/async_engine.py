@@ -85,9 +85,9 @@ class AsyncGenerator:
         self.engine = engine
         self.defer_loads = defer_loads
         self._ids = itertools.count()
-        self._pending: dict[str, asyncio.Future[Completion]] = {}
-        self._versions: dict[str, _Versions] = {}
-        """Per running request, which policy versions sampled its tokens."""
+        self._pending: dict[str, asyncio.Future[list[Completion]]] = {}
+        self._versions: dict[str, list[_Versions]] = {}
+        """Per running request, per sample of it, which policy versions sampled its tokens."""
         self._routing_keys: dict[str, str] = {}
         """Per running request, its routing record's key (when the engine records routing)."""
         self._to_add: list[tuple[str, Any, Any]] = []
@@ -137,10 +137,17 @@ class AsyncGenerator:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
 
-    async def generate(
+    async def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
+        """One completion of `prompt` (text, tokenized by the engine, or token ids); the text of a
+        matched stop string stays in the output. `sampling`: `generate_n`'s keywords."""
+        (completion,) = await self.generate_n(prompt, n=1, **sampling)
+        return completion
+
+    async def generate_n(
         self,
         prompt: str | Sequence[int],
         *,
+        n: int,
         temperature: float,
         top_p: float = 1.0,
         top_k: int = 0,
@@ -148,9 +155,12 @@ class AsyncGenerator:
         seed: int | None = None,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] | None = None,
-    ) -> Completion:
-        """One completion of `prompt` (text, tokenized by the engine, or token ids); the text of a
-        matched stop string stays in the output."""
+    ) -> list[Completion]:
+        """`n` completions of `prompt`, sample i seeded with `seed + i`, returned together once all
+        have finished: one vLLM request that vLLM fans out into `n` (its parallel sampling gives
+        child i that same seed), so a GRPO group costs one request's input processing, one future
+        and one hand-back instead of `n`. With routing recorded, `n` requests: each sample's
+        routing needs its own key."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -159,13 +169,20 @@ class AsyncGenerator:
 
         if self._pump is None or self._pump.done():
             raise RuntimeError("AsyncGenerator.generate needs `async with AsyncGenerator(engine):`")
+        if n > 1 and self.engine.routing_layers:
+            samples = await asyncio.gather(*(
+                self.generate_n(prompt, n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                                seed=None if seed is None else seed + i, stop=stop, stop_token_ids=stop_token_ids)
+                for i in range(n)
+            ))
+            return [completion for (completion,) in samples]
         request_id = f"titanrl-{next(self._ids)}"
         extra_args = None
         if self.engine.routing_layers:
             self._routing_keys[request_id] = self.engine.routing_key()
             extra_args = {ROUTING_KEY: self._routing_keys[request_id]}
         params = SamplingParams(
-            n=1,
+            n=n,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
@@ -177,10 +194,11 @@ class AsyncGenerator:
             logprobs=0,
             extra_args=extra_args,
             output_kind=RequestOutputKind.FINAL_ONLY,  # the finished request only (module docstring)
+            skip_clone=True,  # made for this request alone: vLLM need not deep-copy it
         )
-        future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[list[Completion]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
-        self._versions[request_id] = _Versions()
+        self._versions[request_id] = [_Versions() for _ in range(n)]
         inputs = {"prompt": prompt} if isinstance(prompt, str) else TokensPrompt(prompt_token_ids=list(prompt))
         self._to_add.append((request_id, inputs, params))
         self._wake.set()
@@ -222,18 +240,18 @@ class AsyncGenerator:
                 # computes while the loop scores rewards and streams groups back (module docstring).
                 self._in_flight = self._submit_step(loop) if len(self._pending) > len(finished) else None
                 for request_id, _, _ in to_add:
-                    versions = self._versions.get(request_id)
-                    if versions is not None:  # (not aborted meanwhile) its first tokens came from this step
-                        versions.first = version
+                    for versions in self._versions.get(request_id, ()):  # (not aborted meanwhile)
+                        versions.first = version  # its first tokens came from this step
                 for output in finished:
                     future = self._pending.pop(output.request_id, None)
                     versions = self._versions.pop(output.request_id, None)
                     key = self._routing_keys.pop(output.request_id, None)
                     if future is not None and not future.done() and versions is not None:
-                        completion = self._completion(output, versions.expand(len(output.outputs[0].token_ids)))
-                        if key is not None:
-                            completion.routed_experts = self.engine.fit_routing(records.get(key), completion)
-                        future.set_result(completion)
+                        completions = [self._completion(output, sample, sample_versions.expand(len(sample.token_ids)))
+                                       for sample, sample_versions in zip(output.outputs, versions, strict=True)]
+                        if key is not None:  # (one sample: see generate_n)
+                            completions[0].routed_experts = self.engine.fit_routing(records.get(key), completions[0])
+                        future.set_result(completions)
                 await self._notify_stepped()
                 # Let episodes whose tools finished queue their next turn before the next step.
                 await asyncio.sleep(0)
@@ -303,10 +321,10 @@ class AsyncGenerator:
         finished requests back after the engine has moved on: `_pump_steps`)."""
         counts = self._running_tokens()
         load()
-        for request_id, num_tokens in counts.items():
+        for (request_id, index), num_tokens in counts.items():
             versions = self._versions.get(request_id)
             if versions is not None:
-                versions.changes.append((num_tokens, version))
+                versions[index].changes.append((num_tokens, version))
 
     def _worth_loading(self, version: int) -> bool:
         """Whether a deferred load of `version` should land now: nothing would be recomputed, or
@@ -314,14 +332,16 @@ class AsyncGenerator:
         it would recompute (module docstring)."""
         if self._pump is None or self._pump.done():
             return True  # no step will come to wait for
-        in_engine = len(self._pending) - len(self._to_add)
+        queued = {request_id for request_id, _, _ in self._to_add}
+        in_engine = sum(len(samples) for request_id, samples in self._versions.items() if request_id not in queued)
         released = sum(n for needed, n in self._waiting.items() if self.engine.policy_version < needed <= version)
         startable = min(released, self.engine.config.max_num_seqs - in_engine)
         return in_engine == 0 or startable >= in_engine
 
-    def _running_tokens(self) -> dict[str, int]:
-        """(On the engine's thread.) Tokens sampled so far by each of our requests the engine is
-        running (vLLM's output processor counts them as it detokenizes every step)."""
+    def _running_tokens(self) -> dict[tuple[str, int], int]:
+        """(On the engine's thread.) Tokens sampled so far by each sample (request id, index) of
+        our requests the engine is running (vLLM's output processor counts them as it
+        detokenizes every step; a request of n samples runs as n child requests)."""
         request_ids = list(self._versions)
         if not request_ids:
             return {}
@@ -331,11 +351,11 @@ class AsyncGenerator:
             for internal_id in processor.external_req_ids.get(request_id, ()):
                 state = processor.request_states.get(internal_id)
                 if state is not None and state.detokenizer is not None:
-                    counts[request_id] = state.detokenizer.num_output_tokens()
+                    counts[request_id, state.request_index] = state.detokenizer.num_output_tokens()
         return counts
 
-    async def running_tokens(self) -> dict[str, int]:
-        """Tokens sampled so far by each running request, between two engine steps."""
+    async def running_tokens(self) -> dict[tuple[str, int], int]:
+        """Tokens sampled so far by each running sample (request id, index), between two engine steps."""
         return await self.on_engine(self._running_tokens)
 
     async def wait_for_version(self, version: int, requests: int = 1) -> None:
@@ -372,10 +392,10 @@ class AsyncGenerator:
 
         await self.on_engine(abort)
 
-    def _completion(self, output, versions: list[int]) -> Completion:
+    def _completion(self, output, c, versions: list[int]) -> Completion:
+        """Sample `c` (a CompletionOutput) of the finished request `output`."""
         from titanrl.rollout.vllm.engine import Completion
 
-        c = output.outputs[0]
         ids = list(c.token_ids)
         versions = versions[: len(ids)] if ids else []
         return Completion(

@@ -270,6 +270,7 @@ class VllmEngine:
                 stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
                 logprobs=0,
                 extra_args=None if keys is None else {ROUTING_KEY: keys[r]},
+                skip_clone=True,  # made for this request alone: vLLM need not deep-copy it
             )
             for r in range(len(inputs) * n)
         ]
