@@ -221,6 +221,46 @@ def test_a_fast_sync_reward_scores_a_batch_on_one_helper_with_each_calls_own_res
         release.clear()
 
 
+def test_fast_stages_started_in_one_loop_turn_share_one_helper_and_keep_their_own_results():
+    """The groups one engine step finishes are scored together: concurrent `score_async` calls of
+    a fast reward, started in one turn of the event loop, run as one batch on one helper thread,
+    and each call still gets what scoring its items alone gives, also when a call among an
+    earlier caller's items hangs (it times out alone; the later callers' items are scored)."""
+    threads: list[int] = []
+
+    def graded(prompt, completion, mode, **fields):
+        threads.append(threading.get_ident())
+        return mode_reward(prompt, completion, mode, **fields)
+
+    groups = [[ToScore(f"{mode} #{g}", "3", {"mode": mode}) for mode in ("ok", "raise", "nan", "awaitable")]
+              for g in range(4)]
+    groups[1].insert(2, ToScore("hang #1", "3", {"mode": "hang"}))
+
+    async def together(calls):
+        return await asyncio.gather(*(scorer.score_async(items) for items in calls))
+
+    try:
+        alone = RewardScorer([graded], timeout_s=0.3, error_value=-1.0, concurrency=1)
+        try:
+            expected = [[alone.score([item])[0] for item in items] for items in groups]
+        finally:
+            alone.close()
+        scorer = RewardScorer([graded], timeout_s=0.3, error_value=-1.0, concurrency=4)
+        try:
+            scorer.score(_items(FAST_STREAK, mode="ok"))  # one helper per call while its speed is unknown
+            threads.clear()
+            assert asyncio.run(together([_items(3, mode="ok") for _ in range(4)])) == [[(1.0, None)] * 3] * 4
+            assert len(threads) == 12 and len(set(threads)) == 1
+            assert asyncio.run(together(groups)) == expected
+        finally:
+            scorer.close()
+        assert expected[1][2][1].endswith("graded timed out after 0.3 s (prompt 'hang #1')")
+    finally:
+        release.set()  # let the abandoned 'hang' call return
+        time.sleep(0.05)
+        release.clear()
+
+
 def test_a_slow_sync_reward_keeps_one_helper_per_sample():
     """A reward whose calls take milliseconds (a grader service, a sandbox) is never run back to
     back: its samples keep running on several helpers at once."""

@@ -104,6 +104,10 @@ def test_generate_shapes_seeds_and_token_prompts(vllm_engine):
             assert len(c.token_ids) == len(c.logprobs) <= 6 and c.finish_reason in ("stop", "length")
     samples = [tuple(c.token_ids) for g in a for c in g]
     assert len(set(samples)) == len(samples)  # identical prompts still get distinct streams
+    # The seed layout (titanrl.rollout.seeds): sample i of prompt j is seeded seed + j * n + i.
+    for j, i in [(0, 0), (1, 2)]:
+        alone = vllm_engine.generate(["ab"], n=1, temperature=1.0, max_tokens=6, seed=11 + j * 3 + i)[0][0]
+        assert alone.token_ids == a[j][i].token_ids
     ids = a[0][0].prompt_token_ids
     b = vllm_engine.generate([ids, ids], n=3, temperature=1.0, max_tokens=6, seed=11)
     assert [[c.token_ids for c in g] for g in b] == [[c.token_ids for c in g] for g in a]

@@ -125,6 +125,9 @@ class RewardScorer:
         self._inline = timeout_s is None and concurrency == 1
         self._recent_seconds: dict[Callable[..., Any], deque[float]] = {}
         """Per sync reward function, how long its last FAST_STREAK calls took (hand-offs excluded)."""
+        self._forming: dict[Callable[..., Any], _FastBatch] = {}
+        """Per fast reward function, the batch its fast stages join in this turn of the loop."""
+        self._fast_batches: set[asyncio.Task[None]] = set()
 
     def score(self, items: Sequence[ToScore]) -> list[tuple[float, str | None]]:
         """`(reward, error)` for each item (error None when every reward worked), in order, scored concurrently."""
@@ -220,18 +223,15 @@ class RewardScorer:
                 and sum(recent) < FAST_CALL_S * FAST_STREAK)
 
     async def _fast_stage(self, reward: NamedReward, items: list[ToScore], running: list[_Running]) -> None:
-        """A fast sync reward on every item, back to back on one helper thread. Each call keeps
-        its own deadline: a watchdog on the loop abandons the helper once the call it is running
-        has taken `timeout_s` (that sample times out, as alone), and the items after it are
-        scored one per helper, as usual."""
-        helper = await self._helpers.acquire()
-        loop = asyncio.get_running_loop()
-        finished: asyncio.Future[None] = loop.create_future()
-        calls = CallBatch(reward.fn, [((item.prompt, item.completion), item.fields) for item in items])
-        calls.on_done = lambda: _wake_soon(loop, finished)
-        helper.jobs.put(calls)  # type: ignore[arg-type]  (a RewardThread runs anything with run())
-        done = await self._watch(calls, finished, helper)
-        results = calls.results[:done]
+        """A fast sync reward on every item, back to back on one helper thread, together with the
+        other fast stages of it that start in the same turn of the event loop (`_FastBatch`: the
+        groups one engine step finishes are scored with one hand-off, not one each). Each call
+        keeps its own deadline: a watchdog on the loop abandons the helper once the call it is
+        running has taken `timeout_s` (that sample times out, as alone), and the items after it
+        are scored one per helper, as usual."""
+        batch, offset = self._join_fast_batch(reward.fn, items)
+        returned = await asyncio.shield(batch.finished)  # a caller that goes away leaves the others theirs
+        results = batch.calls.results[offset: max(offset, min(returned, offset + len(items)))]
         for item, r, (value, error, took) in zip(items, running, results, strict=False):
             r.terms.seconds[reward.name] = took
             self._timed(reward.fn, took)
@@ -250,14 +250,48 @@ class RewardScorer:
                 r.add(reward, checked(reward.fn, item.prompt, value))
             except RewardError as e:
                 r.fail(reward, str(e))
-        if done < len(items):  # the helper was abandoned on item `done`
-            start = calls.current_start
-            r = running[done]
-            r.terms.seconds[reward.name] = time.perf_counter() - start
-            self._timed(reward.fn, math.inf)
-            r.fail(reward, str(call_failed(reward.fn, items[done].prompt, Abandoned(), start, self.timeout_s)))
+        done = len(results)
+        if done < len(items):  # the helper was abandoned: on our item `done`, or on an earlier caller's
+            if offset + done == returned:  # ours hung
+                start = batch.calls.current_start
+                r = running[done]
+                r.terms.seconds[reward.name] = time.perf_counter() - start
+                self._timed(reward.fn, math.inf)
+                r.fail(reward, str(call_failed(reward.fn, items[done].prompt, Abandoned(), start, self.timeout_s)))
+                done += 1
             await asyncio.gather(*(self._sample([reward], item, r) for item, r in
-                                   zip(items[done + 1:], running[done + 1:], strict=True)))
+                                   zip(items[done:], running[done:], strict=True)))
+
+    def _join_fast_batch(self, fn: Callable[..., Any], items: list[ToScore]) -> tuple[_FastBatch, int]:
+        """The batch of `fn`'s calls forming in this turn of the loop (started at its end) with
+        `items` added; returns it and where `items` begin in it."""
+        batch = self._forming.get(fn)
+        if batch is None:
+            batch = self._forming[fn] = _FastBatch(CallBatch(fn, []), asyncio.get_running_loop().create_future())
+            asyncio.get_running_loop().call_soon(self._start_fast_batch, fn)
+        offset = len(batch.calls.calls)
+        batch.calls.calls.extend(((item.prompt, item.completion), item.fields) for item in items)
+        return batch, offset
+
+    def _start_fast_batch(self, fn: Callable[..., Any]) -> None:
+        batch = self._forming.pop(fn)
+        task = asyncio.get_running_loop().create_task(self._run_fast_batch(batch))
+        self._fast_batches.add(task)  # (the loop keeps only weak references to tasks)
+        task.add_done_callback(self._fast_batches.discard)
+
+    async def _run_fast_batch(self, batch: _FastBatch) -> None:
+        try:
+            helper = await self._helpers.acquire()
+            loop = asyncio.get_running_loop()
+            finished: asyncio.Future[None] = loop.create_future()
+            batch.calls.on_done = lambda: _wake_soon(loop, finished)
+            helper.jobs.put(batch.calls)  # type: ignore[arg-type]  (a RewardThread runs anything with run())
+            batch.finished.set_result(await self._watch(batch.calls, finished, helper))
+        except asyncio.CancelledError:
+            batch.finished.cancel()
+            raise
+        except Exception as e:  # every caller waiting on the batch gets it
+            batch.finished.set_exception(e)
 
     async def _watch(self, calls: CallBatch, finished: asyncio.Future[None], helper: RewardThread) -> int:
         """Waits for `calls`; returns how many of them returned (all, unless the helper was
@@ -379,6 +413,14 @@ def _one_per_sample(reward: NamedReward, values: Any, n: int, prompt: str) -> li
         raise RewardError(f"batched reward {reward.name} returned {len(values)} rewards for {n} samples "
                           f"(first prompt {prompt[:80]!r})")
     return values
+
+
+class _FastBatch(NamedTuple):
+    """The calls of one fast reward from every fast stage that started in one turn of the loop."""
+
+    calls: CallBatch
+    finished: asyncio.Future[int]
+    """How many of `calls` returned (all, unless the helper was abandoned on the next one)."""
 
 
 class CallBatch:

@@ -248,8 +248,9 @@ class VllmEngine:
 
         Prompts are all strings or all token-id lists. With `seed`, sample i of prompt j uses
         seed `seed + j * n + i`, so every sample in the call has its own stream and the call is
-        reproducible. Each sample is its own vLLM request (what vLLM makes of `n` > 1 anyway),
-        so its routing can be recorded under its own key.
+        reproducible. A prompt is one vLLM request that vLLM fans out into `n` (child i seeded
+        `+ i`): it is tokenized and processed once, not `n` times. With routing recorded, each
+        sample is its own request, so its routing can be recorded under its own key.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -258,45 +259,46 @@ class VllmEngine:
         if not prompts:
             return []
         inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
-        keys = [self.routing_key() for _ in range(len(inputs) * n)] if self.routing_layers else None
+        per_sample = self.routing_layers > 0
+        requests = len(inputs) * n if per_sample else len(inputs)
+        samples = 1 if per_sample else n  # per request
+        keys = [self.routing_key() for _ in range(requests)] if per_sample else None
         params = [
             SamplingParams(
-                n=1,
+                n=samples,
                 temperature=temperature,
                 top_p=top_p,
                 top_k=top_k,
                 max_tokens=max_tokens,
-                seed=None if seed is None else seed + r,
+                seed=None if seed is None else seed + r * samples,
                 stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
                 logprobs=0,
                 extra_args=None if keys is None else {ROUTING_KEY: keys[r]},
                 skip_clone=True,  # made for this request alone: vLLM need not deep-copy it
             )
-            for r in range(len(inputs) * n)
+            for r in range(requests)
         ]
         version = self.policy_version
         with self.activity:
-            outputs = self.llm.generate([x for x in inputs for _ in range(n)], params, use_tqdm=False)
+            outputs = self.llm.generate([x for x in inputs for _ in range(n // samples)], params, use_tqdm=False)
         records = self.take_routed_experts(keys) if keys is not None else {}
-        results: list[list[Completion]] = []
+        completions: list[Completion] = []
         for r, out in enumerate(outputs):
-            if r % n == 0:
-                results.append([])
-            (c,) = out.outputs
-            ids = list(c.token_ids)
-            completion = Completion(
-                prompt_token_ids=list(out.prompt_token_ids or []),
-                token_ids=ids,
-                text=c.text,
-                logprobs=[float(pos[t].logprob) for pos, t in zip(c.logprobs or [], ids)],
-                finish_reason=c.finish_reason,
-                policy_version=version,
-                token_versions=[version] * len(ids),
-            )
-            if keys is not None:
-                completion.routed_experts = self.fit_routing(records.get(keys[r]), completion)
-            results[-1].append(completion)
-        return results
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                completion = Completion(
+                    prompt_token_ids=list(out.prompt_token_ids or []),
+                    token_ids=ids,
+                    text=c.text,
+                    logprobs=[float(pos[t].logprob) for pos, t in zip(c.logprobs or [], ids)],
+                    finish_reason=c.finish_reason,
+                    policy_version=version,
+                    token_versions=[version] * len(ids),
+                )
+                if keys is not None:
+                    completion.routed_experts = self.fit_routing(records.get(keys[r]), completion)
+                completions.append(completion)
+        return [completions[j * n : (j + 1) * n] for j in range(len(inputs))]
 
     def _warm_up(self) -> None:
         """Runs a greedy and a seeded sampled request of two tokens (their routing is not recorded:
