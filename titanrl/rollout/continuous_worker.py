@@ -72,18 +72,20 @@ class ContinuousRolloutWorker(GroupStream, RolloutWorker):
         `seed` is `titanrl.rollout.seeds.request_seed(run_seed, group_id, group_size, turns)`.
         """
         await self._start()
+        # Tokenized while the group may still wait for its weights (the engine is busy with the
+        # last batch then), not after, when the engine waits for this batch to start.
+        prompt_ids = None if self.env_factory is not None else self.engine.llm.get_tokenizer().encode(
+            self.single_turn.prompt(row))
         await self.generator.wait_for_version(min_version, requests=self.cfg.group_size)
         while True:
             try:
-                if self.env_factory is not None:
+                if prompt_ids is None:
                     return await self.env_runner.generate_group(row, seed, group_id, self.generator)
-                return await self._single_turn_group(row, seed, group_id)
+                return await self._single_turn_group(row, prompt_ids, seed, group_id)
             except WeightsChanged:
                 continue  # on_weight_update="regenerate": start the group over with the new weights
 
-    async def _single_turn_group(self, row: dict[str, Any], seed: int, group_id: int) -> Group:
-        # Tokenized once for the group's samples (the engine would tokenize each request's text).
-        prompt_ids = self.engine.llm.get_tokenizer().encode(self.single_turn.prompt(row))
+    async def _single_turn_group(self, row: dict[str, Any], prompt_ids: list[int], seed: int, group_id: int) -> Group:
         completions = await self.generator.generate_n(prompt_ids, n=self.cfg.group_size, seed=seed,
                                                       **self.single_turn.sampling(self.cfg))
         scored = await self.scorer.score_results_async(self.single_turn.to_score([row], [completions]))
