@@ -16,8 +16,8 @@ ahead: it sends the next step to the engine's thread before handing the last one
 requests back, so the engine does not sit idle between two steps while the loop (which also
 scores rewards and streams groups back) comes round to the pump again. That idle time was 16 %
 of the engine thread's; continuous rollouts went from 0.84x lock-step's step time on the
-arithmetic example to 0.88-0.96x (benchmarks/continuous_vs_lockstep.py; still short of it: the
-rest is the GIL the loop's threads take between the engine thread's torch calls).
+arithmetic example to 0.88-0.96x (benchmarks/continuous_vs_lockstep.py). A group is one request
+of n samples (`generate_n`), so the loop's work per group is one future and one hand-back.
 
 Requests ask vLLM for their final output only (`RequestOutputKind.FINAL_ONLY`, as `LLM.generate`
 does): a per-step output for every running request (512 on the arithmetic example) costs the
