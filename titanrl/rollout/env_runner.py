@@ -87,7 +87,8 @@ class EnvRunner:
         self.loop.run_until_complete(self.start())
 
     def _run_blocking(self, coroutine: Any) -> Any:
-        self.start_blocking()
+        if self.loop is None:
+            self.start_blocking()
         return self.loop.run_until_complete(coroutine)
 
     def _budget(self) -> EpisodeBudget:

@@ -223,6 +223,8 @@ class AsyncGenerator:
             self.engine.activity.set(False)  # a stopped pump samples nothing
 
     async def _pump_steps(self) -> None:
+        from titanrl.rollout.vllm.engine import Completion
+
         loop = asyncio.get_running_loop()
         try:
             while True:
@@ -247,7 +249,8 @@ class AsyncGenerator:
                     versions = self._versions.pop(output.request_id, None)
                     key = self._routing_keys.pop(output.request_id, None)
                     if future is not None and not future.done() and versions is not None:
-                        completions = [self._completion(output, sample, sample_versions.expand(len(sample.token_ids)))
+                        completions = [Completion.of(output, sample, sample_versions.expand(len(sample.token_ids)),
+                                                     self.engine.policy_version)
                                        for sample, sample_versions in zip(output.outputs, versions, strict=True)]
                         if key is not None:  # (one sample: see generate_n)
                             completions[0].routed_experts = self.engine.fit_routing(records.get(key), completions[0])
@@ -391,19 +394,3 @@ class AsyncGenerator:
                 self.engine.take_routed_experts(keys)
 
         await self.on_engine(abort)
-
-    def _completion(self, output, c, versions: list[int]) -> Completion:
-        """Sample `c` (a CompletionOutput) of the finished request `output`."""
-        from titanrl.rollout.vllm.engine import Completion
-
-        ids = list(c.token_ids)
-        versions = versions[: len(ids)] if ids else []
-        return Completion(
-            prompt_token_ids=list(output.prompt_token_ids or []),
-            token_ids=ids,
-            text=c.text,
-            logprobs=[float(pos[t].logprob) for pos, t in zip(c.logprobs or [], ids, strict=False)],
-            finish_reason=c.finish_reason,
-            policy_version=min(versions, default=self.engine.policy_version),
-            token_versions=versions,
-        )

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -124,6 +124,23 @@ class Completion:
     """With `record_routed_experts`: int16 [len(prompt) + len(tokens), sparse layers, k], the
     experts each position was routed through; -1 where not computed (prefix-cache hits, the
     last token). None when not recording."""
+
+    @classmethod
+    def of(cls, output: Any, sample: Any, versions: list[int], version: int) -> Completion:
+        """Sample `sample` (a vLLM CompletionOutput) of the finished request `output`; `versions`:
+        the policy version of each of its tokens (extra entries are dropped), `version`: the
+        policy version of a completion without tokens."""
+        ids = list(sample.token_ids)
+        versions = versions[: len(ids)]
+        return cls(
+            prompt_token_ids=list(output.prompt_token_ids or []),
+            token_ids=ids,
+            text=sample.text,
+            logprobs=[float(pos[t].logprob) for pos, t in zip(sample.logprobs or [], ids, strict=False)],
+            finish_reason=sample.finish_reason,
+            policy_version=min(versions, default=version),
+            token_versions=versions,
+        )
 
 
 def _has_entry_point() -> bool:
@@ -285,16 +302,7 @@ class VllmEngine:
         completions: list[Completion] = []
         for r, out in enumerate(outputs):
             for c in out.outputs:
-                ids = list(c.token_ids)
-                completion = Completion(
-                    prompt_token_ids=list(out.prompt_token_ids or []),
-                    token_ids=ids,
-                    text=c.text,
-                    logprobs=[float(pos[t].logprob) for pos, t in zip(c.logprobs or [], ids)],
-                    finish_reason=c.finish_reason,
-                    policy_version=version,
-                    token_versions=[version] * len(ids),
-                )
+                completion = Completion.of(out, c, [version] * len(c.token_ids), version)
                 if keys is not None:
                     completion.routed_experts = self.fit_routing(records.get(keys[r]), completion)
                 completions.append(completion)
