@@ -20,6 +20,9 @@ copies, rebuilt after every push); `--vllm-kernels` picks.
                   version; best_seconds is the fastest push.
   ratio           seconds / bound_seconds (targets: shared_memory <= 2, broadcast <= 4 for the
                   25M model); ratio_best: best_seconds over the fastest bound.
+  repack_floor    (with --vllm-kernels on) one `repack_vllm_kernels` of the model in this process,
+                  after the actors are gone: what each `+vllm_kernels` worker computes after every
+                  push on top of the transport, so those rows cannot go below bound + this.
   load_s          the slowest worker's `receive_weights` seconds (median); send_s: the trainer's
                   `send_weights` (the transfer of broadcast and pipelined shared memory; ~0 for
                   the object store).
@@ -118,6 +121,29 @@ def gloo_floor(nbytes: int, receivers: int, repeats: int) -> list[float]:
     for p in procs:
         p.join()
     return times
+
+
+def repack_floor(ckpt: str, repeats: int, bound: CopyBound) -> dict:
+    """Seconds of ONE `repack_vllm_kernels` of the model in this process (what every
+    `+vllm_kernels` worker runs after each push, before any transport), with the copy bound
+    sampled before each: the floor under those rows' load."""
+    import torch
+
+    from titanrl.models.hf_checkpoint import load_model
+    from titanrl.rollout.vllm.kernel_overrides import apply_vllm_kernels, repack_vllm_kernels
+
+    torch.set_num_threads(1)  # a worker's engine thread (threads_per_worker=1, as here)
+    model = apply_vllm_kernels(load_model(ckpt)[0])
+    times, bounds = [], []
+    for i in range(repeats + 1):
+        copy_s = bound.sample()
+        t0 = time.perf_counter()
+        repack_vllm_kernels(model)
+        if i:
+            times.append(time.perf_counter() - t0)
+            bounds.append(copy_s)
+    return {"seconds": statistics.median(times), "best_seconds": min(times), "bound_seconds": statistics.median(bounds),
+            "bound_best_seconds": min(bounds)}
 
 
 def start_workers(ray, ckpt: str, n: int, multiprocess: bool, vllm_kernels: bool) -> list:
@@ -237,6 +263,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 ray.kill(w)
         ray.kill(trainer)
         ray.shutdown()
+        if True in kernels:  # with the actors gone: the repack alone on a quiet machine
+            emit(row("repack_floor", "vllm_kernels", repack_floor(ckpt, args.repeats, bound), common))
     floor = gloo_floor(model_bytes, args.workers, args.repeats)
     floor_bounds = [bound.sample() for _ in floor]
     emit({"transport": "gloo_floor", "engine": "none", "seconds": round(statistics.median(floor), 5),
