@@ -15,8 +15,15 @@ import tempfile
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
-                                reason="malloc arenas are glibc's")
+
+def _glibc() -> bool:
+    try:
+        return sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION") is not None
+    except (ValueError, OSError):  # a libc without that name (musl, macOS)
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _glibc(), reason="malloc arenas are glibc's")
 
 
 def malloc_heaps_after_a_thread_allocates() -> int:
