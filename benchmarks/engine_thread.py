@@ -59,7 +59,8 @@ def measure(batches: int) -> dict[str, float]:
         worker.generate([rows[(b * size + j) % len(rows)] for j in range(size)], 1000 + b * 512, b * size)
         return time.thread_time() - cpu, resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults
 
-    batch(0), helper.submit(batch, 0).result()  # warm-up on both threads
+    batch(0)  # warm-up on both threads
+    helper.submit(batch, 0).result()
     main, thread = [], []
     for b in range(1, batches + 1):
         main.append(batch(b))

@@ -51,6 +51,7 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 MEDIUM = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
@@ -134,11 +135,17 @@ def repack_floor(ckpt: str, repeats: int, bound: CopyBound) -> dict:
 
     torch.set_num_threads(1)  # a worker's engine thread (threads_per_worker=1, as here)
     model = apply_vllm_kernels(load_model(ckpt)[0])
+    return timed_against_bound(lambda i: repack_vllm_kernels(model), repeats, bound)
+
+
+def timed_against_bound(run: Callable[[int], object], repeats: int, bound: CopyBound) -> dict:
+    """`run(i)` for i = 0..repeats, each timed right after one sample of the copy bound; the first
+    is a warm-up. Medians and bests of both."""
     times, bounds = [], []
     for i in range(repeats + 1):
         copy_s = bound.sample()
         t0 = time.perf_counter()
-        repack_vllm_kernels(model)
+        run(i)
         if i:
             times.append(time.perf_counter() - t0)
             bounds.append(copy_s)
@@ -185,17 +192,11 @@ def bench_transport(ray, trainer, workers, transport: str, repeats: int, version
 
 
 def bench_legacy(ray, trainer, workers, repeats: int, version: int, bound: CopyBound) -> dict:
-    walls, bounds = [], []
-    for i in range(repeats + 1):
-        copy_s = bound.sample()
-        t0 = time.perf_counter()
+    def push(i: int) -> None:
         weights = trainer.state_dict_for_push.remote()
         ray.get([w.update_weights.remote(weights, version + i) for w in workers])
-        if i:
-            walls.append(time.perf_counter() - t0)
-            bounds.append(copy_s)
-    return {"seconds": statistics.median(walls), "best_seconds": min(walls), "bound_seconds": statistics.median(bounds),
-            "bound_best_seconds": min(bounds)}
+
+    return timed_against_bound(push, repeats, bound)
 
 
 def row(transport: str, engine: str, r: dict, common: dict) -> dict:
