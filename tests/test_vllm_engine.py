@@ -146,3 +146,51 @@ def test_many_long_seeded_prompts_at_once_do_not_split_a_prefill(vllm_engine):
     assert [c.token_ids for (c,) in first] == [c.token_ids for (c,) in again]
     assert all(len(c.token_ids) > 0 for (c,) in first)
     assert vllm_engine.llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill is False
+
+
+def test_sampled_logprobs_reads_flat_and_dict_records_alike():
+    """`sampled_logprobs` gives each sampled token's logprob from vLLM's flat record and from its
+    per-position dicts alike, including a flat record that holds more than the sampled token."""
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from titanrl.rollout.vllm.engine import sampled_logprobs
+
+    ids = [5, 9, 2]
+    sampled = [{5: Logprob(-0.25, 3)}, {9: Logprob(-1.5, 1)}, {2: Logprob(-0.125, 7)}]
+    flat = FlatLogprobs()
+    for position in sampled:
+        flat.append(position)
+    assert sampled_logprobs(flat, ids) == sampled_logprobs(sampled, ids) == [-0.25, -1.5, -0.125]
+    # With top logprobs too, a position holds other tokens: the sampled one is still picked out.
+    wide = [{5: Logprob(-0.25, 3), 1: Logprob(-0.5, 1)}, {9: Logprob(-1.5, 1)}, {4: Logprob(-0.75, 1), 2: Logprob(-0.125, 7)}]
+    wide_flat = FlatLogprobs()
+    for position in wide:
+        wide_flat.append(position)
+    assert sampled_logprobs(wide_flat, ids) == [-0.25, -1.5, -0.125]
+
+
+def test_requests_ask_for_flat_logprobs_with_the_same_values(vllm_engine):
+    """The engine's requests get flat logprobs (no Logprob object per token), and the completions'
+    tokens and logprobs are exactly those of vLLM's per-token dicts on the same seeds."""
+    from unittest import mock
+
+    import vllm
+
+    import titanrl.rollout.vllm.engine as engine_module
+
+    records: list[type] = []
+    read = engine_module.sampled_logprobs
+
+    def recording(logprobs, ids):
+        records.append(type(logprobs))
+        return read(logprobs, ids)
+
+    real = vllm.SamplingParams
+    kwargs = dict(n=3, temperature=1.0, max_tokens=12, seed=11)
+    with mock.patch.object(engine_module, "sampled_logprobs", recording):
+        flat = vllm_engine.generate(["ab", "xyz"], **kwargs)
+    with mock.patch.object(vllm, "SamplingParams", lambda *a, **kw: real(*a, **{**kw, "flat_logprobs": False})):
+        dicts = vllm_engine.generate(["ab", "xyz"], **kwargs)
+    assert records and {r.__name__ for r in records} == {"FlatLogprobs"}
+    for f, d in zip((c for g in flat for c in g), (c for g in dicts for c in g), strict=True):
+        assert f.token_ids == d.token_ids and f.logprobs == d.logprobs and len(f.logprobs) == len(f.token_ids) > 0

@@ -192,6 +192,7 @@ class AsyncGenerator:
             include_stop_str_in_output=True,
             stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
             logprobs=0,
+            flat_logprobs=True,  # a few lists per request, not a dict and a Logprob per token
             extra_args=extra_args,
             output_kind=RequestOutputKind.FINAL_ONLY,  # the finished request only (module docstring)
             skip_clone=True,  # made for this request alone: vLLM need not deep-copy it
@@ -250,7 +251,7 @@ class AsyncGenerator:
                     key = self._routing_keys.pop(output.request_id, None)
                     if future is not None and not future.done() and versions is not None:
                         completions = [Completion.of(output, sample, sample_versions.expand(len(sample.token_ids)),
-                                                     self.engine.policy_version)
+                                                     version)
                                        for sample, sample_versions in zip(output.outputs, versions, strict=True)]
                         if key is not None:  # (one sample: see generate_n)
                             completions[0].routed_experts = self.engine.fit_routing(records.get(key), completions[0])

@@ -136,11 +136,23 @@ class Completion:
             prompt_token_ids=list(output.prompt_token_ids or []),
             token_ids=ids,
             text=sample.text,
-            logprobs=[float(pos[t].logprob) for pos, t in zip(sample.logprobs or [], ids, strict=False)],
+            logprobs=sampled_logprobs(sample.logprobs, ids),
             finish_reason=sample.finish_reason,
             policy_version=min(versions, default=version),
             token_versions=versions,
         )
+
+
+def sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
+    """The logprob of each sampled token in `ids`, from vLLM's per-position logprobs (a list of
+    {token: Logprob} or, as our requests ask for, `FlatLogprobs`). Requests ask for the sampled
+    token's logprob alone (`logprobs=0`), so a flat record is usually exactly one entry per
+    position, the sampled one: read in one slice."""
+    from vllm.logprobs import FlatLogprobs
+
+    if isinstance(logprobs, FlatLogprobs) and len(logprobs.logprobs) == len(ids) and logprobs.token_ids == ids:
+        return list(logprobs.logprobs)
+    return [float(pos[t].logprob) for pos, t in zip(logprobs or [], ids, strict=False)]
 
 
 def _has_entry_point() -> bool:
@@ -290,6 +302,7 @@ class VllmEngine:
                 seed=None if seed is None else seed + r * samples,
                 stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
                 logprobs=0,
+                flat_logprobs=True,  # a few lists per request, not a dict and a Logprob per token
                 extra_args=None if keys is None else {ROUTING_KEY: keys[r]},
                 skip_clone=True,  # made for this request alone: vLLM need not deep-copy it
             )
