@@ -132,6 +132,9 @@ def test_killed_worker_is_replaced_and_every_group_is_trained_exactly_once(kille
             assert isinstance(m[key], float), key
         assert 0.0 <= m["train/rollouts_idle_frac"] <= 1.0
     assert any("time/weight_sync_s" in m for m in steps)
+    for m in steps:  # the load itself is a part of the push's wall time (which waits for a moment to load)
+        if "time/weight_sync_s" in m:
+            assert 0.0 < m["time/weight_load_s"] <= m["time/weight_sync_s"]
     evals = {m["step"]: m["eval/policy_version"] for m in result.metrics if "eval/policy_version" in m}
     assert evals == {0: 0, 2: 2, 4: 4}
 

@@ -236,10 +236,11 @@ class ContinuousRollouts(RolloutSource):
         self._dispatch([self.buffer.retry(task.group_id, self.version) for task in lost])
 
     def _push_metrics(self) -> dict[str, float]:
-        """`time/weight_sync_s`: wall time of the newest push every worker has loaded (from its start to
-        the moment the driver saw it done, so an upper bound)."""
-        done = [seconds for seconds in self.pool.finished_pushes() if seconds is not None]
-        return {"time/weight_sync_s": done[-1]} if done else {}
+        """Of the newest push every worker has loaded: `time/weight_sync_s`, its wall time (from its
+        start to the moment the driver saw it done, deferral included, so an upper bound), and
+        `time/weight_load_s`, the load itself (the slowest worker's)."""
+        done = [push for push in self.pool.finished_pushes() if push is not None]
+        return {"time/weight_sync_s": done[-1].wall_s, "time/weight_load_s": done[-1].load_s} if done else {}
 
     def close(self) -> None:
         """Closes the weight transport (shared memory, broadcast group); the actors stay up."""

@@ -40,6 +40,19 @@ T = TypeVar("T")
 
 
 @dataclass
+@dataclass(frozen=True)
+class FinishedPush:
+    """A push every worker has loaded, as the metrics report it."""
+
+    wall_s: float
+    """From the push's start until the driver saw every worker done (time/weight_sync_s): in a
+    continuous run this includes the wait for a worth-while moment between engine steps
+    (`rollout.defer_weight_loads`), so an upper bound."""
+    load_s: float
+    """The slowest worker's own time for the load itself (the transport's transfer included), between
+    two engine steps (time/weight_load_s)."""
+
+
 class PoolPush(WeightPush):
     """A push whose `wait` survives a worker's death: the source replaces that worker, and the
     replacement loads the current weights itself. Any other failure is raised."""
@@ -105,12 +118,12 @@ class WorkerPool:
         self.pushes.append(PoolPush(push.loads, push.sent, push.started))
         return self.pushes[-1]
 
-    def finished_pushes(self) -> list[float | None]:
+    def finished_pushes(self) -> list[FinishedPush | None]:
         """Removes the pushes every worker has answered, oldest first, stopping at the first one
-        still running; each as its wall time, or None where some worker failed it (a death)."""
+        still running; each as its times, or None where some worker failed it (a death)."""
         import ray
 
-        done: list[float | None] = []
+        done: list[FinishedPush | None] = []
         while self.pushes:
             push = self.pushes[0]
             ready, _ = ray.wait(push.refs, num_returns=len(push.refs), timeout=0)
@@ -118,8 +131,9 @@ class WorkerPool:
                 break
             self.pushes.pop(0)
             try:
-                ray.get(push.refs)
-                done.append(time.perf_counter() - push.started)
+                loads = ray.get(push.loads)
+                ray.get(push.sent)
+                done.append(FinishedPush(time.perf_counter() - push.started, max(loads, default=0.0)))
             except Exception:  # a worker that died meanwhile; its replacement loads on its own
                 done.append(None)
         return done
