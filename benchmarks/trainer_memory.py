@@ -14,7 +14,8 @@ headline ratios compare arms measured by the same script on the same machine:
   chunked_logprobs_peak_ratio: peak with full logits / peak with chunked logprobs;
   activation_checkpointing_peak_ratio: peak with stored activations / with every block checkpointed;
   heap_mmap_threshold_peak_ratio, _step_time_ratio: glibc's default heap / the trainer's 4 MiB
-  mmap threshold (train.heap_mmap_threshold_mib), both with every block checkpointed.
+  mmap threshold (train.heap_mmap_threshold_mib), both with every block checkpointed;
+  heap_16mib_peak_ratio, _step_time_ratio: the same for a 16 MiB threshold.
 Each arm's line also carries the `titanrl plan` estimate of the same step (`estimate_gib`) and
 its error against the measurement.
 """
@@ -46,6 +47,8 @@ ARMS: dict[str, dict] = {
     "full_logits+checkpointing": dict(logprob_chunk_tokens=1 << 30, activation_checkpointing="full"),
     # glibc's own heap behaviour (train.heap_mmap_threshold_mib=0): freed tensors stay resident.
     "chunked+checkpointing+glibc_heap": dict(activation_checkpointing="full", heap_mmap_threshold_mib=0),
+    # A 16 MiB threshold: smaller tensors reuse the heap's pages instead of faulting fresh ones.
+    "chunked+checkpointing+heap_16mib": dict(activation_checkpointing="full", heap_mmap_threshold_mib=16),
 }
 
 
@@ -156,6 +159,8 @@ def main() -> None:
                "heap_mmap_threshold_peak_ratio": ratio("chunked+checkpointing+glibc_heap", "chunked+checkpointing"),
                "heap_mmap_threshold_step_time_ratio": ratio("chunked+checkpointing+glibc_heap", "chunked+checkpointing",
                                                             step_s),
+               "heap_16mib_peak_ratio": ratio("chunked+checkpointing+heap_16mib", "chunked+checkpointing"),
+               "heap_16mib_step_time_ratio": ratio("chunked+checkpointing+heap_16mib", "chunked+checkpointing", step_s),
                "estimate_over_measured": [line.get("estimate_over_measured") for line in lines]}
     lines.append(summary)
     print(json.dumps(summary), flush=True)

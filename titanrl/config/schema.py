@@ -299,13 +299,17 @@ class TrainConfig:
     7.42 s against 7.49 s (the trainer bounds the step either way). Single-process CPU
     trainer on the workers' machine (ray_address unset); not with batch_invariant (the thread
     count changes float rounding, so the trainer's numbers would depend on timing)."""
-    heap_mmap_threshold_mib: int = 4
+    heap_mmap_threshold_mib: int | None = None
     """Host allocations of at least this many MiB get pages of their own from the kernel and give
-    them back when freed (glibc's M_MMAP_THRESHOLD, set in each trainer process). glibc's own
-    threshold rises to 32 MiB as large blocks are freed, after which freed tensors stay in its
-    heap, fragmented: at Qwen3-0.6B's shape that held ~2.3 GiB of resident memory no tensor used
-    (trainer peak 12.15 GiB vs 9.88 GiB with 4). 0 leaves glibc's behaviour (and the
-    MALLOC_MMAP_THRESHOLD_ environment variable) alone; no effect off glibc."""
+    them back when freed (glibc's M_MMAP_THRESHOLD, set in each trainer process). None (auto): 4
+    for models of 100M parameters or more, 32 below (titanrl.memory.auto_heap_mmap_threshold_mib).
+    Low keeps memory down: glibc's own threshold rises to 32 MiB as large blocks are freed, after
+    which freed tensors stay in its heap, fragmented; at Qwen3-0.6B's shape that held ~2.3 GiB of
+    resident memory no tensor used (trainer peak 12.15 GiB vs 9.88 GiB with 4). High keeps small
+    models fast: each allocation above the threshold is faulted in page by page and unmapped when
+    freed; the 19M model's step takes 1.33x as long at 4 as at 32 (benchmarks/heap_threshold.py).
+    0 leaves glibc's behaviour (and the MALLOC_MMAP_THRESHOLD_ environment variable) alone; no
+    effect off glibc."""
     device: Device = "auto"
     """Trainer device: 'auto' (CUDA when present, else CPU), 'cpu', 'cuda', or 'xla' (torch_xla: TPU,
     or XLA's CPU device; the trainer actor runs under train.xla_python, the rollout workers stay)."""

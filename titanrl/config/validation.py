@@ -96,7 +96,7 @@ def validate(config: RunConfig) -> None:
     for dotted in ("train.warmup_steps", "eval.every_steps", "eval.max_new_tokens", "output.save_every_steps",
                    "output.rollouts_per_step", "train.heap_mmap_threshold_mib"):
         section, name = dotted.split(".")
-        if getattr(getattr(config, section), name) < 0:
+        if (getattr(getattr(config, section), name) or 0) < 0:
             raise ConfigError(f"{dotted} must be >= 0, got {getattr(getattr(config, section), name)}")
     _validate_wandb(config)
     if config.rollout.max_new_tokens >= config.rollout.max_model_len:

@@ -27,8 +27,8 @@ from titanrl.busy_flags import BusyFlags
 from titanrl.config.parallel import check_compile, check_idle_threads, uses_onednn_linears
 from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig, compute_dtype
 from titanrl.errors import ConfigError
-from titanrl.memory import peak_rss_gib, set_heap_mmap_threshold
-from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
+from titanrl.memory import auto_heap_mmap_threshold_mib, peak_rss_gib, set_heap_mmap_threshold
+from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, parameter_count, save_checkpoint
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.batch import PackedBatch, advantages, minibatch_row_ranges, pack
 from titanrl.trainer.idle_cores import IdleCores
@@ -94,7 +94,7 @@ class GRPOTrainer:
         # Same order on every rank, so rank 0 matches a single-process run.
         torch.manual_seed(seed)
         torch.set_num_threads(train_config.threads)
-        set_heap_mmap_threshold(train_config.heap_mmap_threshold_mib)  # before the first large tensor
+        set_heap_mmap_threshold(heap_mmap_threshold_mib(train_config, model_config))  # before the first large tensor
         self.cfg = train_config
         self.temperature = temperature
         self.dtype = getattr(torch, model_config.dtype)
@@ -588,3 +588,10 @@ def _moe_metrics(passes: list) -> dict[str, float]:
         "moe/load_max_over_mean": load.load_max_over_mean,
         "moe/aux_loss": sum(p.aux_loss for p in passes) / len(passes),
     }
+
+
+def heap_mmap_threshold_mib(train_config: TrainConfig, model_config: ModelConfig) -> int:
+    """train.heap_mmap_threshold_mib, with None (auto) resolved by the checkpoint's parameter count."""
+    if train_config.heap_mmap_threshold_mib is not None:
+        return train_config.heap_mmap_threshold_mib
+    return auto_heap_mmap_threshold_mib(parameter_count(model_config.checkpoint))
