@@ -87,18 +87,6 @@ def weight_files(ckpt_dir: str | os.PathLike) -> list[Path]:
     return [path / name for name in shard_names]
 
 
-def parameter_count(ckpt_dir: str | os.PathLike) -> int:
-    """Elements of every tensor in the checkpoint, from the safetensors headers (nothing is loaded)."""
-    total = 0
-    for shard in weight_files(ckpt_dir):
-        try:
-            with safe_open(str(shard), framework="pt") as f:
-                total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{str(shard)!r} is not a readable safetensors file ({e})") from e
-    return total
-
-
 def read_state_dict(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Reads all tensors of a single-file or sharded safetensors checkpoint."""
     state: dict[str, torch.Tensor] = {}

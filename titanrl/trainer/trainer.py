@@ -27,8 +27,8 @@ from titanrl.busy_flags import BusyFlags
 from titanrl.config.parallel import check_compile, check_idle_threads, uses_onednn_linears
 from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig, compute_dtype
 from titanrl.errors import ConfigError
-from titanrl.memory import auto_heap_mmap_threshold_mib, peak_rss_gib, set_heap_mmap_threshold
-from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, parameter_count, save_checkpoint
+from titanrl.memory import LARGE_MODEL_PARAMS, auto_heap_mmap_threshold_mib, peak_rss_gib, set_heap_mmap_threshold
+from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.batch import PackedBatch, advantages, minibatch_row_ranges, pack
 from titanrl.trainer.idle_cores import IdleCores
@@ -94,7 +94,10 @@ class GRPOTrainer:
         # Same order on every rank, so rank 0 matches a single-process run.
         torch.manual_seed(seed)
         torch.set_num_threads(train_config.threads)
-        set_heap_mmap_threshold(heap_mmap_threshold_mib(train_config, model_config))  # before the first large tensor
+        # Before the first large tensor; auto (None) starts at the large-model value and is settled
+        # once the policy's size is known (below).
+        set_heap_mmap_threshold(auto_heap_mmap_threshold_mib(LARGE_MODEL_PARAMS) if train_config.heap_mmap_threshold_mib
+                                is None else train_config.heap_mmap_threshold_mib)
         self.cfg = train_config
         self.temperature = temperature
         self.dtype = getattr(torch, model_config.dtype)
@@ -125,6 +128,8 @@ class GRPOTrainer:
         if self.xla is not None:
             self.xla.check_model(self.model_config)
             self.xla.shard_model(self.pm.parts[0])
+        if train_config.heap_mmap_threshold_mib is None:
+            set_heap_mmap_threshold(heap_mmap_threshold_mib(train_config, self.pm.parts))
         self.pad_id = self.model_config.eos_token_id or 0
         self.rank = global_rank()
         self.optimizers = build_optimizers(self.pm, train_config)
@@ -590,8 +595,9 @@ def _moe_metrics(passes: list) -> dict[str, float]:
     }
 
 
-def heap_mmap_threshold_mib(train_config: TrainConfig, model_config: ModelConfig) -> int:
-    """train.heap_mmap_threshold_mib, with None (auto) resolved by the checkpoint's parameter count."""
+def heap_mmap_threshold_mib(train_config: TrainConfig, parts: list[torch.nn.Module]) -> int:
+    """train.heap_mmap_threshold_mib, with None (auto) resolved by the parameters of `parts` (the
+    policy's modules on this rank; a DTensor counts at its full size)."""
     if train_config.heap_mmap_threshold_mib is not None:
         return train_config.heap_mmap_threshold_mib
-    return auto_heap_mmap_threshold_mib(parameter_count(model_config.checkpoint))
+    return auto_heap_mmap_threshold_mib(sum(p.numel() for part in parts for p in part.parameters()))
