@@ -94,10 +94,10 @@ class GRPOTrainer:
         # Same order on every rank, so rank 0 matches a single-process run.
         torch.manual_seed(seed)
         torch.set_num_threads(train_config.threads)
-        # Before the first large tensor; auto (None) starts at the large-model value and is settled
-        # once the policy's size is known (below).
-        set_heap_mmap_threshold(auto_heap_mmap_threshold_mib(LARGE_MODEL_PARAMS) if train_config.heap_mmap_threshold_mib
-                                is None else train_config.heap_mmap_threshold_mib)
+        # Before the first large tensor. Auto (None) holds the large-model value while the weights
+        # load and settles once the policy's size is known (below).
+        threshold = train_config.heap_mmap_threshold_mib
+        set_heap_mmap_threshold(auto_heap_mmap_threshold_mib(LARGE_MODEL_PARAMS) if threshold is None else threshold)
         self.cfg = train_config
         self.temperature = temperature
         self.dtype = getattr(torch, model_config.dtype)

@@ -39,7 +39,6 @@ log = logging.getLogger("titanrl")
 T = TypeVar("T")
 
 
-@dataclass
 @dataclass(frozen=True)
 class FinishedPush:
     """A push every worker has loaded, as the metrics report it."""
@@ -53,6 +52,7 @@ class FinishedPush:
     two engine steps (time/weight_load_s)."""
 
 
+@dataclass
 class PoolPush(WeightPush):
     """A push whose `wait` survives a worker's death: the source replaces that worker, and the
     replacement loads the current weights itself. Any other failure is raised."""
