@@ -131,8 +131,7 @@ class WorkerPool:
                 break
             self.pushes.pop(0)
             try:
-                loads = ray.get(push.loads)
-                ray.get(push.sent)
+                *loads, _sent = ray.get(push.refs)
                 done.append(FinishedPush(time.perf_counter() - push.started, max(loads, default=0.0)))
             except Exception:  # a worker that died meanwhile; its replacement loads on its own
                 done.append(None)
