@@ -194,3 +194,86 @@ def test_requests_ask_for_flat_logprobs_with_the_same_values(vllm_engine):
     assert records and {r.__name__ for r in records} == {"FlatLogprobs"}
     for f, d in zip((c for g in flat for c in g), (c for g in dicts for c in g), strict=True):
         assert f.token_ids == d.token_ids and f.logprobs == d.logprobs and len(f.logprobs) == len(f.token_ids) > 0
+
+
+def test_texts_decoded_at_finish_are_vllms_own(vllm_engine):
+    """Requests without stop strings leave their text to `fill_texts` (`detokenize=False`), and every
+    text, from lock-step `generate` and from `AsyncGenerator.generate_n`, is exactly the one vLLM's
+    per-step detokenizer makes of the same tokens: random bytes of a random model (partial UTF-8
+    all over), completions cut by the token limit and by a stop token (which the async path's
+    text shows and lock-step's does not)."""
+    import asyncio
+    from collections import Counter
+    from unittest import mock
+
+    import vllm
+
+    from titanrl.rollout.vllm.async_engine import AsyncGenerator
+
+    prompts = ["ab", "xyz", "hello"]
+    probe = vllm_engine.generate(prompts, n=4, temperature=1.0, max_tokens=16, seed=5)
+    # The most frequent sampled token as a stop token: some completions stop on it, some run out.
+    stop = [Counter(t for g in probe for c in g for t in c.token_ids).most_common(1)[0][0]]
+    sampling = dict(n=4, temperature=1.0, max_tokens=16, stop_token_ids=stop)
+
+    async def generate_async():
+        async with AsyncGenerator(vllm_engine) as gen:
+            # generate's seeds: request i's samples get 5 + 4 i onwards, so the stop token comes up
+            return await asyncio.gather(*(gen.generate_n(p, seed=5 + 4 * i, **sampling) for i, p in enumerate(prompts)))
+
+    real = vllm.SamplingParams
+    asked: list[bool] = []
+
+    def recording(*a, **kw):
+        asked.append(kw.get("detokenize", True))
+        return real(*a, **kw)
+
+    def vllm_detokenizes(*a, **kw):
+        return real(*a, **{**kw, "detokenize": True})
+
+    runs = {}
+    for way, params in (("at_finish", recording), ("per_step", vllm_detokenizes)):
+        with mock.patch.object(vllm, "SamplingParams", params):
+            runs[way] = (vllm_engine.generate(prompts, seed=5, **sampling), asyncio.run(generate_async()))
+    assert len(asked) == 2 * len(prompts) and not any(asked)
+    for path in range(2):
+        ours = [c for g in runs["at_finish"][path] for c in g]
+        theirs = [c for g in runs["per_step"][path] for c in g]
+        assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+        assert {c.finish_reason for c in ours} == {"stop", "length"}
+        assert any(c.text for c in ours)
+        assert [c.text for c in ours] == [c.text for c in theirs]
+    # The stop token's text is in the async path's completions (include_stop_str_in_output) only.
+    lockstep, streamed = ([c for g in run for c in g] for run in runs["at_finish"])
+    assert any(a.text != b.text for a, b in zip(lockstep, streamed, strict=True))
+
+
+def test_requests_with_stop_strings_keep_vllms_detokenizer(vllm_engine):
+    """A request with stop strings is detokenized by vLLM as it runs (it matches them on the text),
+    and stops at one."""
+    import asyncio
+    from unittest import mock
+
+    import vllm
+
+    from titanrl.rollout.vllm.async_engine import AsyncGenerator
+
+    real = vllm.SamplingParams
+    asked: list[bool] = []
+
+    def recording(*a, **kw):
+        asked.append(kw.get("detokenize", True))
+        return real(*a, **kw)
+
+    async def generate_async():
+        async with AsyncGenerator(vllm_engine) as gen:
+            free = await gen.generate_n("ab", n=8, temperature=1.0, max_tokens=24, seed=9)
+            stop = max(set("".join(c.text for c in free)), key="".join(c.text for c in free).count)
+            return stop, await gen.generate_n("ab", n=8, temperature=1.0, max_tokens=24, seed=9, stop=[stop])
+
+    with mock.patch.object(vllm, "SamplingParams", recording):
+        stop, stopped = asyncio.run(generate_async())
+    assert asked == [False, True]
+    assert any(c.finish_reason == "stop" for c in stopped)
+    for c in stopped:
+        assert c.text.count(stop) == (c.finish_reason == "stop") and (c.finish_reason != "stop" or c.text.endswith(stop))

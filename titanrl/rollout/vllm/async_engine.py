@@ -90,6 +90,9 @@ class AsyncGenerator:
         """Per running request, per sample of it, which policy versions sampled its tokens."""
         self._routing_keys: dict[str, str] = {}
         """Per running request, its routing record's key (when the engine records routing)."""
+        self._decoded_at_finish: dict[str, Any] = {}
+        """Per running request whose text is decoded once it finishes, its SamplingParams
+        (`titanrl.rollout.vllm.detokenize`; the engine's thread reads them, the loop removes them)."""
         self._to_add: list[tuple[str, Any, Any]] = []
         """(request id, inputs, params) of requests not yet handed to the engine (the next step adds them)."""
         self._wake = asyncio.Event()
@@ -165,6 +168,7 @@ class AsyncGenerator:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        from titanrl.rollout.vllm.detokenize import detokenize_after
         from titanrl.rollout.vllm.routing_record import ROUTING_KEY
 
         if self._pump is None or self._pump.done():
@@ -193,6 +197,7 @@ class AsyncGenerator:
             stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
             logprobs=0,
             flat_logprobs=True,  # a few lists per request, not a dict and a Logprob per token
+            detokenize=not detokenize_after(stop),  # decoded once it finishes, unless stop strings need the text
             extra_args=extra_args,
             output_kind=RequestOutputKind.FINAL_ONLY,  # the finished request only (module docstring)
             skip_clone=True,  # made for this request alone: vLLM need not deep-copy it
@@ -200,6 +205,8 @@ class AsyncGenerator:
         future: asyncio.Future[list[Completion]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         self._versions[request_id] = [_Versions() for _ in range(n)]
+        if not params.detokenize:
+            self._decoded_at_finish[request_id] = params
         inputs = {"prompt": prompt} if isinstance(prompt, str) else TokensPrompt(prompt_token_ids=list(prompt))
         self._to_add.append((request_id, inputs, params))
         self._wake.set()
@@ -249,6 +256,7 @@ class AsyncGenerator:
                     future = self._pending.pop(output.request_id, None)
                     versions = self._versions.pop(output.request_id, None)
                     key = self._routing_keys.pop(output.request_id, None)
+                    self._decoded_at_finish.pop(output.request_id, None)
                     if future is not None and not future.done() and versions is not None:
                         completions = [Completion.of(output, sample, sample_versions.expand(len(sample.token_ids)),
                                                      version)
@@ -278,13 +286,22 @@ class AsyncGenerator:
 
     def _step(self, to_add: list[tuple[str, Any, Any]], routing_keys: dict[str, str]) -> StepResult:
         """(On the engine's thread.) Adds `to_add`, runs one engine step; returns `to_add`, the policy version
-        it ran under (weights change only between steps), its outputs, and the routing records of
-        the requests it finished (one fetch: an RPC to the multiprocess engine core)."""
+        it ran under (weights change only between steps), its outputs (finished ones with their
+        texts: `fill_texts`), and the routing records of the requests it finished (one fetch: an
+        RPC to the multiprocess engine core)."""
+        from titanrl.rollout.vllm.detokenize import fill_texts
+
         llm_engine = self.engine.llm.llm_engine
         for request_id, inputs, params in to_add:
             llm_engine.add_request(request_id, inputs, params)
         version = self.engine.policy_version
         outputs = llm_engine.step()
+        tokenizer = None
+        for output in outputs:
+            params = self._decoded_at_finish.get(output.request_id) if output.finished else None
+            if params is not None:
+                tokenizer = tokenizer or self.engine.llm.get_tokenizer()
+                fill_texts(tokenizer, output, params)
         keys = [routing_keys[o.request_id] for o in outputs if o.finished and o.request_id in routing_keys]
         records = self.engine.take_routed_experts(keys) if keys else {}
         return to_add, version, outputs, records
@@ -388,6 +405,7 @@ class AsyncGenerator:
         self._pending.clear()
         self._versions.clear()
         self._routing_keys.clear()
+        self._decoded_at_finish.clear()
 
         def abort() -> None:
             self.engine.llm.llm_engine.abort_request(running)

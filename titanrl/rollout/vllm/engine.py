@@ -284,6 +284,8 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        from titanrl.rollout.vllm.detokenize import fill_texts
+
         self._check_open()
         if not prompts:
             return []
@@ -303,6 +305,7 @@ class VllmEngine:
                 stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
                 logprobs=0,
                 flat_logprobs=True,  # a few lists per request, not a dict and a Logprob per token
+                detokenize=False,  # decoded once it finishes (`titanrl.rollout.vllm.detokenize`)
                 extra_args=None if keys is None else {ROUTING_KEY: keys[r]},
                 skip_clone=True,  # made for this request alone: vLLM need not deep-copy it
             )
@@ -312,8 +315,10 @@ class VllmEngine:
         with self.activity:
             outputs = self.llm.generate([x for x in inputs for _ in range(n // samples)], params, use_tqdm=False)
         records = self.take_routed_experts(keys) if keys is not None else {}
+        tokenizer = self.llm.get_tokenizer()
         completions: list[Completion] = []
         for r, out in enumerate(outputs):
+            fill_texts(tokenizer, out, params[r])
             for c in out.outputs:
                 completion = Completion.of(out, c, [version] * len(c.token_ids), version)
                 if keys is not None:
