@@ -1,12 +1,18 @@
 """Synchronous vs asynchronous GRPO on a workload with environment latency, in one script.
 
-The same job (model, data, seed, steps, 2 rollout workers) runs twice:
-  sync   lock-step rollouts, train.max_staleness=0 (today's on-policy default);
-  async  rollout.continuous=True, train.max_staleness=2 (groups of the next two steps generate
-         while the trainer works, new weights land between engine steps).
+The same job (model, data, seed, steps, 2 rollout workers) runs three times:
+  sync            lock-step rollouts, train.max_staleness=0 (today's on-policy default);
+  async           rollout.continuous=True, train.max_staleness=2 (groups of the next two steps
+                  generate while the trainer works, new weights land between engine steps);
+  lockstep_stale  lock-step rollouts with the same train.max_staleness=2 (each worker call still
+                  waits for its whole batch, slowest episode included): what continuous
+                  generation itself buys at equal staleness.
 Every episode calls a tool that waits a random 50-300 ms before answering (a remote sandbox
 or grader), `--turns` times. Prints one JSON line per run and a summary line:
-  {"sync_s": ..., "async_s": ..., "speedup": ..., "sync_final_reward": ..., "async_final_reward": ..., ...}
+  {"sync_s": ..., "async_s": ..., "speedup": ..., "lockstep_stale_s": ...,
+   "continuous_over_lockstep_same_staleness": ..., "sync_final_reward": ..., ...}
+(`speedup` and `continuous_over_lockstep_same_staleness` are the other run's time over async's:
+> 1, continuous is faster.)
 Times are the training loop's wall time (first step to last, the final evaluation included),
 without actor start-up. Rewards: `final_eval_reward` is the final policy's greedy reward on 32
 held-out prompts (the fair comparison: at equal steps, an asynchronous run's last training
@@ -108,13 +114,17 @@ def main() -> None:
         print(json.dumps({"run": "sync", **sync}), flush=True)
         async_ = measure(run_config(root, "async", args.steps, continuous=True, max_staleness=2))
         print(json.dumps({"run": "async", **async_}), flush=True)
+        stale = measure(run_config(root, "lockstep_stale", args.steps, continuous=False, max_staleness=2))
+        print(json.dumps({"run": "lockstep_stale", **stale}), flush=True)
     print(json.dumps({
         "benchmark": "async_speedup", "steps": args.steps, "turns": args.turns, "workers": 2,
         "sync_s": round(sync["loop_s"], 2), "async_s": round(async_["loop_s"], 2),
-        "speedup": round(sync["loop_s"] / async_["loop_s"], 2),
+        "speedup": round(sync["loop_s"] / async_["loop_s"], 2), "lockstep_stale_s": round(stale["loop_s"], 2),
+        "continuous_over_lockstep_same_staleness": round(stale["loop_s"] / async_["loop_s"], 2),
         "sync_final_reward": round(sync["final_eval_reward"], 4), "async_final_reward": round(async_["final_eval_reward"], 4),
         "sync_final_train_reward": round(sync["final_train_reward"], 4),
         "async_final_train_reward": round(async_["final_train_reward"], 4),
+        "lockstep_stale_final_reward": round(stale["final_eval_reward"], 4),
     }))
 
 
