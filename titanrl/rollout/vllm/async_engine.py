@@ -168,7 +168,7 @@ class AsyncGenerator:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        from titanrl.rollout.vllm.detokenize import detokenize_after
+        from titanrl.rollout.vllm.detokenize import decodable_at_finish
         from titanrl.rollout.vllm.routing_record import ROUTING_KEY
 
         if self._pump is None or self._pump.done():
@@ -197,7 +197,7 @@ class AsyncGenerator:
             stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
             logprobs=0,
             flat_logprobs=True,  # a few lists per request, not a dict and a Logprob per token
-            detokenize=not detokenize_after(stop),  # decoded once it finishes, unless stop strings need the text
+            detokenize=not decodable_at_finish(stop),  # decoded once it finishes, unless stop strings need the text
             extra_args=extra_args,
             output_kind=RequestOutputKind.FINAL_ONLY,  # the finished request only (module docstring)
             skip_clone=True,  # made for this request alone: vLLM need not deep-copy it

@@ -9,7 +9,7 @@ vLLM's own incremental detokenizer (primed with the prompt, the stop token left 
 `include_stop_str_in_output`) over its tokens once.
 
 Stop strings are matched on the growing text, so a request that has any keeps vLLM's per-step
-detokenization (`detokenize_after`).
+detokenization (`decodable_at_finish`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from types import SimpleNamespace
 from typing import Any
 
 
-def detokenize_after(stop: Sequence[str] | None) -> bool:
-    """Whether a request with these stop strings can leave its text to `fill_texts`
-    (`SamplingParams(detokenize=not detokenize_after(stop))`)."""
+def decodable_at_finish(stop: Sequence[str] | None) -> bool:
+    """Whether a request with these stop strings can be sent with `detokenize=False` and get its
+    text from `fill_texts` (only without stop strings: vLLM matches them on the growing text)."""
     return not stop
 
 
