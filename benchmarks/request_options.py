@@ -1,22 +1,24 @@
 """What TitanRL's vLLM request options save per batch, side by side in one process.
 
 Every request TitanRL sends asks for the sampled token's logprob (`logprobs=0`), and vLLM's
-output processing runs on the engine's thread every step. Two request options cut that work:
+input and output processing run on the engine's thread. Three choices cut that work:
   flat_logprobs  the logprobs as a few flat lists per request, not a dict and a `Logprob` object
                  per generated token (`Completion.of` reads them in one slice);
   detokenize     False: no per-step detokenization and no token string per logprob; the text is
-                 decoded once when the request finishes (`titanrl.rollout.vllm.detokenize`).
+                 decoded once when the request finishes (`titanrl.rollout.vllm.detokenize`);
+  tokenize       text prompts tokenized in one batched tokenizer call (`VllmEngine.tokenize`)
+                 instead of rendered one by one by vLLM (the baseline sends the text).
 
 This generates the arithmetic example's batch (64 prompts x 8 samples, `VllmEngine.generate`,
-one thread) alternately as TitanRL does and with `--baseline` options forced back to vLLM's
-default on every request, and prints one JSON line:
+one thread) alternately as TitanRL does and with the `--baseline` choices set back to vLLM's
+defaults, and prints one JSON line:
   {"titanrl_ms": ..., "baseline_ms": ..., "titanrl_over_baseline": ..., "identical_tokens": ...,
    "identical_texts": ..., "max_logprob_diff": ...}
 Times are the median per batch over `--batches` of each (the first two of each are warm-up);
 `titanrl_over_baseline` < 1: TitanRL's requests are faster. Both ways must give the same tokens,
 texts and logprobs.
 
-    python benchmarks/request_options.py [--batches 12] [--baseline flat_logprobs detokenize]
+    python benchmarks/request_options.py [--batches 12] [--baseline flat_logprobs detokenize tokenize]
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ from unittest import mock
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic"
 VLLM_DEFAULTS = {"flat_logprobs": False, "detokenize": True}
-"""The baseline's value of each option: vLLM's own default."""
+"""The baseline's value of each request option: vLLM's own default."""
+CHOICES = [*VLLM_DEFAULTS, "tokenize"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, default=12)
-    parser.add_argument("--baseline", nargs="+", choices=sorted(VLLM_DEFAULTS), default=sorted(VLLM_DEFAULTS),
+    parser.add_argument("--baseline", nargs="+", choices=CHOICES, default=CHOICES,
                         help="options the baseline sets to vLLM's default (default: all)")
     args = parser.parse_args()
 
@@ -58,7 +61,8 @@ def main() -> None:
     engine = VllmEngine(VllmEngineConfig(checkpoint=cfg.model.checkpoint, max_model_len=cfg.rollout.max_model_len,
                                          max_num_seqs=cfg.rollout.max_num_seqs))
     real = vllm.SamplingParams
-    forced = {option: VLLM_DEFAULTS[option] for option in args.baseline}
+    forced = {option: VLLM_DEFAULTS[option] for option in args.baseline if option in VLLM_DEFAULTS}
+    text_prompts = "tokenize" in args.baseline
 
     def baseline_params(*a, **kw):
         return real(*a, **{**kw, **forced})
@@ -72,7 +76,12 @@ def main() -> None:
     for b in range(2 * args.batches):
         way = "titanrl" if b % 2 == 0 else "baseline"
         seed = 1000 + b // 2  # each pair generates the same batch both ways
-        with mock.patch.object(vllm, "SamplingParams", baseline_params) if way == "baseline" else contextlib.nullcontext():
+        baseline = contextlib.ExitStack()
+        if way == "baseline":
+            baseline.enter_context(mock.patch.object(vllm, "SamplingParams", baseline_params))
+            if text_prompts:  # vLLM renders the text itself
+                baseline.enter_context(mock.patch.object(engine, "_prompt_inputs", list))
+        with baseline:
             start = time.perf_counter()
             out = generate(seed)
             times[way].append(time.perf_counter() - start)
@@ -80,13 +89,13 @@ def main() -> None:
             ours = out
             continue
         for a, c in zip((c for g in ours for c in g), (c for g in out for c in g), strict=True):
-            same_tokens &= a.token_ids == c.token_ids
+            same_tokens &= a.token_ids == c.token_ids and a.prompt_token_ids == c.prompt_token_ids
             if a.token_ids == c.token_ids:
                 same_texts &= a.text == c.text
                 max_diff = max([max_diff, *(abs(x - y) for x, y in zip(a.logprobs, c.logprobs))])
     median = {way: statistics.median(t[2:]) for way, t in times.items()}
     print(json.dumps({
-        "benchmark": "request_options", "baseline": forced, "batches": args.batches, "prompts": len(prompts),
+        "benchmark": "request_options", "baseline": args.baseline, "batches": args.batches, "prompts": len(prompts),
         "group_size": cfg.rollout.group_size,
         "titanrl_ms": round(median["titanrl"] * 1e3, 1), "baseline_ms": round(median["baseline"] * 1e3, 1),
         "titanrl_over_baseline": round(median["titanrl"] / median["baseline"], 3),

@@ -196,6 +196,31 @@ def test_requests_ask_for_flat_logprobs_with_the_same_values(vllm_engine):
         assert f.token_ids == d.token_ids and f.logprobs == d.logprobs and len(f.logprobs) == len(f.token_ids) > 0
 
 
+def test_text_prompts_get_vllms_own_token_ids(vllm_engine):
+    """`generate` tokenizes text prompts itself, in one batched call (`VllmEngine.tokenize`), into
+    exactly the ids vLLM makes of the same text prompts, so the completions are the same too."""
+    from unittest import mock
+
+    from vllm import SamplingParams
+
+    prompts = ["ab", "xyz  q", "hello\nworld", "\u00e9t\u00e9 \U0001f600"]
+    sent: list = []
+    real = vllm_engine.llm.generate
+
+    def spy(inputs, *args, **kwargs):
+        sent.extend(inputs)
+        return real(inputs, *args, **kwargs)
+
+    with mock.patch.object(vllm_engine.llm, "generate", spy):
+        ours = vllm_engine.generate(prompts, n=2, temperature=1.0, max_tokens=6, seed=3)
+    assert len(sent) == len(prompts) and all(not isinstance(x, str) and "prompt_token_ids" in x for x in sent)
+    # vLLM's own rendering of the text prompts, with generate's seeds (prompt r: 3 + 2 r onwards)
+    theirs = real(prompts, [SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=3 + 2 * r, logprobs=0)
+                            for r in range(len(prompts))], use_tqdm=False)
+    assert [g[0].prompt_token_ids for g in ours] == [list(o.prompt_token_ids) for o in theirs]
+    assert [[c.token_ids for c in g] for g in ours] == [[list(c.token_ids) for c in o.outputs] for o in theirs]
+
+
 def test_texts_decoded_at_finish_are_vllms_own(vllm_engine):
     """Requests without stop strings leave their text to `fill_texts` (`detokenize=False`), and every
     text, from lock-step `generate` and from `AsyncGenerator.generate_n`, is exactly the one vLLM's

@@ -74,8 +74,7 @@ class ContinuousRolloutWorker(GroupStream, RolloutWorker):
         await self._start()
         # Tokenized while the group may still wait for its weights (the engine is busy with the
         # last batch then), not after, when the engine waits for this batch to start.
-        prompt_ids = None if self.env_factory is not None else self.engine.llm.get_tokenizer().encode(
-            self.single_turn.prompt(row))
+        prompt_ids = None if self.env_factory is not None else self.engine.tokenize([self.single_turn.prompt(row)])[0]
         await self.generator.wait_for_version(min_version, requests=self.cfg.group_size)
         while True:
             try:

@@ -282,14 +282,13 @@ class VllmEngine:
         sample is its own request, so its routing can be recorded under its own key.
         """
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         from titanrl.rollout.vllm.detokenize import fill_texts
 
         self._check_open()
         if not prompts:
             return []
-        inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        inputs = self._prompt_inputs(prompts)
         per_sample = self.routing_layers > 0
         requests = len(inputs) * n if per_sample else len(inputs)
         samples = 1 if per_sample else n  # per request
@@ -325,6 +324,21 @@ class VllmEngine:
                     completion.routed_experts = self.fit_routing(records.get(keys[r]), completion)
                 completions.append(completion)
         return [completions[j * n : (j + 1) * n] for j in range(len(inputs))]
+
+    def _prompt_inputs(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[Any]:
+        """vLLM inputs of `generate`'s prompts: token ids as given, text tokenized here in one
+        batched call (`tokenize`). Inside `llm.generate` vLLM would render text prompts one by one
+        on the engine's thread: 4 % of the arithmetic batch (benchmarks/request_options.py)."""
+        from vllm.inputs import TokensPrompt
+
+        ids = self.tokenize(prompts) if isinstance(prompts[0], str) else prompts  # type: ignore[arg-type]
+        return [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in ids]
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        """The token ids vLLM makes of these text prompts (its tokenizer, with the special tokens it
+        adds to a text prompt), from one batched call of the tokenizer."""
+        self._check_open()
+        return [list(ids) for ids in self.llm.get_tokenizer()(list(prompts), add_special_tokens=True)["input_ids"]]
 
     def _warm_up(self) -> None:
         """Runs a greedy and a seeded sampled request of two tokens (their routing is not recorded:
