@@ -331,8 +331,9 @@ class VllmEngine:
         on the engine's thread: 4 % of the arithmetic batch (benchmarks/request_options.py)."""
         from vllm.inputs import TokensPrompt
 
-        ids = self.tokenize(prompts) if isinstance(prompts[0], str) else prompts  # type: ignore[arg-type]
-        return [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in ids]
+        if isinstance(prompts[0], str):
+            return [TokensPrompt(prompt_token_ids=ids) for ids in self.tokenize(prompts)]  # type: ignore[arg-type]
+        return [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         """The token ids vLLM makes of these text prompts (its tokenizer, with the special tokens it
