@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from titanrl.config import ParallelConfig, TrainConfig  # noqa: E402
 from titanrl.models.hf_checkpoint import load_model  # noqa: E402
-from titanrl.models.qwen3_moe import Qwen3MoeConfig  # noqa: E402
+from titanrl.models.qwen3.moe import Qwen3MoeConfig  # noqa: E402
 from titanrl.models.tiny import tiny_config, write_checkpoint  # noqa: E402
 from titanrl.trainer.batch import pack  # noqa: E402
 from titanrl.trainer.optimizer import build_optimizers  # noqa: E402

@@ -31,7 +31,7 @@ from pathlib import Path  # noqa: E402
 def main() -> None:
     from titanrl.kernels.cpu_build import isa_flags
 
-    from titanrl.models.qwen3_moe import Qwen3MoeConfig
+    from titanrl.models.qwen3.moe import Qwen3MoeConfig
     from titanrl.models.tiny import tiny_config, write_checkpoint
     from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 

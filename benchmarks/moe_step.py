@@ -41,7 +41,7 @@ PROMPT_LEN, COMPLETION_LEN = 16, 32
 
 
 def _write_policy(out: Path) -> Path:
-    from titanrl.models.qwen3_moe import Qwen3MoeConfig
+    from titanrl.models.qwen3.moe import Qwen3MoeConfig
     from titanrl.models.tiny import tiny_config, write_checkpoint
 
     base = tiny_config(**{k: v for k, v in SMALL_MOE.items() if k in {f.name for f in dataclasses.fields(tiny_config())}})
@@ -70,7 +70,7 @@ def time_steps(rank: int, world_size: int, checkpoint: str, rows: int, implement
     """Warm-up + `repeats` timed GRPO steps under dp_shard=ep=world_size (call on every rank)."""
     from titanrl.config import ParallelConfig, TrainConfig
     from titanrl.models.hf_checkpoint import load_model
-    from titanrl.models.qwen3_moe import GroupedExperts
+    from titanrl.models.qwen3.moe import GroupedExperts
     from titanrl.trainer.optimizer import build_optimizers
     from titanrl.trainer.parallel.mesh import build_mesh
     from titanrl.trainer.parallel.parallelize import parallelize

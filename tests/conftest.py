@@ -63,7 +63,7 @@ def vllm_moe_checkpoint(tmp_path_factory):
     """A tiny Qwen3-MoE checkpoint directory (per-expert tensor names, as the Hub's) for the vLLM tests."""
     import dataclasses
 
-    from titanrl.models.qwen3_moe import Qwen3MoeConfig
+    from titanrl.models.qwen3.moe import Qwen3MoeConfig
     from titanrl.models.tiny import tiny_config, write_checkpoint
 
     config = Qwen3MoeConfig(**{**dataclasses.asdict(tiny_config()), **VLLM_TINY_MOE})

@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import torch
 
-from titanrl.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from titanrl.models.qwen3.moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from titanrl.types import Group, Sample
 
 EOS = 1

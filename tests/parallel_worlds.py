@@ -458,7 +458,7 @@ def expert_dispatch() -> dict[str, float]:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from titanrl.models.qwen3_moe import Qwen3MoeConfig, SparseMoeBlock
+    from titanrl.models.qwen3.moe import Qwen3MoeConfig, SparseMoeBlock
     from titanrl.trainer.parallel.expert_parallel import apply_expert_parallel
 
     n, rank = dist.get_world_size(), dist.get_rank()

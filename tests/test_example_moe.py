@@ -5,7 +5,7 @@ from pathlib import Path
 from titanrl.cli import forget_shadowed_modules, load_config_file
 from titanrl.config import validate
 from titanrl.models.hf_checkpoint import load_model
-from titanrl.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from titanrl.models.qwen3.moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 EXAMPLE = EXAMPLES / "moe"

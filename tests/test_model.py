@@ -97,8 +97,8 @@ def test_shape_mismatch_and_unknown_architecture(tmp_path):
     (ckpt / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 256}))
     with pytest.raises(CheckpointError, match=r"mlp\..*shape"):
         load_model(ckpt)
-    (ckpt / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(CheckpointError, match="unsupported architecture 'LlamaForCausalLM'"):
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"]}))
+    with pytest.raises(CheckpointError, match="unsupported architecture 'MistralForCausalLM'"):
         load_model(ckpt)
     (ckpt / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
     with pytest.raises(CheckpointError, match="missing .*layers.2"):

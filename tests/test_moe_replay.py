@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from moe_replay_cases import EOS, groups_with_routing, perturbed_router, tiny_moe_config, tiny_moe_model
 
 from titanrl.config import ConfigError, DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig, validate
-from titanrl.models.qwen3_moe import Router, SparseMoeBlock, routing_buffers
+from titanrl.models.qwen3.moe import Router, SparseMoeBlock, routing_buffers
 from titanrl.trainer.batch import pack
 from titanrl.trainer.grpo import clipped_surrogate_loss, token_logprobs
 from titanrl.trainer.moe import load_balancing_loss, real_tokens

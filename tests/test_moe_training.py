@@ -12,7 +12,7 @@ import torch
 
 from titanrl.config import ModelConfig, TrainConfig
 from titanrl.models.hf_checkpoint import hf_state_dict, load_model, read_state_dict
-from titanrl.models.qwen3_moe import GroupedExperts, Qwen3MoeForCausalLM, Router
+from titanrl.models.qwen3.moe import GroupedExperts, Qwen3MoeForCausalLM, Router
 from titanrl.models.tiny import write_tiny_moe_checkpoint
 from titanrl.trainer.batch import pack
 from titanrl.trainer.grpo import token_logprobs

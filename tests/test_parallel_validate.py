@@ -6,7 +6,7 @@ import torch
 
 from titanrl.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
 from titanrl.config.validation import _validate_trainer_layout
-from titanrl.models.qwen3_moe import Qwen3MoeConfig
+from titanrl.models.qwen3.moe import Qwen3MoeConfig
 from titanrl.models.tiny import tiny_config
 from titanrl.trainer.parallel.ring_attention import ContextLayout
 from titanrl.config.parallel import sequence_multiple, validate_parallel

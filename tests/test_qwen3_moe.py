@@ -14,7 +14,7 @@ import torch
 from titanrl.models.architectures import build_model
 from titanrl.models.hf_checkpoint import CheckpointError, load_model, read_config, save_checkpoint
 from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from titanrl.models.qwen3_moe import (
+from titanrl.models.qwen3.moe import (
     HF_DEFAULTS,
     GroupedExperts,
     Qwen3MoeConfig,
@@ -175,7 +175,7 @@ def test_experts_cast_their_weights_to_the_input_dtype():
 def test_model_grouped_mm_equals_loop():
     """A whole MoE model's logits and gradients are the same with every sparse layer on the loop
     as on grouped matmul (auto), and the auto path is the grouped one at these sizes."""
-    from titanrl.models.qwen3_moe import grouped_mm_available
+    from titanrl.models.qwen3.moe import grouped_mm_available
 
     config = tiny_moe_config(num_hidden_layers=2, num_experts=4)
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))

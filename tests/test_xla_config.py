@@ -55,7 +55,7 @@ def test_xla_refuses_what_it_cannot_run_naming_the_setting(xla_config, monkeypat
     """Batch invariance, the KL reference, a mixture-of-experts model, pp / cp / ep, a mesh that is
     neither 1 nor XLA's CPU device count, and an interpreter without torch_xla (here: this venv's
     own python) or none at all each fail in validate, naming the setting to change."""
-    from titanrl.models.qwen3_moe import Qwen3MoeConfig
+    from titanrl.models.qwen3.moe import Qwen3MoeConfig
     from titanrl.models.tiny import tiny_config
 
     monkeypatch.delenv("PJRT_DEVICE", raising=False)

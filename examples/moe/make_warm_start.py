@@ -23,7 +23,7 @@ sys.path.insert(0, str(ARITHMETIC))  # the arithmetic example's task.py and warm
 import make_warm_start as arithmetic  # noqa: E402
 import task  # noqa: E402
 
-from titanrl.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+from titanrl.models.qwen3.moe import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 from titanrl.models.tiny import tiny_config  # noqa: E402
 
 MOE_FIELDS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True)

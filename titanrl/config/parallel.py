@@ -7,7 +7,7 @@ import typing
 
 from titanrl.config.schema import ParallelConfig, PPSchedule, TrainConfig
 from titanrl.errors import ConfigError
-from titanrl.models.qwen3 import Qwen3Config
+from titanrl.models.common.decoder import DecoderConfig
 
 PP_SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
 """Pipeline schedule names and the number of stages each rank runs."""
@@ -27,7 +27,7 @@ def sequence_multiple(parallel: ParallelConfig) -> int:
 
 
 def validate_parallel(
-    parallel: ParallelConfig, model_config: Qwen3Config, world_size: int | None, seq_len: int | None = None,
+    parallel: ParallelConfig, model_config: DecoderConfig, world_size: int | None, seq_len: int | None = None,
     batch_invariant: bool = False,
 ) -> None:
     """Raises ConfigError, naming the field to change, when `parallel` cannot run this model.
@@ -86,7 +86,7 @@ def validate_parallel(
         )
 
 
-def check_expert_parallel(parallel: ParallelConfig, model_config: Qwen3Config) -> None:
+def check_expert_parallel(parallel: ParallelConfig, model_config: DecoderConfig) -> None:
     """Raises ConfigError unless train.parallel.ep > 1 follows the rule expert parallelism implements.
 
     ep borrows its ranks (the world size does not count it): with tp > 1 they are the tp ranks

@@ -131,7 +131,7 @@ def validate(config: RunConfig) -> None:
     if not config.model.checkpoint:
         raise ConfigError("model.checkpoint is empty: set it to an HF checkpoint directory")
     from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, checked_tensors, read_config
-    from titanrl.models.qwen3_moe import Qwen3MoeConfig
+    from titanrl.models.qwen3.moe import Qwen3MoeConfig
 
     try:
         model_config = read_config(config.model.checkpoint)

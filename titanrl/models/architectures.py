@@ -1,33 +1,56 @@
-"""The architectures TitanRL builds, keyed by config.json's `architectures[0]`: each one's config
-and model class. The one place that decides dense or MoE from a checkpoint."""
+"""The model registry: config.json's `architectures[0]` -> the family's `ModelSpec`.
+
+Adding a family is its folder under `titanrl/models/` plus one line in `SPECS`. This is also the
+one place that decides dense or MoE from a checkpoint.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from titanrl.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from titanrl.models import llama, qwen2, qwen3
+from titanrl.models.common.decoder import DecoderConfig, DecoderForCausalLM
+from titanrl.models.spec import ModelSpec
 
-ARCHITECTURES: dict[str, tuple[type[Qwen3Config], type[Qwen3ForCausalLM]]] = {
-    Qwen3Config.HF_ARCHITECTURE: (Qwen3Config, Qwen3ForCausalLM),
-    Qwen3MoeConfig.HF_ARCHITECTURE: (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+SPECS: dict[str, ModelSpec] = {
+    spec.architecture: spec
+    for spec in (
+        qwen3.SPEC,
+        qwen3.MOE_SPEC,
+        llama.SPEC,
+        qwen2.SPEC,
+    )
 }
+"""Every family TitanRL builds, keyed by its HF architecture name."""
+
+DEFAULT_ARCHITECTURE = qwen3.SPEC.architecture
+"""What a config.json without `architectures` is read as (our own tiny checkpoints of old)."""
 
 
-def config_from_hf_dict(hf: dict[str, Any]) -> Qwen3Config:
-    """The config of the architecture config.json names (dense Qwen3 when it names none)."""
-    arch = (hf.get("architectures") or [Qwen3Config.HF_ARCHITECTURE])[0]
-    if arch not in ARCHITECTURES:
+def spec_for_architecture(arch: str) -> ModelSpec:
+    """The spec of HF architecture `arch`; a ValueError naming the supported ones otherwise."""
+    if arch not in SPECS:
         raise ValueError(f"unsupported architecture {arch!r} in config.json: TitanRL builds "
-                         f"{', '.join(repr(a) for a in ARCHITECTURES)}")
-    return ARCHITECTURES[arch][0].from_hf_dict(hf)
+                         f"{', '.join(repr(a) for a in SPECS)}")
+    return SPECS[arch]
 
 
-def model_class(config: Qwen3Config) -> type[Qwen3ForCausalLM]:
+def spec_for(config: DecoderConfig) -> ModelSpec:
+    """The spec of the family `config` belongs to."""
+    return spec_for_architecture(config.HF_ARCHITECTURE)
+
+
+def config_from_hf_dict(hf: dict[str, Any]) -> DecoderConfig:
+    """The config of the architecture config.json names (dense Qwen3 when it names none)."""
+    arch = (hf.get("architectures") or [DEFAULT_ARCHITECTURE])[0]
+    return spec_for_architecture(arch).config_class.from_hf_dict(hf)
+
+
+def model_class(config: DecoderConfig) -> type[DecoderForCausalLM]:
     """The model class that builds `config`."""
-    return ARCHITECTURES[config.HF_ARCHITECTURE][1]
+    return spec_for(config).model_class
 
 
-def build_model(config: Qwen3Config, **kwargs: Any) -> Qwen3ForCausalLM:
+def build_model(config: DecoderConfig, **kwargs: Any) -> DecoderForCausalLM:
     """A model of `config` (uninitialised weights), dense or MoE; kwargs go to the constructor."""
     return model_class(config)(config, **kwargs)

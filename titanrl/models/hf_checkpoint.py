@@ -23,8 +23,8 @@ from torch import nn
 
 from titanrl.atomic_io import replacing_directory
 from titanrl.models.architectures import build_model, config_from_hf_dict
-from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from titanrl.models.qwen3_moe import (
+from titanrl.models.common.decoder import DecoderConfig, DecoderForCausalLM
+from titanrl.models.qwen3.moe import (
     expert_checkpoint_name,
     parse_expert_checkpoint_name,
     stacked_expert_name,
@@ -48,7 +48,7 @@ class CheckpointError(ValueError):
     """A checkpoint directory is missing, incomplete, corrupt or does not fit the model."""
 
 
-def read_config(ckpt_dir: str | os.PathLike) -> Qwen3Config:
+def read_config(ckpt_dir: str | os.PathLike) -> DecoderConfig:
     """Parses `config.json` of an HF checkpoint directory into its architecture's config."""
     path = Path(ckpt_dir)
     if not path.is_dir():
@@ -98,13 +98,13 @@ def read_state_dict(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
-def checkpoint_name(name: str, config: Qwen3Config) -> str:
+def checkpoint_name(name: str, config: DecoderConfig) -> str:
     """The checkpoint tensor a parameter loads from: a tied LM head (or a pipeline stage's copy of
     it) from the embedding, which is all an HF file of a tied model is sure to hold."""
     return EMBED if config.tie_word_embeddings and name == HEAD else name
 
 
-def parameter_shapes(model: nn.Module, config: Qwen3Config) -> dict[str, torch.Size]:
+def parameter_shapes(model: nn.Module, config: DecoderConfig) -> dict[str, torch.Size]:
     """The model's own tensor names and full shapes (what a training checkpoint stores), without a
     tied head."""
     shapes = {k: v.shape for k, v in model.state_dict().items()}
@@ -113,7 +113,7 @@ def parameter_shapes(model: nn.Module, config: Qwen3Config) -> dict[str, torch.S
     return shapes
 
 
-def expected_shapes(model: nn.Module, config: Qwen3Config) -> dict[str, torch.Size]:
+def expected_shapes(model: nn.Module, config: DecoderConfig) -> dict[str, torch.Size]:
     """HF checkpoint tensor names and full shapes that `model` (whole, on any device, meta too)
     loads: its parameters, with stacked experts as one tensor per expert."""
     shapes: dict[str, torch.Size] = {}
@@ -154,7 +154,7 @@ def from_checkpoint_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
-def read_parameter(tensors: CheckpointTensors, name: str, config: Qwen3Config, out: torch.Tensor,
+def read_parameter(tensors: CheckpointTensors, name: str, config: DecoderConfig, out: torch.Tensor,
                    offset: Sequence[int] | None = None) -> None:
     """Fills `out` with the block of model parameter `name` at `offset` from an HF checkpoint:
     one tensor, or for stacked experts one tensor per expert row of the block."""
@@ -246,7 +246,7 @@ class CheckpointTensors:
                 out[lo:hi].copy_(f.get_slice(name)[(slice(offset[0] + lo, offset[0] + hi), *index[1:])])
 
 
-def load_state_dict_into(model: Qwen3ForCausalLM, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
+def load_state_dict_into(model: DecoderForCausalLM, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
     """Copies tensors into `model`, checking names and shapes first: HF-named ones (experts one
     tensor each) or model-named ones (stacked experts, as the trainer gathers them)."""
     params = model.state_dict()  # tensors share storage with the parameters
@@ -267,14 +267,14 @@ def tie_head(model: nn.Module) -> None:
         head.weight = embed.weight
 
 
-def empty_meta_model(config: Qwen3Config, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
+def empty_meta_model(config: DecoderConfig, dtype: torch.dtype = torch.float32) -> DecoderForCausalLM:
     """A model of `config` on the meta device: shapes, names and dtype, no storage."""
     with torch.device("meta"):
         return build_model(config).to(dtype)
 
 
-def empty_model(config: Qwen3Config, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> Qwen3ForCausalLM:
+def empty_model(config: DecoderConfig, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> DecoderForCausalLM:
     """An uninitialised model of `config` in `dtype` on `device` (weights are loaded next)."""
     model = empty_meta_model(config, dtype).to_empty(device=device)
     tie_head(model)
@@ -282,7 +282,7 @@ def empty_model(config: Qwen3Config, dtype: torch.dtype = torch.float32,
     return model
 
 
-def checked_tensors(ckpt_dir: str | os.PathLike, config: Qwen3Config) -> CheckpointTensors:
+def checked_tensors(ckpt_dir: str | os.PathLike, config: DecoderConfig) -> CheckpointTensors:
     """An HF checkpoint directory's tensors, their names and shapes checked against `config` from
     the file headers alone (no weight is read): a CheckpointError names the first mismatch."""
     tensors = CheckpointTensors(ckpt_dir)
@@ -292,7 +292,7 @@ def checked_tensors(ckpt_dir: str | os.PathLike, config: Qwen3Config) -> Checkpo
 
 def load_model(
     ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> tuple[Qwen3ForCausalLM, Qwen3Config]:
+) -> tuple[DecoderForCausalLM, DecoderConfig]:
     """Builds our model from an HF checkpoint directory, one tensor at a time (cast to `dtype`)."""
     config = read_config(ckpt_dir)
     tensors = CheckpointTensors(ckpt_dir)
@@ -304,7 +304,7 @@ def load_model(
     return model, config
 
 
-def hf_state_dict(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
+def hf_state_dict(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
     """The tensors an HF checkpoint holds: contiguous, detached, no duplicate tied head, one tensor
     per expert."""
     state = dict(model.state_dict())
@@ -314,7 +314,7 @@ def hf_state_dict(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(
-    model: Qwen3ForCausalLM, out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None
+    model: DecoderForCausalLM, out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None
 ) -> Path:
     """Writes an HF checkpoint directory atomically (a crash leaves the old one intact).
 

@@ -19,17 +19,24 @@ from pathlib import Path
 
 import torch
 
-from titanrl.models.architectures import build_model, config_from_hf_dict
+from titanrl.models.architectures import SPECS, build_model, config_from_hf_dict
+from titanrl.models.common.decoder import DecoderConfig
 from titanrl.models.hf_checkpoint import save_checkpoint
-from titanrl.models.qwen3 import Qwen3Config
-from titanrl.models.qwen3_moe import Qwen3MoeConfig
+from titanrl.models.qwen3.moe import Qwen3MoeConfig
 from titanrl.models.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, save_byte_tokenizer, vocab_size_with_specials
 
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index(EOS_TOKEN)
 
 
-def tiny_config(**overrides) -> Qwen3Config:
-    """A ~0.3M-parameter Qwen3 config sized for the byte tokenizer (head_dim 32 for vLLM's CPU attention)."""
+FAMILIES = {spec.name: spec for spec in SPECS.values() if not spec.is_moe}
+"""Dense families by short name, for `tiny_config(family=...)` and `--family`."""
+
+
+def tiny_config(family: str = "qwen3", **overrides) -> DecoderConfig:
+    """A ~0.3M-parameter config of a dense `family` ("qwen3", "llama", "qwen2") sized for the byte
+    tokenizer (head_dim 32 for vLLM's CPU attention); family fields (Llama's biases) go in overrides."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
     base = dict(
         vocab_size=vocab_size_with_specials(),
         hidden_size=128,
@@ -44,7 +51,7 @@ def tiny_config(**overrides) -> Qwen3Config:
         bos_token_id=EOS_TOKEN_ID,
     )
     base.update(overrides)
-    return Qwen3Config(**base)
+    return FAMILIES[family].config_class(**base)
 
 
 TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
@@ -55,6 +62,8 @@ def tiny_moe_config(**overrides) -> Qwen3MoeConfig:
     """`tiny_config`'s Qwen3-MoE sibling: the same attention and vocabulary, every layer sparse
     with `TINY_MOE`'s experts; any field (the experts' too) can be overridden."""
     return Qwen3MoeConfig(**{**dataclasses.asdict(tiny_config()), **TINY_MOE, **overrides})
+
+
 
 
 def write_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, std: float = 0.02, **config_overrides) -> Path:
@@ -68,7 +77,7 @@ def write_tiny_moe_checkpoint(out_dir: str | os.PathLike, seed: int = 0, std: fl
     return write_checkpoint(out_dir, tiny_moe_config(**config_overrides), seed=seed, std=std)
 
 
-def config_from_hf_json(path: str | os.PathLike) -> Qwen3Config:
+def config_from_hf_json(path: str | os.PathLike) -> DecoderConfig:
     """A published architecture from its config.json, with the byte tokenizer's special ids."""
     config = config_from_hf_dict(json.loads(Path(path).read_text()))
     if config.vocab_size < vocab_size_with_specials():
@@ -77,7 +86,7 @@ def config_from_hf_json(path: str | os.PathLike) -> Qwen3Config:
     return dataclasses.replace(config, eos_token_id=EOS_TOKEN_ID, bos_token_id=EOS_TOKEN_ID)
 
 
-def write_checkpoint(out_dir: str | os.PathLike, config: Qwen3Config, seed: int = 0, std: float = 0.02) -> Path:
+def write_checkpoint(out_dir: str | os.PathLike, config: DecoderConfig, seed: int = 0, std: float = 0.02) -> Path:
     """Writes a randomly initialised checkpoint of `config` with the byte-level tokenizer."""
     model = build_model(config)
     model.init_weights(seed=seed, std=std)
@@ -91,10 +100,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     defaults = tiny_config()
-    for f in dataclasses.fields(Qwen3Config):
+    for f in dataclasses.fields(DecoderConfig):
         value = getattr(defaults, f.name)
         if isinstance(value, (bool, int, float)) and not isinstance(value, bool):
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value)
+    parser.add_argument("--family", default="qwen3", choices=sorted(FAMILIES), help="dense model family")
     parser.add_argument("--untied", action="store_true", help="separate LM head matrix")
     parser.add_argument("--num-experts", type=int, default=0,
                         help="write a Qwen3-MoE checkpoint with this many experts in every layer (0: dense)")
@@ -106,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="take the architecture from this HF config.json (the other size flags are ignored)")
     args = vars(parser.parse_args(argv))
     out_dir, seed, untied, config_json = args.pop("out_dir"), args.pop("seed"), args.pop("untied"), args.pop("config_json")
+    family = args.pop("family")
     moe = {name: args.pop(name) for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
     if config_json:
         config = config_from_hf_json(config_json)
@@ -114,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     elif moe["num_experts"] < 0:
         parser.error(f"--num-experts must be >= 0 (0: a dense checkpoint), got {moe['num_experts']}")
     else:
-        config = tiny_config(tie_word_embeddings=not untied, **args)
+        config = tiny_config(family, tie_word_embeddings=not untied, **args)
     path = write_checkpoint(out_dir, config, seed=seed)
     with torch.device("meta"):
         n = sum(p.numel() for p in build_model(config).parameters())

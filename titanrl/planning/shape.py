@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from titanrl.models.qwen3 import HF_ARCHITECTURE as DENSE_ARCHITECTURE
-from titanrl.models.qwen3_moe import canonical_hf_dict
+from titanrl.models.qwen3.moe import canonical_hf_dict
 
 MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
 ARCHITECTURES = (DENSE_ARCHITECTURE, MOE_ARCHITECTURE)

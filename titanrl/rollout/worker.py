@@ -62,7 +62,7 @@ class RolloutWorker:
             lambda record: "set_num_threads" not in record.getMessage()
         )
         from titanrl.models.hf_checkpoint import read_config
-        from titanrl.models.qwen3_moe import Qwen3MoeConfig
+        from titanrl.models.qwen3.moe import Qwen3MoeConfig
         from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
         record_routing = rc.record_routed_experts

@@ -47,7 +47,7 @@ from titanrl.models.hf_checkpoint import (
     read_config,
     save_checkpoint,
 )
-from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from titanrl.models.common.decoder import DecoderConfig, DecoderForCausalLM
 
 MODEL_OPTIM_DIR = "model_optim"
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -97,7 +97,7 @@ def check_training_checkpoint(path: str | os.PathLike) -> Path:
     return p
 
 
-def write_hf_config(out_dir: Path, config: Qwen3Config, dtype: torch.dtype, tokenizer_dir: str | os.PathLike) -> None:
+def write_hf_config(out_dir: Path, config: DecoderConfig, dtype: torch.dtype, tokenizer_dir: str | os.PathLike) -> None:
     """config.json (with the training dtype) and the tokenizer files, no weights."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = config.to_hf_dict()
@@ -109,7 +109,7 @@ def write_hf_config(out_dir: Path, config: Qwen3Config, dtype: torch.dtype, toke
             shutil.copy2(src, out_dir / name)
 
 
-def read_hf_config(ckpt: Path) -> tuple[Qwen3Config, torch.dtype]:
+def read_hf_config(ckpt: Path) -> tuple[DecoderConfig, torch.dtype]:
     """The model config and training dtype stored in `ckpt/hf_config`."""
     config = read_config(ckpt / HF_CONFIG_DIR)
     name = json.loads((ckpt / HF_CONFIG_DIR / "config.json").read_text()).get("torch_dtype", "float32")
@@ -159,7 +159,7 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     return state
 
 
-def load_policy(training_ckpt_dir: str | os.PathLike) -> tuple[Qwen3ForCausalLM, Qwen3Config]:
+def load_policy(training_ckpt_dir: str | os.PathLike) -> tuple[DecoderForCausalLM, DecoderConfig]:
     """Rebuilds the policy from a training checkpoint: hf_config/ plus the DCP "model" state."""
     ckpt = check_training_checkpoint(training_ckpt_dir)
     config, dtype = read_hf_config(ckpt)
@@ -176,7 +176,7 @@ def export_hf(training_ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike) 
     return save_checkpoint(model, out_dir, tokenizer_dir=Path(training_ckpt_dir) / HF_CONFIG_DIR)
 
 
-def load_initial_policy(checkpoint: str, dtype: torch.dtype) -> tuple[Qwen3ForCausalLM, Qwen3Config, str]:
+def load_initial_policy(checkpoint: str, dtype: torch.dtype) -> tuple[DecoderForCausalLM, DecoderConfig, str]:
     """The policy a trainer starts from: an HF checkpoint directory or a training checkpoint.
 
     Returns (model in `dtype`, its config, the directory holding its tokenizer files).
@@ -195,7 +195,7 @@ class InitialPolicy:
     """Where a parallel trainer's starting weights come from, opened and checked (tensor names
     and shapes) from file headers alone: no weight is read until each rank reads its shards."""
 
-    config: Qwen3Config
+    config: DecoderConfig
     """Architecture of the policy."""
     tokenizer_dir: str
     """Directory holding the policy's tokenizer files."""

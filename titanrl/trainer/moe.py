@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from titanrl.config.schema import TrainConfig
-from titanrl.models.qwen3 import Qwen3Config
-from titanrl.models.qwen3_moe import Router, routers
+from titanrl.models.common.decoder import DecoderConfig
+from titanrl.models.qwen3.moe import Router, routers
 
 
 @dataclass
@@ -45,7 +45,7 @@ class MoeSettings:
     """train.moe_bias_update_rate with moe_load_balance='bias'; None: no expert bias."""
 
 
-def moe_settings(cfg: TrainConfig, config: Qwen3Config) -> MoeSettings | None:
+def moe_settings(cfg: TrainConfig, config: DecoderConfig) -> MoeSettings | None:
     """The step's MoE settings; None for a dense policy."""
     if getattr(config, "num_experts", None) is None:
         return None

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanrl.config.schema import ParallelConfig
-from titanrl.models.qwen3 import Qwen3Config
+from titanrl.models.common.decoder import DecoderConfig
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.parallel.parallelize import ParallelModel, parallelize
 from titanrl.trainer.parallel.sharded_load import build_sharded_policy
@@ -17,7 +17,7 @@ from titanrl.trainer.parallel.sharded_load import build_sharded_policy
 
 def build_policy(source: str | ckpt_io.InitialPolicy, dtype: torch.dtype, parallel: ParallelConfig,
                  mesh: DeviceMesh | None, device_type: str, **layout_options: Any
-                 ) -> tuple[ParallelModel, Qwen3Config, str]:
+                 ) -> tuple[ParallelModel, DecoderConfig, str]:
     """This rank's share of the policy in an HF or training checkpoint directory (`source`, or
     its `open_initial_policy` for a parallel layout), in `dtype`; returns it, its config and the
     directory of its tokenizer files. A parallel layout (call on every rank, `mesh` built) reads

@@ -22,7 +22,7 @@ import torch
 
 from titanrl.config.schema import TrainConfig
 from titanrl.models.hf_checkpoint import CheckpointError
-from titanrl.models.qwen3_moe import zero_routing_buffers
+from titanrl.models.qwen3.moe import zero_routing_buffers
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.batch import PackedBatch
 from titanrl.trainer.parallel.parallelize import ParallelModel

@@ -46,7 +46,7 @@ from titanrl.trainer.stats import GradStats, LogprobParity
 from titanrl.trainer.truncation import Truncation
 from titanrl.types import Group, PolicyVersion
 from titanrl.weight_sync.plain_tensors import PlainTensors
-from titanrl.models.qwen3_moe import routing_buffers, zero_routing_buffers
+from titanrl.models.qwen3.moe import routing_buffers, zero_routing_buffers
 
 if TYPE_CHECKING:
     from titanrl.weight_sync import WeightAnnouncement, WeightSyncPlan

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titanrl.models.qwen3_moe import routing_buffers
+from titanrl.models.qwen3.moe import routing_buffers
 from titanrl.weight_sync.layout import TensorSpec, WeightLayout, WeightSyncError
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from titanrl.busy_flags import BusySlot
-from titanrl.rollout.vllm.names import BATCH_INVARIANT_KEY, VLLM_ARCHITECTURES, VLLM_KERNELS_KEY
+from titanrl.rollout.vllm.names import BATCH_INVARIANT_KEY, VLLM_KERNELS_KEY
 from titanrl.rollout.vllm.plugin import register
 from titanrl.rollout.vllm.routing_record import ROUTING_KEY, fit_routing
 from titanrl.rollout.vllm.worker_extension import EXTENSION_QUALNAME
@@ -195,8 +195,8 @@ def use_intra_op_threads(num_threads: int) -> None:
 
 
 class VllmEngine:
-    """A vLLM `LLM` running our model (`TitanQwen3ForVLLM`, or `TitanQwen3MoeForVLLM` for a
-    Qwen3-MoE checkpoint), with `generate` and in-place `update_weights`."""
+    """A vLLM `LLM` running our model of the checkpoint's family (`ModelSpec.vllm_architecture`),
+    with `generate` and in-place `update_weights`."""
 
     def __init__(self, config: VllmEngineConfig) -> None:
         if config.multiprocess and not _has_entry_point():
@@ -208,12 +208,13 @@ class VllmEngine:
         register()  # in-process engines (and the driver's config checks) see our class
         from vllm import LLM
 
+        from titanrl.models.architectures import spec_for
         from titanrl.models.hf_checkpoint import read_config
-        from titanrl.models.qwen3_moe import Qwen3MoeConfig
 
         self.config = config
         self.model_config = read_config(config.checkpoint)
-        if config.record_routed_experts and not isinstance(self.model_config, Qwen3MoeConfig):
+        self.spec = spec_for(self.model_config)
+        if config.record_routed_experts and not self.spec.is_moe:
             raise ValueError(f"VllmEngineConfig.record_routed_experts=True needs a mixture-of-experts checkpoint; "
                              f"{config.checkpoint!r} is {self.model_config.HF_ARCHITECTURE}")
         self.policy_version = 0
@@ -225,7 +226,7 @@ class VllmEngine:
             kwargs = dict(
                 model=str(config.checkpoint),
                 tokenizer=str(config.checkpoint),
-                hf_overrides={"architectures": [VLLM_ARCHITECTURES[self.model_config.HF_ARCHITECTURE]],
+                hf_overrides={"architectures": [self.spec.vllm_architecture],
                               BATCH_INVARIANT_KEY: config.batch_invariant, VLLM_KERNELS_KEY: config.vllm_kernels},
                 dtype=config.dtype,
                 max_model_len=config.max_model_len,

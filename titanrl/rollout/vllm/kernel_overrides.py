@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanrl.models.qwen3 import MLP, Attention, RotaryEmbedding
+from titanrl.models.common.decoder import MLP, Attention, RotaryEmbedding
 
 Gemm = Callable[[torch.Tensor], torch.Tensor]
 
@@ -43,17 +43,25 @@ def _c_ops() -> object:
     return torch.ops._C
 
 
-def packed_gemm(weight_NK: torch.Tensor) -> Gemm:
-    """`x -> x @ weight.T` through vLLM's CPU GEMM dispatch on a packed copy of `weight` (made now)."""
+def packed_gemm(weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None) -> Gemm:
+    """`x -> x @ weight.T (+ bias)` through vLLM's CPU GEMM dispatch on a packed copy of `weight`
+    (made now); the bias goes into the kernel as vLLM's own biased layers (Qwen2's q/k/v) pass it."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     holder = nn.Module()  # what the dispatch expects: a layer with `weight` (and `bias`)
     holder.weight = nn.Parameter(weight_NK.detach().contiguous(), requires_grad=False)
-    holder.bias = None
+    holder.bias = None if bias_N is None else bias_N.detach().contiguous()
     # remove_weight frees `holder.weight` where the kernel keeps its own packed copy; the
     # fallback (torch's F.linear) reads the weight it is passed, so it stays there.
     dispatch_cpu_unquantized_gemm(holder, remove_weight=True)
-    return lambda x: holder.cpu_linear(x, holder.weight, None)
+    return lambda x: holder.cpu_linear(x, holder.weight, holder.bias)
+
+
+def stacked_biases(layers: list[nn.Linear]) -> torch.Tensor | None:
+    """The layers' biases end to end (a packed GEMM's bias), None when they have none."""
+    if layers[0].bias is None:
+        return None
+    return torch.cat([layer.bias.detach() for layer in layers])
 
 
 def stacked_rows(weights: list[torch.Tensor]) -> torch.Tensor:
@@ -76,13 +84,12 @@ class VllmCpuLinear(nn.Linear):
     gemm: Gemm | None = None
 
     def repack(self) -> None:
-        self.gemm = packed_gemm(self.weight)
+        self.gemm = packed_gemm(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm is None:
             raise RuntimeError("VllmCpuLinear used before repack_vllm_kernels (no packed weight yet)")
-        out = self.gemm(x)
-        return out if self.bias is None else out + self.bias
+        return self.gemm(x)
 
 
 class RotaryPositions(NamedTuple):
@@ -121,7 +128,8 @@ class VllmAttention(Attention):
     qkv_gemm: Gemm | None = None
 
     def repack(self) -> None:
-        self.qkv_gemm = packed_gemm(stacked_rows([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+        projections = [self.q_proj, self.k_proj, self.v_proj]
+        self.qkv_gemm = packed_gemm(stacked_rows([p.weight for p in projections]), stacked_biases(projections))
         self.qkv_sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
 
     def forward(self, x_BTD: torch.Tensor, cos, sin) -> torch.Tensor:  # type: ignore[override]
@@ -130,8 +138,11 @@ class VllmAttention(Attention):
         B, T, _ = x_BTD.shape
         D = self.head_dim
         q, k, v = self.qkv_gemm(x_BTD.reshape(B * T, -1)).split(self.qkv_sizes, dim=-1)
-        q = self.q_norm(q.view(B * T, -1, D)).reshape(B * T, -1)  # a new contiguous tensor: rotated in place
-        k = self.k_norm(k.view(B * T, -1, D)).reshape(B * T, -1)
+        if getattr(self, "q_norm", None) is not None:  # new contiguous tensors, rotated in place below
+            q = self.q_norm(q.view(B * T, -1, D)).reshape(B * T, -1)
+            k = self.k_norm(k.view(B * T, -1, D)).reshape(B * T, -1)
+        # Without norms q and k are views into the packed output, rotated in place there (as vLLM's
+        # own Llama and Qwen2 do).
         _c_ops().rotary_embedding(cos.positions_N, q, k, D, cos.cos_sin_cache, True)  # in place, neox style
         out_BTHD = self.backend(q.view(B, T, -1, D), k.view(B, T, -1, D), v.reshape(B, T, -1, D))
         return self.o_proj(out_BTHD.reshape(B, T, -1))
@@ -143,7 +154,8 @@ class VllmMLP(MLP):
     gate_up_gemm: Gemm | None = None
 
     def repack(self) -> None:
-        self.gate_up_gemm = packed_gemm(stacked_rows([self.gate_proj.weight, self.up_proj.weight]))
+        projections = [self.gate_proj, self.up_proj]
+        self.gate_up_gemm = packed_gemm(stacked_rows([p.weight for p in projections]), stacked_biases(projections))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:

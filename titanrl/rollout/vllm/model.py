@@ -1,17 +1,18 @@
-"""Our Qwen3 and Qwen3-MoE modules inside vLLM: the classes vLLM's model registry builds.
+"""Our model families inside vLLM: the classes vLLM's model registry builds.
 
 vLLM flattens a scheduled batch into one sequence of `num_tokens` tokens with explicit
 positions; its `Attention` layer finds each token's request, writes K/V into the paged
-cache and attends over that request's cached keys. `TitanQwen3ForVLLM` *is* our
-`Qwen3ForCausalLM` (same modules, same parameter names) built with one attention
-backend per layer that hands q/k/v to vLLM's `Attention`; the whole flattened batch runs
-as a batch of one, `[1, num_tokens]`. `TitanQwen3MoeForVLLM` is our `Qwen3MoeForCausalLM`
-the same way: its router and experts are our modules (not vLLM's FusedMoE), so the generator
-routes and computes exactly as the trainer does. Both get the vLLM side from one mixin,
-`VllmModelBoundary`.
+cache and attends over that request's cached keys. The vLLM class of a family *is* the family's
+model class (same modules, same parameter names) with one mixin, `VllmModelBoundary`, in front:
+it builds one attention backend per layer that hands q/k/v to vLLM's `Attention`, and the whole
+flattened batch runs as a batch of one, `[1, num_tokens]`. A mixture-of-experts model's router
+and experts stay our modules (not vLLM's FusedMoE), so the generator routes and computes exactly
+as the trainer does.
 
-Registered under `ARCHITECTURE` / `MOE_ARCHITECTURE` (`names.py`) by `plugin.py`; an engine opts
-in with `hf_overrides={"architectures": [...]}`, so vLLM's built-in models stay as they are.
+`vllm_model_class(spec)` makes a family's class; this module's `__getattr__` serves it under
+`spec.vllm_architecture` (`TitanRLQwen3ForCausalLM`, `TitanRLLlamaForCausalLM`, ...), the name
+`plugin.py` registers. An engine opts in with `hf_overrides={"architectures": [...]}`, so vLLM's
+built-in models stay as they are.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
-from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from titanrl.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM, parse_expert_checkpoint_name, routing_buffers
+from titanrl.models.architectures import SPECS
+from titanrl.models.common.decoder import DecoderConfig
+from titanrl.models.qwen3.moe import parse_expert_checkpoint_name, routing_buffers
+from titanrl.models.spec import ModelSpec
 from titanrl.rollout.vllm.kernel_overrides import apply_vllm_kernels, repack_vllm_kernels
-from titanrl.rollout.vllm.names import ARCHITECTURE, BATCH_INVARIANT_KEY, MOE_ARCHITECTURE, VLLM_KERNELS_KEY
+from titanrl.rollout.vllm.names import BATCH_INVARIANT_KEY, VLLM_KERNELS_KEY
 from titanrl.rollout.vllm.paged_attention import paged_batch_invariant_attention
 from titanrl.rollout.vllm.routing_record import RoutingRecorder
 
@@ -70,7 +73,7 @@ class VllmPagedAttention(nn.Module):
         return out_NHD.view(B, T, H, D)
 
 
-def config_from_vllm(vllm_config: VllmConfig, config_class: type[Qwen3Config] = Qwen3Config) -> Qwen3Config:
+def config_from_vllm(vllm_config: VllmConfig, config_class: type[DecoderConfig]) -> DecoderConfig:
     """Our config from the HF config vLLM loaded (its architectures overridden to ours)."""
     hf_config = vllm_config.model_config.hf_config
     hf = hf_config.to_dict()
@@ -96,8 +99,11 @@ class VllmModelBoundary:
 
     vllm_architecture: ClassVar[str]
     """The name this class is registered under in vLLM."""
-    titan_config_class: ClassVar[type[Qwen3Config]]
+    titan_config_class: ClassVar[type[DecoderConfig]]
     """The config our model is built from."""
+    routing_recorder: RoutingRecorder | None = None
+    """Set on a mixture-of-experts model (the worker extension's `titanrl_record_routing`): every
+    forward then records each request's routing."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         config = config_from_vllm(vllm_config, self.titan_config_class)
@@ -148,7 +154,14 @@ class VllmModelBoundary:
         if inputs_embeds is not None:
             raise NotImplementedError(f"{self.vllm_architecture} does not accept prompt embeddings (inputs_embeds)")
         assert input_ids is not None
-        return self.hidden_states(input_ids[None, :], positions[None, :])[0]  # type: ignore[attr-defined]
+        recorder = self.routing_recorder
+        query_start_loc = _query_start_loc() if recorder is not None else None
+        if recorder is None or query_start_loc is None:  # not recording, or vLLM's warm-up (no metadata)
+            return self.hidden_states(input_ids[None, :], positions[None, :])[0]  # type: ignore[attr-defined]
+        recorder.begin(int(query_start_loc[-1]))
+        hidden = self.hidden_states(input_ids[None, :], positions[None, :])[0]  # type: ignore[attr-defined]
+        recorder.end(positions, query_start_loc)
+        return hidden
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies named tensors into the parameters in place; returns the parameter names loaded.
@@ -188,38 +201,29 @@ class VllmModelBoundary:
         return loaded
 
 
-class TitanQwen3ForVLLM(VllmModelBoundary, Qwen3ForCausalLM):
-    """Our dense Qwen3 as a vLLM model."""
-
-    vllm_architecture = ARCHITECTURE
-    titan_config_class = Qwen3Config
+_CLASSES: dict[str, type] = {}
 
 
-class TitanQwen3MoeForVLLM(VllmModelBoundary, Qwen3MoeForCausalLM):
-    """Our Qwen3-MoE as a vLLM model: our router (float32 scores, batch-invariant linear in that
-    mode) and our stacked experts. With `routing_recorder` set (the worker extension's
-    `titanrl_record_routing`), every forward records each request's routing."""
+def vllm_model_class(spec: ModelSpec) -> type:
+    """The vLLM model class of a family: `VllmModelBoundary` in front of its model class (one
+    class per family, made once)."""
+    cls = _CLASSES.get(spec.vllm_architecture)
+    if cls is None:
+        cls = _CLASSES[spec.vllm_architecture] = type(spec.vllm_architecture, (VllmModelBoundary, spec.model_class), {
+            "__doc__": f"Our {spec.config_class.FAMILY} as a vLLM model.",
+            "__module__": __name__,
+            "vllm_architecture": spec.vllm_architecture,
+            "titan_config_class": spec.config_class,
+        })
+    return cls
 
-    vllm_architecture = MOE_ARCHITECTURE
-    titan_config_class = Qwen3MoeConfig
-    routing_recorder: RoutingRecorder | None = None
 
-    def forward(  # type: ignore[override]
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: object | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        **kwargs: object,
-    ) -> torch.Tensor:
-        recorder = self.routing_recorder
-        query_start_loc = _query_start_loc() if recorder is not None else None
-        if query_start_loc is None:  # not recording, or vLLM's warm-up run (no metadata)
-            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
-        recorder.begin(int(query_start_loc[-1]))
-        hidden = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
-        recorder.end(positions, query_start_loc)
-        return hidden
+def __getattr__(name: str) -> type:
+    """Serves `TitanRL<Architecture>` for vLLM's lazy `module:class` registration."""
+    for spec in SPECS.values():
+        if spec.vllm_architecture == name:
+            return vllm_model_class(spec)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_cpu() -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from titanrl.models.qwen3_moe import Router
+from titanrl.models.qwen3.moe import Router
 
 ROUTING_KEY = "titanrl_routing_key"
 """`SamplingParams.extra_args` key naming the record a request's routing goes into."""

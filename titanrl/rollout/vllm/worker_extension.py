@@ -26,7 +26,7 @@ def _find_titan_model(root: torch.nn.Module) -> torch.nn.Module:
             return module
     raise TypeError(
         f"the vLLM model is {type(root).__name__}, not TitanRL's: create the engine with "
-        "hf_overrides={'architectures': [one of titanrl.rollout.vllm.names.VLLM_ARCHITECTURES]}"
+        "hf_overrides={'architectures': [a ModelSpec.vllm_architecture]}"
     )
 
 
@@ -83,11 +83,11 @@ class TitanRLWorkerExtension:
 
     def titanrl_record_routing(self, enabled: bool) -> int:
         """Starts (or stops) recording the routing of keyed requests; returns the sparse layer count."""
-        from titanrl.rollout.vllm.model import TitanQwen3MoeForVLLM
+        from titanrl.models.architectures import spec_for
         from titanrl.rollout.vllm.routing_record import RoutingRecorder
 
         model = _find_titan_model(self.get_model())  # type: ignore[attr-defined]
-        if not isinstance(model, TitanQwen3MoeForVLLM):
+        if not spec_for(model.config).is_moe:
             raise TypeError(f"routing capture needs a mixture-of-experts model, the engine runs {type(model).__name__}")
         if model.routing_recorder is not None:
             model.routing_recorder.detach()

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from titanrl.models.qwen3_moe import routing_buffers
+from titanrl.models.qwen3.moe import routing_buffers
 from titanrl.trainer import checkpoint as ckpt_io
 # A module, not its names: optimizer.py imports this package (the names are read at call time).
 from titanrl.trainer import optimizer as param_groups

@@ -30,7 +30,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from titanrl.models.qwen3_moe import EXPERT_PROJECTIONS, GroupedExperts, Router, SparseMoeBlock
+from titanrl.models.qwen3.moe import EXPERT_PROJECTIONS, GroupedExperts, Router, SparseMoeBlock
 
 
 class ExpertParallelDispatch:

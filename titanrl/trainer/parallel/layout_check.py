@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from titanrl.models.hf_checkpoint import load_model
-from titanrl.models.qwen3_moe import Qwen3MoeConfig
+from titanrl.models.qwen3.moe import Qwen3MoeConfig
 from titanrl.models.tiny import tiny_config, write_checkpoint, write_tiny_checkpoint
 from titanrl.trainer.grpo import token_logprobs
 from titanrl.trainer.parallel.gather import iter_full_gradients, iter_full_weights

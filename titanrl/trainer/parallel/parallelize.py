@@ -1,4 +1,4 @@
-"""`parallelize`: applies a ParallelConfig's layout to a Qwen3ForCausalLM on a device mesh.
+"""`parallelize`: applies a ParallelConfig's layout to a DecoderForCausalLM on a device mesh.
 
 Order: context parallel (swap attention backends), activation checkpointing flags, pipeline
 split, then per stage tensor parallel, expert parallel (experts split over the ep ranks),
@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanrl.config.schema import ActivationCheckpointing, ParallelConfig
 from titanrl.kernels.onednn_linear import apply_onednn_linears
 from titanrl.models.hf_checkpoint import tie_head
-from titanrl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from titanrl.models.common.decoder import DecoderConfig, DecoderForCausalLM
 from titanrl.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from titanrl.trainer.parallel.compile import apply_compile
 from titanrl.trainer.parallel.fsdp import apply_fsdp
@@ -43,7 +43,7 @@ class ParallelModel:
     """The layout applied."""
     mesh: DeviceMesh | None
     """World mesh with named dimensions (see mesh.build_mesh); None in a single process."""
-    config: Qwen3Config
+    config: DecoderConfig
     """Architecture of the full model."""
     context: ContextLayout | None
     """Which sequence chunks this rank holds under context parallel; None without it."""
@@ -90,7 +90,7 @@ def _layers(part: nn.Module) -> list[nn.Module]:
     return part.layers() if isinstance(part, PipelineStageModel) else list(part.model.layers)
 
 
-def parallelize(model: Qwen3ForCausalLM, parallel: ParallelConfig, mesh: DeviceMesh | None,
+def parallelize(model: DecoderForCausalLM, parallel: ParallelConfig, mesh: DeviceMesh | None,
                 load_balance: bool = True, device_type: str = "cpu",
                 activation_checkpointing: ActivationCheckpointing = "none",
                 activation_checkpointing_every: int = 2,

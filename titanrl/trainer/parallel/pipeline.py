@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from titanrl.config.schema import ParallelConfig
-from titanrl.models.qwen3 import LMHead, Qwen3ForCausalLM
+from titanrl.models.common.decoder import DecoderForCausalLM, LMHead
 from titanrl.trainer.parallel.ring_attention import ContextLayout
 from titanrl.config.parallel import PP_SCHEDULES
 
@@ -34,7 +34,7 @@ def stage_of_layer(layer: int, num_layers: int, n_stages: int) -> int:
 
 
 class PipelineStageModel(nn.Module):
-    """One pipeline stage of a Qwen3ForCausalLM: a contiguous run of its decoder layers.
+    """One pipeline stage of a DecoderForCausalLM: a contiguous run of its decoder layers.
 
     The first stage maps token ids [B, T] to hidden states (embedding + layers); middle stages
     map hidden states to hidden states; the last one ends with the final norm and returns its
@@ -47,7 +47,7 @@ class PipelineStageModel(nn.Module):
     `set_batch_invariant` switches them (the loss function's head takes the step's flag).
     """
 
-    def __init__(self, model: Qwen3ForCausalLM, stage: int, n_stages: int, context: ContextLayout | None) -> None:
+    def __init__(self, model: DecoderForCausalLM, stage: int, n_stages: int, context: ContextLayout | None) -> None:
         super().__init__()
         num_layers = model.config.num_hidden_layers
         per = num_layers // n_stages
@@ -68,7 +68,7 @@ class PipelineStageModel(nn.Module):
             # copy and this stage this one: tied.py keeps the two equal.
 
     def set_batch_invariant(self, enabled: bool = True) -> PipelineStageModel:
-        """Qwen3ForCausalLM.set_batch_invariant for this stage's modules."""
+        """DecoderForCausalLM.set_batch_invariant for this stage's modules."""
         for module in self.modules():
             if hasattr(module, "batch_invariant"):
                 module.batch_invariant = enabled
@@ -81,7 +81,7 @@ class PipelineStageModel(nn.Module):
         """The stage's output for input `x`; with `head` (the last stage only), the loss function's
         call `head(x, lm_head.weight)` on hidden states this stage returned: a call of the stage
         module itself, so FSDP gathers the head's weight and mixed precision casts it, as they do
-        for the whole model's head (Qwen3ForCausalLM.forward)."""
+        for the whole model's head (DecoderForCausalLM.forward)."""
         if head is not None:
             if not self.is_last:
                 raise RuntimeError(f"pipeline stage {self.stage} holds no LM head")

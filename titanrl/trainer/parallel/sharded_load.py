@@ -20,7 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from titanrl.config.schema import ParallelConfig
 from titanrl.models.hf_checkpoint import CheckpointTensors, empty_meta_model, read_parameter, tie_head
-from titanrl.models.qwen3_moe import routing_buffers, zero_routing_buffers
+from titanrl.models.qwen3.moe import routing_buffers, zero_routing_buffers
 from titanrl.trainer.checkpoint import InitialPolicy
 from titanrl.trainer.parallel.checkpoint import load_model_weights
 from titanrl.trainer.parallel.parallelize import ParallelModel, parallelize

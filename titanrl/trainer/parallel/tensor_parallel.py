@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titanrl.models.qwen3_moe import SparseMoeBlock
+from titanrl.models.qwen3.moe import SparseMoeBlock
 
 
 def apply_tensor_parallel(layers: Sequence[nn.Module], tp_mesh: DeviceMesh, sequence_parallel: bool,
@@ -55,11 +55,12 @@ def apply_tensor_parallel(layers: Sequence[nn.Module], tp_mesh: DeviceMesh, sequ
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
             "self_attn.o_proj": RowwiseParallel(output_layouts=between),
+        }
+        if getattr(layer.self_attn, "q_norm", None) is not None:
             # Inputs are [B, T, heads/tp, head_dim]: sharded on dim 2. SequenceParallel is the
             # style that replicates a norm's weight over a sharded input dimension.
-            "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-        }
+            plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if not sparse:
             plan.update({
                 "mlp.gate_proj": ColwiseParallel(),

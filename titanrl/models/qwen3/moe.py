@@ -1,6 +1,6 @@
 """Qwen3-MoE: the dense Qwen3 decoder with sparse mixture-of-experts feed-forward blocks.
 
-Attention, norms, rotary embeddings and the LM head are the dense model's (`qwen3.py`); only a
+Attention, norms, rotary embeddings and the LM head are the dense model's (`model.py`); only a
 layer's `mlp` differs. A sparse block routes each token to `num_experts_per_tok` of
 `num_experts` SwiGLU experts:
 
@@ -32,7 +32,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanrl import kernels
-from titanrl.models.qwen3 import MLP, FeedForwardFactory, Qwen3Config, Qwen3ForCausalLM
+from titanrl.models.common.decoder import MLP, DecoderConfig, FeedForwardFactory
+from titanrl.models.qwen3.model import Qwen3Config, Qwen3ForCausalLM
 
 MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -46,6 +47,7 @@ class Qwen3MoeConfig(Qwen3Config):
 
     HF_ARCHITECTURE: ClassVar[str] = MOE_ARCHITECTURE
     HF_MODEL_TYPE: ClassVar[str] = "qwen3_moe"
+    FAMILY: ClassVar[str] = "Qwen3-MoE"
 
     num_experts: int = 8
     """Experts in each sparse layer."""
@@ -326,7 +328,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     config: Qwen3MoeConfig
 
     @staticmethod
-    def feed_forward_factory(config: Qwen3Config) -> FeedForwardFactory:
+    def feed_forward_factory(config: DecoderConfig) -> FeedForwardFactory:
         assert isinstance(config, Qwen3MoeConfig)
 
         def feed_forward(layer_idx: int) -> nn.Module:

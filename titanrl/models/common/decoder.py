@@ -1,9 +1,11 @@
-"""Qwen3-family dense decoder in plain PyTorch.
+"""The decoder every dense family shares, in plain PyTorch: Llama, Qwen2 and Qwen3 differ only in
+switches of one config (q/k norms, which projections carry a bias, how rotary frequencies scale).
 
-This single definition serves the trainer, the native engine and vLLM (through
-`titanrl.rollout.vllm.model`, which swaps in vLLM's paged-KV attention as the
-attention backend). Module and parameter names are exactly Hugging Face's, so an
-HF state dict loads with no renaming.
+This single definition serves the trainer and vLLM (through `titanrl.rollout.vllm.model`, which
+swaps in vLLM's paged-KV attention as the attention backend). Module and parameter names are
+exactly Hugging Face's, so an HF state dict loads with no renaming. A family folder
+(`titanrl/models/<family>/`) subclasses `DecoderConfig` (its config.json fields and defaults) and
+`DecoderForCausalLM`, and registers a `ModelSpec`.
 """
 
 from __future__ import annotations
@@ -18,19 +20,28 @@ import torch.utils.checkpoint
 from torch import nn
 
 from titanrl import kernels
+from titanrl.models.common.rope import read_rope_scaling, rope_inv_freq
 from titanrl.models.packed_sequences import PackedSequences, packed_attention, varlen_flash_attention
-
-HF_ARCHITECTURE = "Qwen3ForCausalLM"
 
 
 @dataclass
-class Qwen3Config:
-    """Architecture hyper-parameters, named as in an HF `config.json`."""
+class DecoderConfig:
+    """Architecture hyper-parameters, named as in an HF `config.json`. Family subclasses set the
+    class-level switches and `HF_DEFAULTS`; the field defaults are sized for tests."""
 
-    HF_ARCHITECTURE: ClassVar[str] = HF_ARCHITECTURE
+    HF_ARCHITECTURE: ClassVar[str] = ""
     """The `architectures[0]` of config.json this config reads and writes."""
-    HF_MODEL_TYPE: ClassVar[str] = "qwen3"
+    HF_MODEL_TYPE: ClassVar[str] = ""
     """config.json's `model_type`."""
+    FAMILY: ClassVar[str] = ""
+    """A human name for errors ("Qwen3", "Llama")."""
+    QK_NORM: ClassVar[bool] = False
+    """Per-head RMSNorm of queries and keys before rotary (Qwen3)."""
+    HF_DEFAULTS: ClassVar[dict[str, Any]] = {}
+    """transformers' defaults for fields a config.json may leave out, where they differ from ours."""
+    UNSUPPORTED_HF_FIELDS: ClassVar[dict[str, Callable[[Any], bool]]] = {}
+    """config.json fields whose value (when the test is true) this model cannot compute: refused by
+    name rather than ignored (silently ignoring it would compute another model)."""
 
     vocab_size: int = 512
     """Number of token ids the embedding and LM head cover."""
@@ -50,6 +61,8 @@ class Qwen3Config:
     """Epsilon inside every RMSNorm, including the per-head q/k norms."""
     rope_theta: float = 1_000_000.0
     """Base of the rotary-embedding frequencies."""
+    rope_scaling: dict[str, Any] | None = None
+    """Rotary frequency scaling (`rope_type` 'linear' or 'llama3' with its factors); None is unscaled."""
     max_position_embeddings: int = 2048
     """Longest sequence (prompt + completion) the model is configured for."""
     tie_word_embeddings: bool = True
@@ -67,67 +80,73 @@ class Qwen3Config:
             )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"Qwen3Config.{name} must be positive, got {getattr(self, name)}")
+                raise ValueError(f"{type(self).__name__}.{name} must be positive, got {getattr(self, name)}")
+        if self.head_dim % 2:
+            raise ValueError(f"{type(self).__name__}.head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """Whether q/k/v carry biases (families override)."""
+        return False
+
+    @property
+    def has_o_bias(self) -> bool:
+        """Whether the attention output projection carries a bias (families override)."""
+        return False
+
+    @property
+    def has_mlp_bias(self) -> bool:
+        """Whether gate/up/down carry biases (families override)."""
+        return False
 
     @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any]) -> Qwen3Config:
-        """Reads the fields we use from an HF `config.json` dict; ignores the rest."""
+    def from_hf_dict(cls, hf: dict[str, Any]) -> DecoderConfig:
+        """Reads the fields we use from an HF `config.json` dict (transformers' defaults for the
+        ones it leaves out); refuses fields this model cannot honour; ignores the rest."""
         archs = hf.get("architectures") or [cls.HF_ARCHITECTURE]
         if archs[0] != cls.HF_ARCHITECTURE:
             raise ValueError(
                 f"unsupported architecture {archs[0]!r} in config.json: {cls.__name__} "
                 f"reads {cls.HF_ARCHITECTURE!r} checkpoints"
             )
-        refuse_unsupported(hf)
+        hf = {**cls.HF_DEFAULTS, **hf}
+        for name, unsupported in cls.UNSUPPORTED_HF_FIELDS.items():
+            if name in hf and unsupported(hf[name]):
+                raise ValueError(f"config.json sets {name}={hf[name]!r}, which TitanRL's {cls.FAMILY} "
+                                 f"models do not support")
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in hf.items() if k in known}
-        # transformers >= 5 nests rope_theta under rope_parameters.
-        rope = hf.get("rope_parameters") or {}
-        if "rope_theta" in rope:
-            kwargs["rope_theta"] = rope["rope_theta"]
-        if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
-            raise ValueError("only default (unscaled) rotary embeddings are supported")
+        kwargs["rope_theta"], kwargs["rope_scaling"] = read_rope_scaling(hf, cls.HF_DEFAULTS.get("rope_theta"))
+        if kwargs["rope_theta"] is None:
+            kwargs.pop("rope_theta")
         if kwargs.get("head_dim") is None and "hidden_size" in hf:
             kwargs["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
         if isinstance(kwargs.get("eos_token_id"), list):
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
         return cls(**kwargs)
 
+    def hf_extras(self) -> dict[str, Any]:
+        """Family-specific config.json entries `to_hf_dict` adds (model type and fixed switches)."""
+        return {}
+
     def to_hf_dict(self) -> dict[str, Any]:
-        """An HF `config.json` dict that transformers' Qwen3ForCausalLM loads."""
+        """An HF `config.json` dict that transformers' class of this family loads."""
         d = asdict(self)
+        scaling = d.pop("rope_scaling")
         d.update(
             architectures=[self.HF_ARCHITECTURE],
             model_type=self.HF_MODEL_TYPE,
             hidden_act="silu",
-            attention_bias=False,
             attention_dropout=0.0,
-            use_sliding_window=False,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta},
             torch_dtype="float32",
         )
+        d.update(self.hf_extras())
         return d
 
 
-UNSUPPORTED_HF_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "hidden_act": lambda v: v != "silu",
-    "attention_bias": bool,
-    "use_sliding_window": bool,
-    "layer_types": lambda v: any(t != "full_attention" for t in v or ()),
-}
-"""config.json fields that change the function in ways this model does not implement: a value
-for which the test is true is refused (silently ignoring it would compute another model)."""
-
-
-def refuse_unsupported(hf: dict[str, Any]) -> None:
-    """A ValueError naming the first config.json field whose value this model cannot honour."""
-    for name, unsupported in UNSUPPORTED_HF_FIELDS.items():
-        if name in hf and unsupported(hf[name]):
-            raise ValueError(f"config.json sets {name}={hf[name]!r}, which TitanRL's Qwen3 models do not support")
-
-
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as Qwen3 does."""
+    """Root-mean-square norm computed in float32, as every Llama-style family does."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -151,14 +170,15 @@ class RotaryEmbedding(nn.Module):
     meta-device construction and dtype casts of the model can never corrupt them.
     """
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int = 0) -> None:
+    def __init__(self, head_dim: int, theta: float, max_positions: int = 0,
+                 scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
+        self.scaling = scaling
         self.batch_invariant = False
 
     def _angles(self, positions: torch.Tensor) -> torch.Tensor:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device)
-        inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, positions.device)
         freqs = positions[..., None].float() * inv_freq
         return torch.cat((freqs, freqs), dim=-1)
 
@@ -178,7 +198,7 @@ def _call(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A bias-free projection through the batch-invariant matmul."""
+    """A projection through the batch-invariant matmul."""
     return kernels.linear(x, layer.weight, layer.bias)
 
 
@@ -237,19 +257,25 @@ FeedForwardFactory = Callable[[int], nn.Module]
 """Builds decoder layer `i`'s feed-forward block (`mlp`): dense SwiGLU or a mixture of experts."""
 
 
-class Attention(nn.Module):
-    """Grouped-query attention with per-head q/k RMSNorm and rotary embeddings."""
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
-    def __init__(self, config: Qwen3Config, backend: nn.Module) -> None:
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotary embeddings; per-head q/k RMSNorm where the family has
+    it (`q_norm`/`k_norm` exist only then, so parameter names stay the family's)."""
+
+    def __init__(self, config: DecoderConfig, backend: nn.Module) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.has_qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.has_qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.has_qkv_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.has_o_bias)
+        if c.QK_NORM:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.backend = backend
         self.batch_invariant = False
 
@@ -258,22 +284,29 @@ class Attention(nn.Module):
         proj = _linear if self.batch_invariant else _call
         # Head counts come from the projections' widths (-1), not the config: under tensor
         # parallelism each rank holds num_heads / tp of them.
-        q = self.q_norm(proj(self.q_proj, x_BTD).view(B, T, -1, self.head_dim))
-        k = self.k_norm(proj(self.k_proj, x_BTD).view(B, T, -1, self.head_dim))
+        q_norm, k_norm = self.qk_norms()
+        q = q_norm(proj(self.q_proj, x_BTD).view(B, T, -1, self.head_dim))
+        k = k_norm(proj(self.k_proj, x_BTD).view(B, T, -1, self.head_dim))
         v = proj(self.v_proj, x_BTD).view(B, T, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out_BTHD = self.backend(q, k, v)
         return proj(self.o_proj, out_BTHD.reshape(B, T, -1))
 
+    def qk_norms(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+        """The per-head q and k norms, identities for a family without them."""
+        q_norm = getattr(self, "q_norm", None)
+        return (_identity, _identity) if q_norm is None else (q_norm, self.k_norm)
+
 
 class MLP(nn.Module):
     """SwiGLU feed-forward block."""
 
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        bias = config.has_mlp_bias
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -292,7 +325,7 @@ class DecoderLayer(nn.Module):
     off by default and inert without grad (vLLM and every no-grad forward).
     """
 
-    def __init__(self, config: Qwen3Config, attention_backend: nn.Module, mlp: nn.Module | None = None) -> None:
+    def __init__(self, config: DecoderConfig, attention_backend: nn.Module, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(config, attention_backend)
         self.mlp = MLP(config) if mlp is None else mlp
@@ -310,10 +343,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3Backbone(nn.Module):
+class DecoderBackbone(nn.Module):
     """Embeddings, decoder layers and final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: Qwen3Config, attention_backend: AttentionBackendFactory,
+    def __init__(self, config: DecoderConfig, attention_backend: AttentionBackendFactory,
                  feed_forward: FeedForwardFactory | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -322,13 +355,14 @@ class Qwen3Backbone(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
+                                          config.rope_scaling)
 
 
-class Qwen3ForCausalLM(nn.Module):
-    """Qwen3 decoder with an LM head; `forward` maps token ids [B, T] to logits [B, T, V]."""
+class DecoderForCausalLM(nn.Module):
+    """A decoder with an LM head; `forward` maps token ids [B, T] to logits [B, T, V]."""
 
-    def __init__(self, config: Qwen3Config, attention_backend: AttentionBackendFactory | None = None) -> None:
+    def __init__(self, config: DecoderConfig, attention_backend: AttentionBackendFactory | None = None) -> None:
         super().__init__()
         self.config = config
         if attention_backend is None:
@@ -336,18 +370,18 @@ class Qwen3ForCausalLM(nn.Module):
             def attention_backend(layer_idx: int) -> nn.Module:
                 return CausalSDPA(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
 
-        self.model = Qwen3Backbone(config, attention_backend, self.feed_forward_factory(config))
+        self.model = DecoderBackbone(config, attention_backend, self.feed_forward_factory(config))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.batch_invariant = False
 
     @staticmethod
-    def feed_forward_factory(config: Qwen3Config) -> FeedForwardFactory | None:
+    def feed_forward_factory(config: DecoderConfig) -> FeedForwardFactory | None:
         """Each layer's `mlp`; None is the dense SwiGLU everywhere (the MoE model overrides this)."""
         return None
 
-    def set_batch_invariant(self, enabled: bool = True) -> Qwen3ForCausalLM:
+    def set_batch_invariant(self, enabled: bool = True) -> DecoderForCausalLM:
         """Routes every op through `titanrl.kernels` (True) or the fast library kernels (False).
 
         In batch-invariant mode a token's logits have the same bits whatever else is in the

@@ -1,0 +1,40 @@
+"""`ModelSpec`: everything generic code needs to know about one model family, in one object.
+
+A family lives in its own folder (`titanrl/models/<family>/`): its config (the fields it reads from
+config.json), its model class (the module the trainer builds and vLLM runs) and its spec. The
+registry (`titanrl.models.architectures`) maps config.json's `architectures[0]` to a spec; code
+outside `models/` asks the spec (or the model) and never names a family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from titanrl.models.common.decoder import DecoderConfig, DecoderForCausalLM
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One family's entry in the registry."""
+
+    name: str
+    """Short family name, as in `titanrl models` listings and errors ("llama", "qwen3_moe")."""
+    config_class: type[DecoderConfig]
+    """Reads and writes the family's config.json (its `HF_ARCHITECTURE` is the registry key)."""
+    model_class: type[DecoderForCausalLM]
+    """The module the trainer builds and vLLM's wrapper subclasses."""
+    is_moe: bool = False
+    """Whether the family routes tokens to experts (expert parallelism, routing replay, aux loss)."""
+
+    @property
+    def architecture(self) -> str:
+        """config.json's `architectures[0]` for this family."""
+        return self.config_class.HF_ARCHITECTURE
+
+    @property
+    def vllm_architecture(self) -> str:
+        """The name our model class is registered under in vLLM's ModelRegistry (ours, so vLLM's own
+        implementation of the family stays available under the HF name)."""
+        return f"TitanRL{self.architecture}"
