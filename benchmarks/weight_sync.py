@@ -131,7 +131,7 @@ def repack_floor(ckpt: str, repeats: int, bound: CopyBound) -> dict:
     import torch
 
     from titanrl.models.hf_checkpoint import load_model
-    from titanrl.rollout.vllm.kernel_overrides import apply_vllm_kernels, repack_vllm_kernels
+    from titanrl.models.common.vllm_kernels import apply_vllm_kernels, repack_vllm_kernels
 
     torch.set_num_threads(1)  # a worker's engine thread (threads_per_worker=1, as here)
     model = apply_vllm_kernels(load_model(ckpt)[0])

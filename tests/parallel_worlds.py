@@ -470,7 +470,7 @@ def expert_dispatch() -> dict[str, float]:
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5)
     block = copy.deepcopy(ref)
     mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("ep",))
-    apply_expert_parallel([SimpleNamespace(mlp=block)], mesh, tokens_split_over_tp=False)
+    apply_expert_parallel([block], mesh, tokens_split_over_tp=False)
     ref.experts.implementation = block.experts.implementation = "loop"  # float64: no grouped matmul
     local = config.num_experts // n
     allowed = [[0, 2, 3, 4, 5, 6, 7]] + [[e for e in range(8) if e >= local]] * (n - 1)

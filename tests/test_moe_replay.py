@@ -129,13 +129,13 @@ def test_aux_loss_equals_transformers(case):
         r.keep_routing, r.last_routing = False, None
     mask = real_tokens(batch.loss_mask_BT)
     logits = [r.logits for r in routings]
-    ours = load_balancing_loss(logits, [r.experts for r in routings], mask.reshape(-1), 4)
+    ours = load_balancing_loss(logits, [r.chosen for r in routings], mask.reshape(-1), 4)
     theirs = load_balancing_loss_func(tuple(logits), 4, 2, mask.long())
     assert abs(ours.item() - theirs.item()) <= 1e-6
-    unmasked = load_balancing_loss(logits, [r.experts for r in routings], torch.ones(mask.numel()), 4)
+    unmasked = load_balancing_loss(logits, [r.chosen for r in routings], torch.ones(mask.numel()), 4)
     assert abs(unmasked.item() - load_balancing_loss_func(tuple(logits), 4, 2).item()) <= 1e-6
     # A micro-batch of padding rows only (a data-parallel rank's filler) adds 0, not 0/0.
-    assert load_balancing_loss(logits, [r.experts for r in routings], torch.zeros(mask.numel()), 4).item() == 0.0
+    assert load_balancing_loss(logits, [r.chosen for r in routings], torch.zeros(mask.numel()), 4).item() == 0.0
 
 
 def test_aux_loss_gradient_reaches_the_router(case):
@@ -170,9 +170,9 @@ def test_expert_bias_moves_the_choice_not_the_weights():
     plain = router(x)
     router.expert_bias[3] = 10.0
     biased = router(x)
-    assert (biased.experts == 3).any(-1).all()  # expert 3 chosen for every token
-    assert not (plain.experts == 3).any(-1).all()
-    probs = torch.softmax(plain.logits, -1).gather(1, biased.experts)
+    assert (biased.chosen == 3).any(-1).all()  # expert 3 chosen for every token
+    assert not (plain.chosen == 3).any(-1).all()
+    probs = torch.softmax(plain.logits, -1).gather(1, biased.chosen)
     torch.testing.assert_close(biased.weights, probs / probs.sum(-1, keepdim=True))
     assert routing_buffers(router) == {"expert_bias": router.expert_bias}
     assert "expert_bias" not in router.state_dict()  # HF files have no such tensor

@@ -225,8 +225,8 @@ def test_cli_plans_dense_and_moe_configs(tmp_path, capsys):
 def test_cli_bad_input_names_what_to_change(tmp_path, capsys):
     assert main(_plan_args(tmp_path / "missing.json")) == 2
     assert "no such file" in capsys.readouterr().err
-    assert main(_plan_args(_write(tmp_path, {**TINY, "architectures": ["LlamaForCausalLM"]}))) == 2
-    assert "unknown architecture 'LlamaForCausalLM'" in capsys.readouterr().err
+    assert main(_plan_args(_write(tmp_path, {**TINY, "architectures": ["MistralForCausalLM"]}))) == 2
+    assert "unsupported architecture 'MistralForCausalLM'" in capsys.readouterr().err
     path = _write(tmp_path, TINY)
     assert main(["plan", "--model", str(path), "--gpus", "0", "--gpu-memory", "80", "--seq-len", "8",
                  "--batch", "4"]) == 2

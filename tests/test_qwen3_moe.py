@@ -48,7 +48,7 @@ def _routed_experts(model: Qwen3MoeForCausalLM, ids: torch.Tensor) -> list[torch
         router.keep_routing = True
     with torch.no_grad():
         model(ids)
-    out = [router.last_routing.experts for router in model.routers()]
+    out = [router.last_routing.chosen for router in model.routers()]
     for router in model.routers():
         router.keep_routing, router.last_routing = False, None
     return out

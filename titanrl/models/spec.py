@@ -8,8 +8,11 @@ outside `models/` asks the spec (or the model) and never names a family.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from titanrl.models.common.parallelize import DECODER_PLAN, ParallelPlan
+from titanrl.models.common.state_dict_adapter import DECODER_ADAPTER, StateDictAdapter
 
 if TYPE_CHECKING:
     from titanrl.models.common.decoder import DecoderConfig, DecoderForCausalLM
@@ -27,6 +30,10 @@ class ModelSpec:
     """The module the trainer builds and vLLM's wrapper subclasses."""
     is_moe: bool = False
     """Whether the family routes tokens to experts (expert parallelism, routing replay, aux loss)."""
+    parallel_plan: ParallelPlan = field(default=DECODER_PLAN)
+    """TP/SP plan of a block, compile regions, the attention core, XLA shardings."""
+    state_dict_adapter: StateDictAdapter = field(default=DECODER_ADAPTER)
+    """The special names of the family's state dict (embedding, head, layer prefix)."""
 
     @property
     def architecture(self) -> str:

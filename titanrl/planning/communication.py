@@ -62,7 +62,7 @@ def communication(shape: ModelShape, layout: Layout, work: Workload) -> Communic
     for stage in range(layout.pp):
         p = stage_params(shape, layout, stage)
         dense = -(-p.tp_split // layout.tp) + p.replicated  # one tp rank's unsharded non-expert parameters
-        experts = p.experts // layout.ep
+        experts = p.expert_elements // layout.ep
         fsdp = n_micro * 2 * (_ring(dense * b, layout.fsdp_size) + _ring(experts * b, layout.expert_fsdp_size))
         fsdp += _ring(dense * 4, layout.fsdp_size) + _ring(experts * 4, layout.expert_fsdp_size)
         if layout.dp_replicate > 1:

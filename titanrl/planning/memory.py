@@ -298,7 +298,7 @@ class StageParams:
     """Split by tp (projections, dense MLPs, vocabulary-parallel embedding and head), then by FSDP."""
     replicated: int
     """Replicated under tp (norms, router), sharded by FSDP."""
-    experts: int
+    expert_elements: int
     """Expert weights, split ep ways and FSDP-sharded over dp_shard x cp x tp / ep."""
     root: int
     """Of tp_split + replicated: the outer FSDP unit (embedding, final norm, head)."""
@@ -340,7 +340,7 @@ def stage_params(shape: ModelShape, layout: Layout, stage: int) -> StageParams:
 def rank_parameter_elements(p: StageParams, layout: Layout) -> int:
     """Elements this rank stores: each group's share, rounded up (FSDP pads uneven shards)."""
     dense = -(-p.tp_split // (layout.tp * layout.fsdp_size)) + -(-p.replicated // layout.fsdp_size)
-    experts = -(-p.experts // (layout.ep * layout.expert_fsdp_size)) if p.experts else 0
+    experts = -(-p.expert_elements // (layout.ep * layout.expert_fsdp_size)) if p.expert_elements else 0
     return dense + experts
 
 
@@ -444,7 +444,7 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
         fsdp = (p.root + 2 * p.largest_layer) * b + (p.root + p.largest_layer) * (b + (4 if b != 4 else 0))
     accumulation = 0
     if sharded and sched.micro_batches > 1:
-        unsharded = -(-p.tp_split // layout.tp) + p.replicated + -(-p.experts // layout.ep)
+        unsharded = -(-p.tp_split // layout.tp) + p.replicated + -(-p.expert_elements // layout.ep)
         accumulation = 4 * unsharded
     stored, checkpointed = stage_activations(shape, layout, work, stage, sched)
     full, chunked = logits_bytes(shape, layout, work, sched, stage)

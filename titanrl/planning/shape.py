@@ -1,7 +1,8 @@
-"""The sizes the memory planner needs, read from an HF `config.json` (dense Qwen3 or Qwen3-MoE).
+"""The sizes the memory planner needs, read from an HF `config.json` through the family's spec.
 
-The MoE fields are parsed here, not through a model class: the planner only counts parameters
-and activations, so it reads any Qwen3-family config without building the model.
+The config is parsed by the family's own config class (`titanrl.models.architectures`), so the
+planner reads every family TitanRL builds, refuses what the models refuse, and counts the biases
+and q/k norms a family has; it never builds the model.
 """
 
 from __future__ import annotations
@@ -11,11 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from titanrl.models.qwen3 import HF_ARCHITECTURE as DENSE_ARCHITECTURE
-from titanrl.models.qwen3.moe import canonical_hf_dict
-
-MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
-ARCHITECTURES = (DENSE_ARCHITECTURE, MOE_ARCHITECTURE)
+from titanrl.models.architectures import DEFAULT_ARCHITECTURE, spec_for_architecture
 
 
 class PlanInputError(ValueError):
@@ -24,7 +21,7 @@ class PlanInputError(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Architecture sizes of a Qwen3-family decoder, named as in config.json."""
+    """Architecture sizes of a decoder of any registered family, named as in config.json."""
 
     vocab_size: int
     hidden_size: int
@@ -35,7 +32,15 @@ class ModelShape:
     num_key_value_heads: int
     head_dim: int
     tie_word_embeddings: bool
-    architecture: str = DENSE_ARCHITECTURE
+    architecture: str = DEFAULT_ARCHITECTURE
+    qk_norm: bool = True
+    """Per-head q/k RMSNorm in every layer (Qwen3)."""
+    qkv_bias: bool = False
+    """Biases on q/k/v (Qwen2, Llama with attention_bias)."""
+    o_bias: bool = False
+    """A bias on the attention output projection (Llama with attention_bias)."""
+    mlp_bias: bool = False
+    """Biases on the dense SwiGLU projections (Llama with mlp_bias)."""
     num_experts: int = 0
     """Routed experts per sparse layer; 0 for a dense model."""
     num_experts_per_tok: int = 0
@@ -64,17 +69,19 @@ class ModelShape:
     def attention_projection_params(self) -> int:
         """q, k, v, o projections of one layer (split by tp: whole heads per rank)."""
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        return 2 * self.hidden_size * q + 2 * self.hidden_size * kv
+        biases = (q + 2 * kv) * self.qkv_bias + self.hidden_size * self.o_bias
+        return 2 * self.hidden_size * q + 2 * self.hidden_size * kv + biases
 
     @property
     def layer_norm_params(self) -> int:
         """input/post-attention RMSNorm and the per-head q/k norms of one layer (replicated under tp)."""
-        return 2 * self.hidden_size + 2 * self.head_dim
+        return 2 * self.hidden_size + 2 * self.head_dim * self.qk_norm
 
     @property
     def dense_mlp_params(self) -> int:
         """gate, up, down of a dense SwiGLU layer (split by tp)."""
-        return 3 * self.hidden_size * self.intermediate_size
+        biases = (2 * self.intermediate_size + self.hidden_size) * self.mlp_bias
+        return 3 * self.hidden_size * self.intermediate_size + biases
 
     @property
     def router_params(self) -> int:
@@ -108,45 +115,45 @@ class ModelShape:
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelShape:
-        archs = hf.get("architectures") or [DENSE_ARCHITECTURE]
-        arch = archs[0]
-        if arch not in ARCHITECTURES:
-            raise PlanInputError(
-                f"unknown architecture {arch!r} in config.json: the planner reads {' and '.join(ARCHITECTURES)} "
-                f"configs; point --model at a Qwen3 or Qwen3-MoE config.json"
-            )
+        arch = (hf.get("architectures") or [DEFAULT_ARCHITECTURE])[0]
+        try:
+            spec = spec_for_architecture(arch)
+        except ValueError as e:
+            raise PlanInputError(f"{e}; point --model at a config.json of one of these") from None
+        named = {**hf, **{ours: hf[alias] for alias, ours in spec.config_class.HF_ALIASES.items() if alias in hf}}
+        # The planner wants the sizes stated: a default filled in for a missing size would plan another model.
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
-        if arch == MOE_ARCHITECTURE:
-            try:
-                hf = canonical_hf_dict(hf)  # transformers 5 writes num_experts as num_local_experts
-            except ValueError as e:
-                raise PlanInputError(str(e)) from None
-            required += ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
-        else:
-            required += ["intermediate_size"]
-        missing = [k for k in required if k not in hf]
+        required += ["num_experts", "num_experts_per_tok", "moe_intermediate_size"] if spec.is_moe else ["intermediate_size"]
+        missing = [k for k in required if k not in named]
         if missing:
             raise PlanInputError(f"config.json ({arch}) lacks {', '.join(missing)}: add them to the file")
-        heads = hf["num_attention_heads"]
+        try:
+            config = spec.config_class.from_hf_dict(hf)
+        except (TypeError, ValueError) as e:
+            raise PlanInputError(f"config.json: {e}") from None
         shape = cls(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
             intermediate_size=int(hf.get("intermediate_size") or 0),
-            num_hidden_layers=int(hf["num_hidden_layers"]),
-            num_attention_heads=int(heads),
-            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            num_hidden_layers=config.num_hidden_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            tie_word_embeddings=config.tie_word_embeddings,
             architecture=arch,
+            qk_norm=config.QK_NORM,
+            qkv_bias=config.has_qkv_bias,
+            o_bias=config.has_o_bias,
+            mlp_bias=config.has_mlp_bias,
         )
-        if arch == MOE_ARCHITECTURE:
+        if spec.is_moe:
             shape = replace(
                 shape,
-                num_experts=int(hf["num_experts"]),
-                num_experts_per_tok=int(hf["num_experts_per_tok"]),
-                moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
-                mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+                num_experts=config.num_experts,
+                num_experts_per_tok=config.num_experts_per_tok,
+                moe_intermediate_size=config.moe_intermediate_size,
+                decoder_sparse_step=config.decoder_sparse_step,
+                mlp_only_layers=tuple(config.mlp_only_layers),
             )
         shape.check()
         return shape

@@ -34,8 +34,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from titanrl.models.architectures import spec_for
 from titanrl.models.hf_checkpoint import (
-    HEAD,
     TOKENIZER_FILES,
     CheckpointError,
     CheckpointTensors,
@@ -216,7 +216,7 @@ def open_initial_policy(checkpoint: str) -> InitialPolicy:
     saved = dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
     found = {k.removeprefix("model."): md.size for k, md in saved.items()
              if k.startswith("model.") and isinstance(md, TensorStorageMetadata)}
-    if config.tie_word_embeddings:
-        found.pop(HEAD, None)  # saved beside the embedding for readers that ask for both
+    if config.tie_word_embeddings:  # saved beside the embedding for readers that ask for both
+        found.pop(spec_for(config).state_dict_adapter.head, None)
     check_shapes(parameter_shapes(empty_meta_model(config), config), found, str(dcp_dir))
     return InitialPolicy(config, str(ckpt / HF_CONFIG_DIR), dcp_dir=dcp_dir)

@@ -27,8 +27,6 @@ from torch import nn
 
 from titanrl.busy_flags import BusyFlags
 
-POLLED_PART = "self_attn.backend"
-"""The submodule of a decoder block whose forward (and backward) first checks the workers."""
 
 
 class IdleCores:
@@ -52,10 +50,11 @@ class IdleCores:
         self.checks += 1
         self.idle_checks += idle
 
-    def install(self, layers: Sequence[nn.Module]) -> None:
-        """Checks before the forward and the backward of each layer's `POLLED_PART`."""
+    def install(self, layers: Sequence[nn.Module], polled_part: str) -> None:
+        """Checks before the forward and the backward of each layer's `polled_part` (the family's
+        attention core, `ParallelPlan.attention_core`)."""
         for layer in layers:
-            part = layer.get_submodule(POLLED_PART)
+            part = layer.get_submodule(polled_part)
             part.forward = _checked(part.forward, self.check)  # on the instance: names unchanged
 
     def take_idle_fraction(self) -> float:

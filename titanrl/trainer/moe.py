@@ -156,17 +156,17 @@ class MicroBatchRouting:
                     f"routing metrics, auxiliary loss or replay (set train.moe_load_balance='none')")
             router.keep_routing, router.last_routing = False, None
             logits.append(routing.logits)
-            used.append(routing.experts)
+            used.append(routing.chosen)
             with torch.no_grad():
-                k = routing.experts.shape[1]
-                totals.load[i] += torch.bincount(routing.experts.reshape(-1), weights=real_N.double().repeat_interleave(k),
+                k = routing.chosen.shape[1]
+                totals.load[i] += torch.bincount(routing.chosen.reshape(-1), weights=real_N.double().repeat_interleave(k),
                                                  minlength=totals.num_experts)
                 if routed_BTLK is not None:
                     recorded_NK = routed_BTLK[:, :, i].reshape(-1, k).long() - 1
                     compare = completion_N & (recorded_NK >= 0).all(-1)
                     recorded_set = recorded_NK.sort(-1).values
                     same = (routing.live_experts.sort(-1).values == recorded_set).all(-1)
-                    same_used = (routing.experts.sort(-1).values == recorded_set).all(-1)
+                    same_used = (routing.chosen.sort(-1).values == recorded_set).all(-1)
                     totals.agreement += torch.stack([same & compare, same_used & compare, compare]).sum(1)
         weight = real_N.sum() / real_tokens_total.to(real_N.device)
         # Only a loss that trains needs its graph (measured for moe/aux_loss either way).
@@ -190,6 +190,6 @@ def update_expert_bias(module: torch.nn.Module, settings: MoeSettings, load_LE: 
     assert settings.bias_update_rate is not None
     index = {layer: i for i, layer in enumerate(settings.sparse_layers)}
     for router in routers(module):
-        load = load_LE[index[router.layer_id]].to(router.expert_bias.device, torch.float32)
+        load = load_LE[index[router.layer_id]].to(torch.float32)
         delta = settings.bias_update_rate * torch.sign(load.mean() - load)
-        router.expert_bias += delta - delta.mean()
+        router.shift_expert_bias(delta - delta.mean())

@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor
 
 from titanrl.config.schema import TrainConfig
 from titanrl.trainer.parallel.parallelize import ParallelModel
-from titanrl.trainer.parallel.tied import EMBED, HEAD
+from titanrl.models.architectures import spec_for
+from titanrl.models.common.decoder import DecoderConfig
 
 DECAY = "decay"
 NO_DECAY = "no_decay"
@@ -38,22 +39,14 @@ LAYOUT_KEYS = ("foreach", "fused")
 checkpoint from another layout never overrides them."""
 
 
-def decays(name: str, tied: bool) -> bool:
-    """Whether AdamW's weight decay applies to the HF-named parameter `name`.
-
-    tied: the model ties its embedding and LM head, so `lm_head.weight` is the embedding.
-    """
-    if name.endswith("norm.weight") or name.endswith(".bias") or name == EMBED:
-        return False
-    return not (tied and name == HEAD)
-
-
 def param_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], train_config: TrainConfig,
-                 tied: bool) -> list[dict]:
-    """AdamW param groups 'decay' (train.weight_decay) and 'no_decay' (0.0); empty ones left out."""
+                 config: DecoderConfig) -> list[dict]:
+    """AdamW param groups 'decay' (train.weight_decay) and 'no_decay' (0.0, the family's no-decay
+    names: `StateDictAdapter.decays`); empty ones left out."""
+    adapter = spec_for(config).state_dict_adapter
     groups = {DECAY: [], NO_DECAY: []}
     for name, p in named_parameters:
-        groups[DECAY if decays(name, tied) else NO_DECAY].append(p)
+        groups[DECAY if adapter.decays(name, config.tie_word_embeddings) else NO_DECAY].append(p)
     weight_decay = {DECAY: train_config.weight_decay, NO_DECAY: 0.0}
     return [{"params": params, GROUP_NAME: group, "weight_decay": weight_decay[group]}
             for group, params in groups.items() if params]
@@ -64,7 +57,7 @@ def build_optimizers(pm: ParallelModel, train_config: TrainConfig) -> list[torch
     with its own optimizer state (a pipeline rank has one per stage)."""
     optimizers = []
     for part in pm.parts:
-        groups = param_groups(part.named_parameters(), train_config, pm.config.tie_word_embeddings)
+        groups = param_groups(part.named_parameters(), train_config, pm.config)
         params = [p for g in groups for p in g["params"]]
         optimizers.append(torch.optim.AdamW(groups, lr=train_config.lr, betas=train_config.betas,
                                             **implementation(params, pm.device)))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from titanrl.models.architectures import spec_for
 from titanrl.busy_flags import BusyFlags
 from titanrl.config.parallel import check_compile, check_idle_threads, uses_onednn_linears
 from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig, compute_dtype
@@ -150,7 +151,8 @@ class GRPOTrainer:
         if busy_flags is not None and train_config.threads_when_rollouts_idle is not None:
             self.idle_cores = IdleCores(BusyFlags(busy_flags), train_config.threads,
                                         train_config.threads_when_rollouts_idle)
-            self.idle_cores.install(self.pm.parts[0].model.layers)
+            self.idle_cores.install(self.pm.parts[0].decoder_layers(),
+                                    spec_for(self.pm.config).parallel_plan.attention_core)
         self.version: PolicyVersion = 0
         self.skipped_steps = 0
         """`step` calls whose every optimizer step was skipped (non-finite loss or grad norm)."""

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from titanrl.models.architectures import spec_for
+from titanrl.models.common.state_dict_adapter import DECODER_ADAPTER
 from titanrl.models.qwen3.moe import routing_buffers
 from titanrl.weight_sync.layout import TensorSpec, WeightLayout, WeightSyncError
 
-SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
-"""Buffers some HF checkpoints carry that the model recomputes (as `load_weights` skips them)."""
 
 
 class ParameterTarget:
@@ -24,7 +24,9 @@ class ParameterTarget:
         self.params = dict(model.named_parameters())  # a tied LM head appears once, as the embedding
         # Router expert biases (mixture of experts): written when announced, never required.
         self.optional = routing_buffers(model)
-        self.tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+        config = getattr(model, "config", None)  # None: a bare module (tests), no tied head
+        self.tied = bool(config is not None and config.tie_word_embeddings)
+        self.adapter = spec_for(config).state_dict_adapter if config is not None else DECODER_ADAPTER
 
     def check(self, layout: WeightLayout, allow_partial: bool = False) -> list[torch.Tensor | None]:
         """For each tensor of `layout`, the parameter data it goes into (None: not loaded here,
@@ -46,7 +48,8 @@ class ParameterTarget:
         return dests
 
     def _dest(self, spec: TensorSpec, problems: list[str]) -> torch.Tensor | None:
-        if (spec.name == "lm_head.weight" and self.tied) or spec.name.endswith(SKIPPED_SUFFIXES):
+        # A tied head is the embedding; buffers some HF files carry are recomputed by the model.
+        if (spec.name == self.adapter.head and self.tied) or self.adapter.is_recomputed(spec.name):
             return None
         param = self.params.get(spec.name, self.optional.get(spec.name))
         if param is None:

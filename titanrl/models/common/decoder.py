@@ -37,6 +37,8 @@ class DecoderConfig:
     """A human name for errors ("Qwen3", "Llama")."""
     QK_NORM: ClassVar[bool] = False
     """Per-head RMSNorm of queries and keys before rotary (Qwen3)."""
+    HF_ALIASES: ClassVar[dict[str, str]] = {}
+    """config.json spellings of our fields (transformers 5 writes some under other names)."""
     HF_DEFAULTS: ClassVar[dict[str, Any]] = {}
     """transformers' defaults for fields a config.json may leave out, where they differ from ours."""
     UNSUPPORTED_HF_FIELDS: ClassVar[dict[str, Callable[[Any], bool]]] = {}
@@ -375,6 +377,18 @@ class DecoderForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.batch_invariant = False
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The decoder blocks, in order (what parallelism wraps, checkpoints and compiles)."""
+        return list(self.model.layers)
+
+    def input_embedding(self) -> nn.Embedding:
+        """The token embedding."""
+        return self.model.embed_tokens
+
+    def output_head(self) -> nn.Linear:
+        """The LM head (with tied embeddings its weight is the embedding's)."""
+        return self.lm_head
 
     @staticmethod
     def feed_forward_factory(config: DecoderConfig) -> FeedForwardFactory | None:

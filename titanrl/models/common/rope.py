@@ -24,12 +24,17 @@ def read_rope_scaling(hf: dict[str, Any], default_theta: float | None) -> tuple[
     """(rope_theta, scaling) from a config.json dict: transformers >= 5 nests both under
     `rope_parameters`, older files use top-level `rope_theta` and `rope_scaling` (whose type key
     may be spelled `type`). Scaling is None when unscaled; an unsupported type raises ValueError."""
-    params: dict[str, Any] = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    legacy, current = hf.get("rope_scaling") or {}, hf.get("rope_parameters") or {}
+    types = {key: d.get("rope_type", d.get("type", "default")) for key, d in
+             (("rope_scaling", legacy), ("rope_parameters", current)) if d}
+    if len(set(types.values())) > 1:  # neither may be silently dropped
+        raise ValueError(f"config.json's rotary settings disagree: {types}; keep one")
+    params: dict[str, Any] = {**legacy, **current}
     theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = next(iter(types.values()), "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"config.json sets rope type {rope_type!r}, which TitanRL does not implement "
-                         f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        raise ValueError(f"config.json sets rotary scaling (rope type) {rope_type!r}, which TitanRL does not "
+                         f"implement (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     if rope_type == "default":
         return theta, None
     required = ("factor",) if rope_type == "linear" else LLAMA3_KEYS

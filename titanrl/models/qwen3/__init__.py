@@ -20,8 +20,10 @@ SPEC = ModelSpec(name="qwen3", config_class=Qwen3Config, model_class=Qwen3ForCau
 __all__ = ["HF_ARCHITECTURE", "SPEC", "Qwen3Config", "Qwen3ForCausalLM"]
 
 from titanrl.models.qwen3.moe import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+from titanrl.models.qwen3.parallelize import MOE_PLAN  # noqa: E402
 
-MOE_SPEC = ModelSpec(name="qwen3_moe", config_class=Qwen3MoeConfig, model_class=Qwen3MoeForCausalLM, is_moe=True)
+MOE_SPEC = ModelSpec(name="qwen3_moe", config_class=Qwen3MoeConfig, model_class=Qwen3MoeForCausalLM, is_moe=True,
+                     parallel_plan=MOE_PLAN)
 """Qwen3-MoE (Qwen3-30B-A3B and smaller test shapes): sparse mixture-of-experts feed-forward blocks."""
 
 __all__ += ["MOE_SPEC", "Qwen3MoeConfig", "Qwen3MoeForCausalLM"]

@@ -48,6 +48,7 @@ class Qwen3MoeConfig(Qwen3Config):
     HF_ARCHITECTURE: ClassVar[str] = MOE_ARCHITECTURE
     HF_MODEL_TYPE: ClassVar[str] = "qwen3_moe"
     FAMILY: ClassVar[str] = "Qwen3-MoE"
+    HF_ALIASES: ClassVar[dict[str, str]] = {"num_local_experts": "num_experts"}
 
     num_experts: int = 8
     """Experts in each sparse layer."""
@@ -157,13 +158,13 @@ class Routing:
 
     logits: torch.Tensor
     """Router scores [N, E], float32 (the auxiliary loss and the load metrics read them)."""
-    experts: torch.Tensor
+    chosen: torch.Tensor
     """Chosen experts [N, k], int64, in descending score order (replayed ones as recorded)."""
     weights: torch.Tensor
     """Combine weights [N, k], float32: the chosen experts' softmax probabilities (renormalised
     with norm_topk_prob); they carry the router's gradient, replayed or not."""
     live_experts: torch.Tensor | None = None
-    """The experts this router itself chose [N, k] (equal to `experts` unless replayed): what
+    """The experts this router itself chose [N, k] (equal to `chosen` unless replayed): what
     the trainer compares with the generator's routing (moe/route_agreement)."""
 
 
@@ -197,6 +198,10 @@ class Router(nn.Module):
         self.last_routing: Routing | None = None
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32), persistent=False)
 
+    def shift_expert_bias(self, delta_E: torch.Tensor) -> None:
+        """Moves the load-balancing bias by `delta_E` (the trainer's auxiliary-loss-free update)."""
+        self.expert_bias += delta_E.to(self.expert_bias.device, torch.float32)
+
     def forward(self, x_ND: torch.Tensor) -> Routing:
         x32, w32 = x_ND.float(), self.weight.float()
         # Batch-invariant mode decides top-k on identical bits in trainer and generator.
@@ -218,7 +223,7 @@ class Router(nn.Module):
             weights = probs.gather(1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        routing = Routing(logits=logits, experts=experts, weights=weights, live_experts=live_experts)
+        routing = Routing(logits=logits, chosen=experts, weights=weights, live_experts=live_experts)
         if self.capture is not None:
             self.capture(self.layer_id, experts)
         if self.keep_routing:
@@ -305,12 +310,21 @@ class SparseMoeBlock(nn.Module):
         self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.dispatch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
+    def expert_module(self) -> GroupedExperts:
+        """The stacked experts (what expert parallelism shards on dim 0 and FSDP wraps on its own mesh)."""
+        return self.experts
+
+    def set_router_grad_group(self, group: object | None) -> None:
+        """The group the router's gradient is summed over (the tp ranks when they route shards of
+        the tokens under expert parallelism); None: none."""
+        self.gate.grad_sum_group = group
+
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
         routing = self.gate(x_ND)
-        k = routing.experts.shape[1]
-        order, counts = sort_by_expert(routing.experts, self.num_experts)
+        k = routing.chosen.shape[1]
+        order, counts = sort_by_expert(routing.chosen, self.num_experts)
         x_sorted = x_ND[order // k]
         run = self.experts if self.dispatch is None else self.dispatch
         y_sorted = run(x_sorted, counts)

@@ -87,7 +87,7 @@ class VllmEngineConfig:
     2-5 s on CPU) are paid at start-up instead of inside the first training step."""
     vllm_kernels: bool = True
     """On CPU, outside batch-invariant mode, run our model's linear layers, RMSNorms and rotary
-    through vLLM's own kernels (oneDNN on prepacked weights; `titanrl.rollout.vllm.kernel_overrides`);
+    through vLLM's own kernels (oneDNN on prepacked weights; `titanrl.models.common.vllm_kernels`);
     False keeps torch's. Same weights and parameter names either way; pushes repack."""
 
     def __post_init__(self) -> None:
@@ -389,7 +389,7 @@ class VllmEngine:
         t0 = time.perf_counter()
         tensors = {}
         for name, t in from_checkpoint_tensors(dict(state_dict)).items():
-            if name == "lm_head.weight" and self.model_config.tie_word_embeddings:
+            if name == self.spec.state_dict_adapter.head and self.model_config.tie_word_embeddings:
                 continue
             tensors[name] = t.detach().to("cpu").contiguous()
         if self.config.multiprocess:

@@ -25,11 +25,11 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
-from titanrl.models.architectures import SPECS
+from titanrl.models.architectures import SPECS, spec_for
 from titanrl.models.common.decoder import DecoderConfig
 from titanrl.models.qwen3.moe import parse_expert_checkpoint_name, routing_buffers
 from titanrl.models.spec import ModelSpec
-from titanrl.rollout.vllm.kernel_overrides import apply_vllm_kernels, repack_vllm_kernels
+from titanrl.models.common.vllm_kernels import apply_vllm_kernels, repack_vllm_kernels
 from titanrl.rollout.vllm.names import BATCH_INVARIANT_KEY, VLLM_KERNELS_KEY
 from titanrl.rollout.vllm.paged_attention import paged_batch_invariant_attention
 from titanrl.rollout.vllm.routing_record import RoutingRecorder
@@ -114,6 +114,9 @@ class VllmModelBoundary:
                 "pipeline_parallel_size=1 (scale rollouts with more engines instead)"
             )
 
+        spec = spec_for(config)
+        layers_prefix, core = spec.state_dict_adapter.layers_prefix, spec.parallel_plan.attention_core
+
         def attention_backend(layer_idx: int) -> nn.Module:
             # The prefix is the module path, unique per layer, as vLLM's KV-cache binding needs.
             return VllmPagedAttention(
@@ -121,7 +124,7 @@ class VllmModelBoundary:
                 config.num_key_value_heads,
                 config.head_dim,
                 vllm_config,
-                prefix=_join(prefix, f"model.layers.{layer_idx}.self_attn.backend.attn"),
+                prefix=_join(prefix, f"{layers_prefix}{layer_idx}.{core}.attn"),
             )
 
         super().__init__(config, attention_backend=attention_backend)  # type: ignore[call-arg]
@@ -139,7 +142,7 @@ class VllmModelBoundary:
 
     # --- vLLM model interface -------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)  # type: ignore[attr-defined]
+        return self.input_embedding()(input_ids)  # type: ignore[attr-defined]
 
     def forward(
         self,
@@ -175,13 +178,14 @@ class VllmModelBoundary:
         params = dict(self.named_parameters())  # type: ignore[attr-defined]  # a tied head appears once
         params.update(routing_buffers(self))  # the router biases a 'bias' load-balancing push carries
         tied = self.config.tie_word_embeddings  # type: ignore[attr-defined]
+        adapter = spec_for(self.config).state_dict_adapter  # type: ignore[attr-defined]
         loaded: set[str] = set()
         with torch.no_grad():
             for name, tensor in weights:
-                if name == "lm_head.weight" and tied:
+                if name == adapter.head and tied:
                     continue
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue  # some HF checkpoints carry this buffer; we recompute it
+                if adapter.is_recomputed(name):
+                    continue  # some HF checkpoints carry such buffers; the model recomputes them
                 expert = parse_expert_checkpoint_name(name)
                 param_name = name if expert is None else expert[0]
                 param = params.get(param_name)

@@ -5,4 +5,4 @@ BATCH_INVARIANT_KEY = "titanrl_batch_invariant"
 it reaches spawned engine processes with the rest of the config."""
 VLLM_KERNELS_KEY = "titanrl_vllm_kernels"
 """HF-config key (set through `hf_overrides`): False keeps our modules on torch's kernels inside
-vLLM instead of vLLM's own (`titanrl.rollout.vllm.kernel_overrides`); absent means True."""
+vLLM instead of vLLM's own (`titanrl.models.common.vllm_kernels`); absent means True."""

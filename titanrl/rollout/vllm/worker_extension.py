@@ -35,7 +35,7 @@ class TitanRLWorkerExtension:
 
     def _titanrl_pushed(self, model: torch.nn.Module, version: int) -> None:
         """The end of every push, whatever the transport: kernels that keep packed copies of the
-        weights repack them (see kernel_overrides), then the version is recorded."""
+        weights repack them (see titanrl.models.common.vllm_kernels), then the version is recorded."""
         model.process_weights_after_loading()
         self._titanrl_policy_version = int(version)
 

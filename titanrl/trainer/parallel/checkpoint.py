@@ -37,7 +37,7 @@ from titanrl.models.qwen3.moe import routing_buffers
 from titanrl.trainer import checkpoint as ckpt_io
 # A module, not its names: optimizer.py imports this package (the names are read at call time).
 from titanrl.trainer import optimizer as param_groups
-from titanrl.trainer.parallel import tied
+from titanrl.models.architectures import spec_for
 from titanrl.trainer.parallel.mesh import barrier, global_rank
 from titanrl.trainer.parallel.parallelize import ParallelModel
 
@@ -57,7 +57,8 @@ def _head_copy_keys(pm: ParallelModel, part: torch.nn.Module) -> dict[str, str]:
     across pipeline stages, each mapped to the HF-named (first stage's) prefix it is saved under."""
     if not (pm.split_tied and getattr(part, "is_last", False)):
         return {}
-    return {f"{kind}{tied.HEAD}": f"{kind}{tied.EMBED}" for kind in ("", "state.", "param_groups.")}
+    adapter = spec_for(pm.config).state_dict_adapter
+    return {f"{kind}{adapter.head}": f"{kind}{adapter.embed}" for kind in ("", "state.", "param_groups.")}
 
 
 def _saved_key(key: str, renames: dict[str, str]) -> str:

@@ -11,7 +11,7 @@ packed micro-batch of another length reuses it too.
 checkpoints, weight pushes and FSDP's wrapping see the same modules. Applied after tensor and
 expert parallelism and before FSDP, as TorchTitan orders it.
 
-Two parts of a block stay eager (a graph break around each, `EAGER_PARTS`): the attention
+Two parts of a block stay eager (a graph break around each, the plan's `eager_parts`): the attention
 backend, whose kernel is a library one already and whose packed layout (sequence boundaries,
 the longest length) changes with every micro-batch, which would recompile the block each step;
 and a mixture-of-experts layer's experts, whose per-expert token counts are data (and whose
@@ -30,17 +30,15 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-EAGER_PARTS = ("self_attn.backend", "mlp.experts")
-"""Submodules of a decoder block (where it has them) that run eagerly inside the compiled block."""
 INDUCTOR_OPTIONS = {"cpp.dynamic_threads": True}
 """Inductor settings of every compiled block (see the module docstring)."""
 
 
-def apply_compile(layers: Sequence[nn.Module]) -> None:
+def apply_compile(layers: Sequence[nn.Module], eager_parts: Sequence[str]) -> None:
     """Compiles each decoder block of `layers` in place (`torch.compile(dynamic=True)` with
-    `INDUCTOR_OPTIONS`), all but its `EAGER_PARTS`."""
+    `INDUCTOR_OPTIONS`), all but its `eager_parts` (the spec's `parallel_plan.eager_parts`)."""
     for layer in layers:
-        for path in EAGER_PARTS:
+        for path in eager_parts:
             try:
                 part = layer.get_submodule(path)
             except AttributeError:  # a dense block has no experts

@@ -30,14 +30,13 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from titanrl.models.qwen3.moe import EXPERT_PROJECTIONS, GroupedExperts, Router, SparseMoeBlock
 
 
 class ExpertParallelDispatch:
     """`SparseMoeBlock.dispatch` over an ep group: (x_sorted [M, D], counts [E]) -> y_sorted [M, D]."""
 
-    def __init__(self, experts: GroupedExperts, group: dist.ProcessGroup, num_experts: int) -> None:
-        self.experts, self.group = experts, group
+    def __init__(self, local_experts: nn.Module, group: dist.ProcessGroup, num_experts: int) -> None:
+        self.run_local, self.group = local_experts, group
         self.ep = dist.get_world_size(group)
         self.local_experts = num_experts // self.ep
 
@@ -53,18 +52,13 @@ class ExpertParallelDispatch:
         # Regroup by local expert (stable: each expert's copies keep their source-rank order).
         expert_of = torch.repeat_interleave(torch.arange(local, device=x_MD.device).repeat(ep), received.flatten())
         order = torch.argsort(expert_of, stable=True)
-        y_local = self.experts(x_recv[order], received.sum(0))
+        y_local = self.run_local(x_recv[order], received.sum(0))
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return all_to_all_single_autograd(y_local[inverse], send_splits, recv_splits, self.group)
 
 
-def sparse_blocks(layers: Sequence[nn.Module]) -> list[SparseMoeBlock]:
-    """The sparse `mlp` blocks of a decoder-layer stack (none for a dense model)."""
-    return [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoeBlock)]
-
-
-def apply_expert_parallel(layers: Sequence[nn.Module], ep_mesh: DeviceMesh, tokens_split_over_tp: bool) -> None:
+def apply_expert_parallel(blocks: Sequence[nn.Module], ep_mesh: DeviceMesh, tokens_split_over_tp: bool) -> None:
     """Shards every sparse layer's experts over `ep_mesh` (Shard(0)) and installs the all-to-all
     dispatch, in place; the model may be on the meta device (no data moves: every rank holds
     the same full model, and keeps its own rows).
@@ -74,19 +68,18 @@ def apply_expert_parallel(layers: Sequence[nn.Module], ep_mesh: DeviceMesh, toke
     """
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     group = ep_mesh.get_group()
-    for block in sparse_blocks(layers):
+    for block in blocks:
         if block.num_experts % ep:
             raise ValueError(f"{block.num_experts} experts cannot be split over ep={ep} ranks")
-        experts = block.experts
-        for name in EXPERT_PROJECTIONS:
-            p = getattr(experts, name)
+        experts = block.expert_module()
+        for name, p in list(experts.named_parameters(recurse=False)):  # stacked [E, ...] each
             rows = p.shape[0] // ep
             local = p.detach()[rank * rows:(rank + 1) * rows].clone()
             sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape,
                                          stride=p.stride())
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))
         block.dispatch = ExpertParallelDispatch(experts, group, block.num_experts)
-        block.gate.grad_sum_group = group if tokens_split_over_tp else None
+        block.set_router_grad_group(group if tokens_split_over_tp else None)
 
 
 def sum_router_grads(parts: Sequence[nn.Module]) -> None:
@@ -95,6 +88,6 @@ def sum_router_grads(parts: Sequence[nn.Module]) -> None:
     for part in parts:
         for module in part.modules():
             group = getattr(module, "grad_sum_group", None)
-            if isinstance(module, Router) and group is not None and module.weight.grad is not None:
+            if group is not None and module.weight.grad is not None:  # a router summed over tp
                 g = module.weight.grad
                 dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=group)

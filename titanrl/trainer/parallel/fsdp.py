@@ -10,7 +10,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from titanrl.trainer.parallel.expert_parallel import sparse_blocks
 
 
 def mixed_precision_policy(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
@@ -25,7 +24,8 @@ def mixed_precision_policy(compute_dtype: torch.dtype | None) -> MixedPrecisionP
 
 
 def apply_fsdp(part: nn.Module, layers: Sequence[nn.Module], dp_mesh: DeviceMesh,
-               compute_dtype: torch.dtype | None = None, expert_mesh: DeviceMesh | None = None) -> None:
+               compute_dtype: torch.dtype | None = None, expert_mesh: DeviceMesh | None = None,
+               sparse_blocks: Sequence[nn.Module] = ()) -> None:
     """Shards each decoder layer, then the rest of `part` (embedding, norm, head), over `dp_mesh`.
 
     One FSDP unit per layer lets a layer's all-gather overlap the previous layer's compute.
@@ -39,8 +39,8 @@ def apply_fsdp(part: nn.Module, layers: Sequence[nn.Module], dp_mesh: DeviceMesh
     """
     mp_policy = mixed_precision_policy(compute_dtype)
     if expert_mesh is not None:
-        for block in sparse_blocks(layers):
-            fully_shard(block.experts, mesh=expert_mesh, mp_policy=mp_policy)
+        for block in sparse_blocks:  # the family's sparse blocks (ParallelPlan.sparse_blocks)
+            fully_shard(block.expert_module(), mesh=expert_mesh, mp_policy=mp_policy)
     for layer in layers:
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy)
     fully_shard(part, mesh=dp_mesh, mp_policy=mp_policy)

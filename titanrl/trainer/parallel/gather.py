@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanrl.models.architectures import build_model
+from titanrl.models.architectures import build_model, spec_for
 from titanrl.trainer.parallel.mesh import coord, global_rank
 from titanrl.trainer.parallel.parallelize import ParallelModel
 from titanrl.trainer.parallel.pipeline import stage_of_layer
@@ -44,10 +44,12 @@ def hf_parameter_shapes(pm: ParallelModel) -> list[tuple[str, torch.Size]]:
 
 def _owner_stage(name: str, pm: ParallelModel) -> int:
     n = pm.num_stages
-    if name.startswith("model.embed_tokens."):
+    adapter = spec_for(pm.config).state_dict_adapter
+    if adapter.is_embedding(name):
         return 0
-    if name.startswith("model.layers."):
-        return stage_of_layer(int(name.split(".")[2]), pm.config.num_hidden_layers, n)
+    layer = adapter.layer_index(name)
+    if layer is not None:
+        return stage_of_layer(layer, pm.config.num_hidden_layers, n)
     return n - 1
 
 

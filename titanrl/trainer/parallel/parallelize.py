@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanrl.config.schema import ActivationCheckpointing, ParallelConfig
 from titanrl.kernels.onednn_linear import apply_onednn_linears
 from titanrl.models.hf_checkpoint import tie_head
+from titanrl.models.architectures import spec_for
 from titanrl.models.common.decoder import DecoderConfig, DecoderForCausalLM
 from titanrl.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from titanrl.trainer.parallel.compile import apply_compile
@@ -87,7 +88,7 @@ def _is_meta(model: nn.Module) -> bool:
 
 
 def _layers(part: nn.Module) -> list[nn.Module]:
-    return part.layers() if isinstance(part, PipelineStageModel) else list(part.model.layers)
+    return part.decoder_layers()
 
 
 def parallelize(model: DecoderForCausalLM, parallel: ParallelConfig, mesh: DeviceMesh | None,
@@ -119,18 +120,20 @@ def parallelize(model: DecoderForCausalLM, parallel: ParallelConfig, mesh: Devic
         tie_head(model)  # where tensors cannot be swapped in place (XLA), .to gives each module its own copy
     if compute_dtype == next(model.parameters()).dtype:
         compute_dtype = None
+    plan = spec_for(model.config).parallel_plan
     context = None
     if parallel.cp > 1:
         context = ContextLayout(parallel.cp, coord(mesh, "cp"), load_balance)
         group = mesh["cp"].get_group()
-        for layer in model.model.layers:
-            layer.self_attn.backend = RingAttention(group, context)
+        for layer in model.decoder_layers():
+            layer.set_submodule(plan.attention_core, RingAttention(group, context))
     # On the whole stack, before the pipeline split: blocks keep their global index.
-    apply_activation_checkpointing(model.model.layers, activation_checkpointing, activation_checkpointing_every)
+    apply_activation_checkpointing(model.decoder_layers(), activation_checkpointing, activation_checkpointing_every)
     if parallel.pp > 1:
         n = num_stages(parallel)
+        positions = context.positions if context is not None else None
         parts: list[nn.Module] = [
-            PipelineStageModel(model, s, n, context) for s in stages_of_rank(parallel, coord(mesh, "pp"))
+            PipelineStageModel(model, s, n, positions) for s in stages_of_rank(parallel, coord(mesh, "pp"))
         ]
     else:
         parts = [model]
@@ -138,17 +141,18 @@ def parallelize(model: DecoderForCausalLM, parallel: ParallelConfig, mesh: Devic
     experts = expert_meshes(mesh)  # (ep mesh, expert FSDP mesh) under expert parallelism
     for part in parts:
         if parallel.tp > 1:
-            apply_tensor_parallel(_layers(part), mesh["tp"], parallel.sequence_parallel,
+            apply_tensor_parallel(_layers(part), mesh["tp"], plan.tensor_parallel, parallel.sequence_parallel,
                                   experts_over_tp=experts is not None)
             apply_vocab_parallel(part, mesh["tp"])
         if experts is not None:
-            apply_expert_parallel(_layers(part), experts[0], tokens_split_over_tp=parallel.tp > 1)
+            apply_expert_parallel(plan.sparse_blocks(_layers(part)), experts[0], tokens_split_over_tp=parallel.tp > 1)
         if onednn_linears:
             apply_onednn_linears(part)
         if compile_blocks:
-            apply_compile(_layers(part))
+            apply_compile(_layers(part), plan.eager_parts)
         if dp_mesh is not None:
-            apply_fsdp(part, _layers(part), dp_mesh, compute_dtype, expert_mesh=experts[1] if experts else None)
+            apply_fsdp(part, _layers(part), dp_mesh, compute_dtype, expert_mesh=experts[1] if experts else None,
+                       sparse_blocks=plan.sparse_blocks(_layers(part)))
         elif compute_dtype is not None:
             apply_compute_dtype(part, compute_dtype)
         part.train()

@@ -35,12 +35,13 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titanrl.models.qwen3.moe import SparseMoeBlock
+from titanrl.models.common.parallelize import TensorParallelPlan
 
 
-def apply_tensor_parallel(layers: Sequence[nn.Module], tp_mesh: DeviceMesh, sequence_parallel: bool,
-                          experts_over_tp: bool = False) -> None:
-    """Shards each decoder layer of `layers` (in order) over `tp_mesh`, in place.
+def apply_tensor_parallel(layers: Sequence[nn.Module], tp_mesh: DeviceMesh, plan: TensorParallelPlan,
+                          sequence_parallel: bool, experts_over_tp: bool = False) -> None:
+    """Shards each decoder layer of `layers` (in order) over `tp_mesh` with the family's `plan`
+    (its spec's `parallel_plan.tensor_parallel`), in place.
 
     `layers` is a contiguous stack (all of a model's layers, or one pipeline stage's): with
     sequence parallel its first layer scatters the sequence and its last gathers it back, so
@@ -49,48 +50,7 @@ def apply_tensor_parallel(layers: Sequence[nn.Module], tp_mesh: DeviceMesh, sequ
     """
     between = Shard(1) if sequence_parallel else Replicate()
     for layer in layers:
-        sparse = isinstance(layer.mlp, SparseMoeBlock)
-        plan = {
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=between),
-        }
-        if getattr(layer.self_attn, "q_norm", None) is not None:
-            # Inputs are [B, T, heads/tp, head_dim]: sharded on dim 2. SequenceParallel is the
-            # style that replicates a norm's weight over a sharded input dimension.
-            plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        if not sparse:
-            plan.update({
-                "mlp.gate_proj": ColwiseParallel(),
-                "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel(output_layouts=between),
-            })
-        if sequence_parallel:
-            plan.update(
-                {
-                    "input_layernorm": SequenceParallel(use_local_output=True),
-                    "post_attention_layernorm": SequenceParallel(use_local_output=True),
-                    # All-gather the sequence before each TP region (cos/sin arrive full).
-                    "self_attn": PrepareModuleInput(
-                        input_layouts=(Shard(1), None, None),
-                        desired_input_layouts=(Replicate(), None, None),
-                        use_local_output=True,
-                    ),
-                }
-            )
-            if not sparse:
-                plan["mlp"] = PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-                )
-            elif not experts_over_tp:
-                # A replicated block: gather the sequence, run it on every rank, keep this rank's part.
-                plan["mlp"] = PrepareModuleInputOutput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
-                )
-        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, plan(layer, between, sequence_parallel, experts_over_tp))
     if sequence_parallel and layers:
         parallelize_module(
             layers[0],
@@ -118,8 +78,8 @@ def apply_vocab_parallel(part: nn.Module, tp_mesh: DeviceMesh) -> None:
     full-vocabulary logits. A tied head is re-pointed at the sharded embedding matrix. A vocabulary
     that tp does not divide is split unevenly, as Shard(0) does (the last rank holds fewer rows).
     """
-    embed = getattr(part.model, "embed_tokens", None)
-    head = getattr(part, "lm_head", None)
+    embed = part.input_embedding()
+    head = part.output_head()
     tied = embed is not None and head is not None and head.weight is embed.weight
     if embed is not None:
         parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate()))

@@ -24,10 +24,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-EMBED = "model.embed_tokens.weight"
-"""HF name of the tied matrix: the name it is saved, published and counted under."""
-HEAD = "lm_head.weight"
-"""Name of the last stage's copy (a duplicate, left out of norms and optimizer-state saves)."""
+from titanrl.models.architectures import spec_for
+
 
 
 def split_tied(pp: int, tie_word_embeddings: bool) -> bool:
@@ -54,15 +52,15 @@ def tied_copy(part: nn.Module) -> nn.Parameter | None:
     """The tied matrix's copy held by pipeline stage `part`: its embedding (first stage), its
     LM head (last stage), or None (middle stages)."""
     if getattr(part, "is_first", False):
-        return part.model.embed_tokens.weight
+        return part.input_embedding().weight
     if getattr(part, "is_last", False):
-        return part.lm_head.weight
+        return part.output_head().weight
     return None
 
 
 def is_head_copy(part: nn.Module, name: str) -> bool:
     """Whether `name` in `part` is the last stage's duplicate of the tied matrix."""
-    return getattr(part, "is_last", False) and name == HEAD
+    return getattr(part, "is_last", False) and name == spec_for(part.config).state_dict_adapter.head
 
 
 @torch.no_grad()

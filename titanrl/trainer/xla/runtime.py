@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from titanrl.config.schema import ParallelConfig
+from titanrl.models.architectures import spec_for
+from titanrl.models.common.parallelize import ParallelPlan
 from titanrl.errors import ConfigError
 from titanrl.config.xla_env import SPMD_DEGREES, check_xla_layout, mesh_size
 from titanrl.trainer.xla.update import masked_step
@@ -37,10 +39,6 @@ from titanrl.trainer.xla.transfer import host_tree  # noqa: E402 (after the torc
 ROW_AXES = ("dp_replicate", "dp_shard")
 """Mesh axes the batch's rows are split over (data parallel)."""
 
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "embed_tokens")
-"""Weights [out, in] whose output rows split over tp (the vocabulary, for the embedding and head)."""
-ROW_PARALLEL = ("o_proj", "down_proj")
-"""Weights [out, in] whose input columns split over tp."""
 
 
 class XlaRuntime:
@@ -62,9 +60,9 @@ class XlaRuntime:
     def check_model(config: Any) -> None:
         """Refuses a mixture-of-experts policy (its routing replay and metrics read the device
         inside the step; not ported to XLA)."""
-        if getattr(config, "num_experts", None) is not None:
-            raise ConfigError("a mixture-of-experts model (model.checkpoint holds Qwen3-MoE) is not supported with "
-                              "train.device='xla': use a dense Qwen3 checkpoint or train.device='cpu'")
+        if spec_for(config).is_moe:
+            raise ConfigError(f"a mixture-of-experts model (model.checkpoint holds {config.FAMILY}) is not supported "
+                              "with train.device='xla': use a dense checkpoint or train.device='cpu'")
 
     # ------------------------------------------------------------------ sharding
 
@@ -72,22 +70,20 @@ class XlaRuntime:
         """Annotates every parameter with its SPMD sharding, replicated ones explicitly: a step's
         outputs carry an annotation, so unannotated first inputs would make the first step a
         program of its own."""
+        plan = spec_for(model.config).parallel_plan
         for name, p in model.named_parameters():
-            spec = self.parameter_spec(name, p) or (None,) * p.dim()
+            spec = self.parameter_spec(plan, name, p) or (None,) * p.dim()
             xs.mark_sharding(p, self.mesh, spec)
             self._specs[id(p)] = spec
 
-    def parameter_spec(self, name: str, p: torch.Tensor) -> tuple | None:
+    def parameter_spec(self, plan: ParallelPlan, name: str, p: torch.Tensor) -> tuple | None:
         """Partition spec of an HF-named parameter: 2-D weights over (tp, dp_shard) or
-        (dp_shard, tp); 1-D gains and biases replicated."""
+        (dp_shard, tp) as the family's plan says (`ParallelPlan.xla_weight_axes`); 1-D gains and
+        biases replicated."""
         if not self.sharded or p.dim() != 2:
             return None
-        module = name.rsplit(".", 2)[-2] if name.count(".") else name
-        if module in ROW_PARALLEL:
-            return ("dp_shard", "tp")
-        if module in COLUMN_PARALLEL or name in ("lm_head.weight", "model.embed_tokens.weight"):
-            return ("tp", "dp_shard")
-        return ("dp_shard", None)
+        return {"row": ("dp_shard", "tp"), "column": ("tp", "dp_shard"), "fsdp": ("dp_shard", None)}[
+            plan.xla_weight_axes(name)]
 
     def shard_like(self, tensor: torch.Tensor, p: torch.Tensor) -> None:
         """Gives a tensor of a parameter's shape (an optimizer moment) the parameter's sharding."""

@@ -1,4 +1,4 @@
-"""vLLM's own CPU kernels for our model's modules, inside vLLM only (TorchTitan's "overrides").
+"""vLLM's own CPU kernels for the shared decoder's modules, inside vLLM only (TorchTitan's "overrides").
 
 `apply_vllm_kernels(model)` swaps the classes of our modules for subclasses whose forward calls
 the kernels vLLM's built-in Qwen3 runs on CPU, on the same Parameters:
