@@ -1,6 +1,6 @@
 """Parallel layouts benchmark: one GRPO step per layout vs the single-process trainer.
 
-    .venv/bin/python benchmarks/parallel_layouts.py [LAYOUT ...] [--tied] [--moe] [--out FILE [--append]]
+    .venv/bin/python benchmarks/parallel_layouts.py [LAYOUT ...] [--tied] [--moe] [--family F] [--out FILE [--append]]
 
 For each layout (default: all of `titanrl.trainer.parallel.layout_check.LAYOUTS`: fsdp, ddp, tp,
 tp_sp, pp (1F1B), pp_gpipe, pp_interleaved, cp with 2 gloo processes; hsdp, fsdp+tp, fsdp+tp_sp,
@@ -30,6 +30,12 @@ expert-parallel ones included: ep (experts over dp_shard=2), tp_sp+ep (over the 
 fsdp+ep (dp_shard=4 as 2 x ep=2), ep4, hsdp+ep, fsdp+tp_sp+ep; ep=1 layouts replicate the
 sparse blocks over tp. benchmarks/results/parallel_layouts_moe.jsonl holds such a run.
 
+--family llama / qwen2 runs the same 4-layer shape as another dense family
+(layout_check.FAMILY_OVERRIDES): Llama with biases on q/k/v/o and gate/up/down (tp shards the
+column-parallel biases and replicates the row-parallel ones), Qwen2 with its q/k/v biases; neither
+has q/k norms. benchmarks/results/parallel_layouts_{llama,qwen2}.jsonl hold an untied run of
+every dense layout followed by a tied run of the pipeline layouts.
+
 Target: loss and gradient differences <= 1e-5. Runtime ~1.5 min on 2 shared cores (4-process
 worlds oversubscribe them; step times here measure overheads, not speed-ups).
 """
@@ -46,7 +52,14 @@ import torch
 
 from titanrl.config import ParallelConfig
 from titanrl.trainer.parallel.launch import run_local_world
-from titanrl.trainer.parallel.layout_check import EXPERT_PARALLEL, LAYOUTS, check_layouts, make_case, reference
+from titanrl.trainer.parallel.layout_check import (
+    EXPERT_PARALLEL,
+    FAMILY_OVERRIDES,
+    LAYOUTS,
+    check_layouts,
+    make_case,
+    reference,
+)
 
 
 def main() -> None:
@@ -54,13 +67,15 @@ def main() -> None:
     parser.add_argument("layouts", nargs="*", help=f"any of {list(LAYOUTS)} (default: all that fit the policy)")
     parser.add_argument("--tied", action="store_true", help="tied embedding / LM head")
     parser.add_argument("--moe", action="store_true", help="the tiny mixture-of-experts policy (ep layouts need it)")
+    parser.add_argument("--family", default="qwen3", choices=list(FAMILY_OVERRIDES),
+                        help="dense model family of the policy (default qwen3)")
     parser.add_argument("--out", help="also write the JSON lines here (replacing the file)")
     parser.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
     args = parser.parse_args()
     names = args.layouts or [n for n in LAYOUTS if args.moe or n not in EXPERT_PARALLEL]
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
-        case = make_case(tmp, tied=args.tied, moe=args.moe)
+        case = make_case(tmp, tied=args.tied, moe=args.moe, family=args.family)
         ref = reference(case)
         by_world: dict[int, list[str]] = {}
         for name in names:
@@ -72,7 +87,7 @@ def main() -> None:
                 lines.append(line)
     worst = max(max(json.loads(x)[k] for k in ("loss_rel_diff", "grad_rel_diff", "grad_max_param_rel_diff"))
                 for x in lines)
-    print(json.dumps({"summary": f"{len(lines)} layouts", "max_loss_or_grad_rel_diff": worst,
+    print(json.dumps({"summary": f"{len(lines)} layouts", "family": args.family, "max_loss_or_grad_rel_diff": worst,
                       "target": 1e-5, "ok": worst <= 1e-5, "torch": torch.__version__,
                       "machine": platform.machine(), "threads_per_process": 1}), flush=True)
     if args.out:

@@ -37,6 +37,11 @@ LOSS_VARIANT = dict(loss="gspo", gspo_clip_eps=(0.02, 0.03), off_policy_correcti
 correction) and the entropy bonus: checked under dp_shard and under cp, which splits each row."""
 LOSS_VARIANT_LAYOUTS = ["fsdp", "cp"]
 
+FAMILIES = ["llama", "qwen2"]
+FAMILY_LAYOUTS = ["tp_sp", "pp"]
+"""Other dense families (untied; Llama with biases on every projection, Qwen2 with q/k/v biases)
+checked under tp_sp (column-parallel biases sharded, row-parallel ones replicated) and pp (1F1B)."""
+
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
@@ -51,6 +56,8 @@ def world(tmp_path_factory):
 
     invariant = with_invariant_logprobs(tied)
     variant = dataclasses.replace(untied, train=dataclasses.replace(untied.train, **LOSS_VARIANT))
+    family_cases = {family: make_case(tmp, family=family) for family in FAMILIES}
+    family_refs = {family: reference(case) for family, case in family_cases.items()}
     single = GRPOTrainer(ModelConfig(checkpoint=invariant.checkpoint), invariant.train, invariant.temperature,
                          seed=0, batch_invariant=True).accumulate_gradients(invariant.batch)
     jobs = [
@@ -63,12 +70,15 @@ def world(tmp_path_factory):
         ("vocab_shards", ([untied, tied], LAYOUTS["tp"])),
         ("layouts", (TRUNCATED, truncated, truncated_ref)),
         ("layouts", (LOSS_VARIANT_LAYOUTS, variant, reference(variant))),
+        *(("layouts", (FAMILY_LAYOUTS, family_cases[f], family_refs[f])) for f in FAMILIES),
     ]
     results = run_local_world(run_jobs, 2, jobs, timeout_s=600)[0]
     return {"untied": results[0], "tied": results[1], "ring": results[2], "invariant": results[3],
             "forward_parity": results[4], "vocab_parallel": results[5], "vocab_shards": results[6],
             "truncated": results[7], "truncated_reference": truncated_ref,
             "loss_variant": results[8],
+            "families": {f: results[9 + i] for i, f in enumerate(FAMILIES)},
+            "family_params": {f: sorted(family_refs[f].grads) for f in FAMILIES},
             "invariant_single": single.parity, "invariant_single_loss": single.loss_sum / single.tokens}
 
 
@@ -193,3 +203,20 @@ def test_loss_variant_equals_single_process(world, layout):
     gradient, norm, update and clip count under `layout` (fsdp: rows over 2 ranks; cp: each row's
     tokens over 2 ranks, the sequence sums all-reduced) equal GRPOTrainer's in one process."""
     _assert_matches(world["loss_variant"][layout])
+
+
+@pytest.mark.parametrize("layout", FAMILY_LAYOUTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_layout_equals_single_process(world, family, layout):
+    """The Llama (biases on q/k/v/o and gate/up/down) and Qwen2 (q/k/v biases) policies, neither
+    with q/k norms, under tp_sp and pp: loss, gradients (biases' included), norm, update and clip
+    count equal GRPOTrainer's in one process."""
+    names = world["family_params"][family]
+    biases = {n.split("layers.0.", 1)[1] for n in names if "layers.0." in n and n.endswith(".bias")}
+    want = {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}
+    if family == "llama":
+        want |= {"self_attn.o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"}
+    assert biases == want and not any("q_norm" in n for n in names), names
+    report = world["families"][family][layout]
+    assert report["family"] == family, report
+    _assert_matches(report)

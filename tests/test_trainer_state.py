@@ -28,6 +28,15 @@ def ckpt(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("state") / "ckpt", seed=7, std=0.1)
 
 
+@pytest.fixture(scope="module")
+def llama_ckpt(tmp_path_factory):
+    """A tiny untied Llama with biases on q/k/v/o and gate/up/down."""
+    from titanrl.models.tiny import tiny_config, write_checkpoint
+
+    config = tiny_config("llama", attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
+    return write_checkpoint(tmp_path_factory.mktemp("state") / "llama", config, seed=7, std=0.1)
+
+
 def _trainer(path, **overrides) -> GRPOTrainer:
     train = TrainConfig(**{**TRAIN, **overrides})
     return GRPOTrainer(ModelConfig(checkpoint=str(path)), train, temperature=0.9, seed=0)
@@ -77,9 +86,12 @@ def _assert_same_optimizer(a: GRPOTrainer, b: GRPOTrainer):
 KEYS = ("loss", "grad_norm", "lr", "train/clip_fraction", "train/optimizer_steps", "policy_version")
 
 
-def test_resume_continues_bit_for_bit(ckpt, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_resume_continues_bit_for_bit(request, family, tmp_path):
     """Train 2 steps, save_state, train 2 more; a fresh trainer that load_state()s and trains the same
-    2 steps ends with bitwise-equal weights and optimizer state, equal schedule and equal metrics."""
+    2 steps ends with bitwise-equal weights and optimizer state, equal schedule and equal metrics.
+    qwen3: the tied tiny Qwen3; llama: an untied Llama whose every projection has a bias."""
+    ckpt = request.getfixturevalue("ckpt" if family == "qwen3" else f"{family}_ckpt")
     batches = _batches(4)
     a = _trainer(ckpt)
     for groups in batches[:2]:
@@ -90,7 +102,9 @@ def test_resume_continues_bit_for_bit(ckpt, tmp_path):
     b = _trainer(ckpt)
     assert b.load_state(str(tmp_path / "state")) == 2
     got = [b.step(groups) for groups in batches[2:]]
-    _assert_same_params(_params(a), _params(b))
+    params = _params(a)
+    assert any(k.endswith("o_proj.bias") for k in params) == (family == "llama")
+    _assert_same_params(params, _params(b))
     _assert_same_optimizer(a, b)
     assert a.scheduler.state_dict() == b.scheduler.state_dict()
     for r, g in zip(ref, got):

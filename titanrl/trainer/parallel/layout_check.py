@@ -78,6 +78,12 @@ TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, nu
                   num_key_value_heads=2, head_dim=16, std=0.1)
 """A ~0.1M-parameter Qwen3 with 4 layers (Interleaved1F1B over pp=2 needs 4 stages) and GQA."""
 
+FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {"qwen3": {}, "llama": dict(attention_bias=True, mlp_bias=True),
+                                               "qwen2": {}}
+"""Dense families a case can use (`make_case(family=...)`) and their config fields on TINY_MODEL:
+Llama with biases on every projection (q/k/v/o and gate/up/down), so tensor parallelism shards
+and replicates biases too; Qwen2's q/k/v biases come with the family (no q/k norms in either)."""
+
 TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0])
 """Qwen3-MoE on TINY_MODEL: layers 1-3 route each token to 2 of 4 experts (layer 0 stays dense)."""
 
@@ -108,6 +114,8 @@ class Case:
     """Whether the policy ties its embedding and LM head."""
     moe: bool = False
     """Whether the policy is the tiny mixture of experts (TINY_MOE)."""
+    family: str = "qwen3"
+    """The dense model family of the policy (FAMILY_OVERRIDES)."""
     truncation: Truncation | None = None
     """Top-k / top-p the trainer scores under (None: the full softmax)."""
 
@@ -133,15 +141,24 @@ class Reference:
 
 
 def make_case(workdir: str | Path, *, tied: bool = False, moe: bool = False, groups: int = 4, group_size: int = 4,
-              micro_batch_size: int = 3, seed: int = 0) -> Case:
+              micro_batch_size: int = 3, seed: int = 0, family: str = "qwen3") -> Case:
     """A tiny policy and a batch of random groups: varied lengths, env-inserted tokens, noisy
     generator logprobs (so some ratios clip), micro-batches that split unevenly.
-    moe: the policy is TINY_MOE's mixture of experts."""
-    name = ("moe_" if moe else "") + ("tied" if tied else "untied")
+    moe: the policy is TINY_MOE's mixture of experts (Qwen3-MoE); family: a dense family of
+    FAMILY_OVERRIDES (TINY_MODEL's shape with that family's fields)."""
+    if family not in FAMILY_OVERRIDES:
+        raise ValueError(f"unknown family {family!r}: one of {', '.join(FAMILY_OVERRIDES)}")
+    if moe and family != "qwen3":
+        raise ValueError(f"moe=True is the tiny Qwen3-MoE policy; family={family!r} has no mixture of experts")
+    name = ("moe_" if moe else "") + ("" if family == "qwen3" else f"{family}_") + ("tied" if tied else "untied")
     if moe:
         ckpt = write_tiny_moe_checkpoint(Path(workdir) / name, seed=seed, tied=tied)
-    else:
+    elif family == "qwen3":
         ckpt = write_tiny_checkpoint(Path(workdir) / name, seed=seed, tie_word_embeddings=tied, **TINY_MODEL)
+    else:
+        shape = {k: v for k, v in TINY_MODEL.items() if k != "std"}
+        config = tiny_config(family, tie_word_embeddings=tied, **shape, **FAMILY_OVERRIDES[family])
+        ckpt = write_checkpoint(Path(workdir) / name, config, seed=seed, std=TINY_MODEL["std"])
     model, config = load_model(ckpt)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -162,7 +179,7 @@ def make_case(workdir: str | Path, *, tied: bool = False, moe: bool = False, gro
         out.append(Group(samples))
     batch = pack(out, pad_id=config.eos_token_id or 0, current_version=0)
     train = TrainConfig(micro_batch_size=micro_batch_size, lr=1e-3, grad_clip=1.0, clip_eps=0.2)
-    return Case(str(ckpt), batch, train, tied=tied, moe=moe)
+    return Case(str(ckpt), batch, train, tied=tied, moe=moe, family=family)
 
 
 def reference(case: Case) -> Reference:
@@ -245,6 +262,7 @@ def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu"
         "parallel": LAYOUTS[name],
         "tied_embeddings": case.tied,
         "moe": case.moe,
+        "family": case.family,
         "tied_copies_equal": copies_equal,
         "loss_rel_diff": abs(loss - ref.loss) / abs(ref.loss),
         "grad_rel_diff": _rel(flat, flat_ref),
@@ -277,10 +295,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("layouts", nargs="*", help=f"from {sorted(LAYOUTS)} (default: all that fit the policy)")
     parser.add_argument("--tied", action="store_true", help="tied embedding / LM head")
     parser.add_argument("--moe", action="store_true", help="the tiny mixture-of-experts policy (ep layouts need it)")
+    parser.add_argument("--family", default="qwen3", choices=list(FAMILY_OVERRIDES), help="dense model family")
     args = parser.parse_args(argv)
     args.layouts = args.layouts or [n for n in LAYOUTS if args.moe or n not in EXPERT_PARALLEL]
     with tempfile.TemporaryDirectory() as tmp:
-        case = make_case(tmp, tied=args.tied, moe=args.moe)
+        case = make_case(tmp, tied=args.tied, moe=args.moe, family=args.family)
         ref = reference(case)
         by_world: dict[int, list[str]] = {}
         for name in args.layouts:
