@@ -1,7 +1,10 @@
 """Peak memory and tokens/s of one GRPO step at Qwen3-0.6B's shape, each memory switch off and on.
 
     .venv/bin/python benchmarks/trainer_memory.py [--layers 2] [--rows 16] [--completion 128]
-        [--out benchmarks/results/trainer_memory_cpu.jsonl]
+        [--config-json examples/configs/smollm2-135m.json] [--out benchmarks/results/trainer_memory_cpu.jsonl]
+
+`--config-json` measures another published architecture of any family instead (its depth cut to
+`--layers` unless that is 0, which keeps the published depth).
 
 The model is Qwen3-0.6B's published architecture (151,936-token vocabulary, hidden 1024, 16 query
 / 8 KV heads of 128, SwiGLU 3072, tied embeddings) at reduced depth (`--layers`, 28 in the real
@@ -112,6 +115,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=int(os.environ["OMP_NUM_THREADS"]))
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of: " + ", ".join(ARMS))
     parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
+    parser.add_argument("--config-json", type=Path, default=None,
+                        help="an HF config.json of any family (default: Qwen3-0.6B's architecture)")
     parser.add_argument("--child", nargs=2, metavar=("CKPT", "ARM"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -126,14 +131,19 @@ def main() -> None:
 
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
-        hf = Qwen3Config(num_hidden_layers=args.layers, **QWEN3_0_6B).to_hf_dict()
+        if args.config_json is None:
+            hf = Qwen3Config(num_hidden_layers=args.layers, **QWEN3_0_6B).to_hf_dict()
+        else:
+            hf = json.loads(args.config_json.read_text())
+            if args.layers:
+                hf["num_hidden_layers"] = args.layers
         (Path(tmp) / "config.json").write_text(json.dumps(hf))
         ckpt = str(write_checkpoint(Path(tmp) / "ckpt", config_from_hf_json(Path(tmp) / "config.json")))
         for arm in args.arms.split(","):
             cmd = [sys.executable, __file__, "--child", ckpt, arm, "--rows", str(args.rows),
                    "--completion", str(args.completion), "--threads", str(args.threads)]
             out = subprocess.run(cmd, capture_output=True, text=True)
-            line = {"benchmark": "trainer_memory", "arm": arm, "layers": args.layers, "rows": args.rows,
+            line = {"benchmark": "trainer_memory", "arm": arm, "layers": hf["num_hidden_layers"], "rows": args.rows,
                     "seq_len": PROMPT_LEN + args.completion - 1, **ARMS[arm]}
             if out.returncode != 0:
                 line["error"] = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
@@ -150,8 +160,9 @@ def main() -> None:
     def ratio(a: str, b: str, of: dict = peak) -> float | None:
         return round(of[a] / of[b], 3) if of.get(a) and of.get(b) else None
 
-    summary = {"benchmark": "trainer_memory", "summary": True, "layers": args.layers, "rows": args.rows,
-               "seq_len": PROMPT_LEN + args.completion - 1, "vocab_size": QWEN3_0_6B["vocab_size"],
+    summary = {"benchmark": "trainer_memory", "summary": True, "layers": hf["num_hidden_layers"], "rows": args.rows,
+               "seq_len": PROMPT_LEN + args.completion - 1, "vocab_size": hf["vocab_size"],
+               "architecture": hf.get("architectures", ["Qwen3ForCausalLM"])[0],
                "threads": args.threads, "cpu_flags": isa_flags(),
                "chunked_logprobs_peak_ratio": ratio("full_logits", "chunked"),
                "activation_checkpointing_peak_ratio": ratio("chunked", "chunked+checkpointing"),
