@@ -29,7 +29,7 @@ DEVICE ?= cpu
 TRL_VENV ?= .venv-trl
 TRL_STAMP := $(TRL_VENV)/.titanrl-install-stamp
 
-.PHONY: install system-deps demo test test-xla xla-venv trl-venv clean-venv
+.PHONY: install system-deps demo reasoning test test-xla xla-venv trl-venv clean-venv
 
 # bubblewrap: the code-execution sandbox (titanrl.envs). Debian's package; needs root.
 system-deps:
@@ -70,6 +70,12 @@ trl-venv: $(TRL_STAMP)
 
 demo: install $(if $(filter xla,$(DEVICE)),xla-venv)
 	$(VENV)/bin/titanrl train examples/arithmetic/config.py $(if $(filter xla,$(DEVICE)),--train.device=xla)
+
+# GRPO on a real pretrained model: SmolLM2-135M-Instruct (fetched and converted into
+# ~/.cache/titanrl/models on first use, as `titanrl models get` does) learns reasoning-gym's
+# chain_sum; sized for ~30 minutes on a 2-core CPU (examples/reasoning/README.md).
+reasoning: install
+	$(VENV)/bin/titanrl train examples/reasoning/config.py
 
 # The XLA venv is built first: main-suite tests that start the XLA trainer actor need it.
 test: install

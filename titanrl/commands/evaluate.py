@@ -1,7 +1,8 @@
 """`titanrl eval CHECKPOINT --config CONFIG.py [--k K]`: held-out greedy accuracy and pass@k.
 
 Runs one RolloutWorker in this process (no Ray) on the checkpoint with the config's rewards
-(or environment) and eval file, the same scoring the training run's `eval/accuracy` uses.
+(weighted by its reward_weights) or environment, and its eval rows (data.eval_file, or
+data.eval_rows from a Python config): the same scoring the training run's `eval/accuracy` uses.
 """
 
 from __future__ import annotations
@@ -109,7 +110,9 @@ def resolve_hf_checkpoint(checkpoint: str | os.PathLike, scratch_dir: str | os.P
 def _validated(config: RunConfig, hf_dir: Path) -> RunConfig:
     """The config on `hf_dir`, checked; eval needs no train file, so an empty one is not an error."""
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, checkpoint=str(hf_dir)))
-    data = dataclasses.replace(config.data, train_file=config.data.train_file or config.data.eval_file)
+    data = config.data
+    if not data.train_file and data.train_rows is None:
+        data = dataclasses.replace(data, train_file=data.eval_file, train_rows=data.eval_rows)
     validate(dataclasses.replace(config, data=data))
     return config
 
@@ -121,6 +124,7 @@ def _make_worker(config: RunConfig, rollout: Any) -> Any:
         0, config.model, rollout, config.rewards, config.data.prompt_field, config.seed, config.env,
         reward_timeout_s=config.reward_timeout_s, reward_error_value=config.reward_error_value,
         batch_invariant=config.batch_invariant, dtype=config.generator_dtype,
+        reward_weights=list(config.reward_weights) or None,  # as the run's workers (driver/actors.py)
     )
 
 
@@ -129,10 +133,10 @@ def evaluate_checkpoint(
 ) -> EvalReport:
     """Greedy accuracy over the config's eval rows; with `k`, pass@k from `samples` (default k)
     completions per prompt at rollout.temperature, seeded by config.seed."""
-    if not config.data.eval_file:
+    if not config.data.eval_file and config.data.eval_rows is None:
         raise CommandError(
-            "the config has no data.eval_file: eval scores held-out rows; set it in the config file "
-            "or pass --data.eval_file=FILE.jsonl"
+            "the config has no data.eval_file (nor data.eval_rows): eval scores held-out rows; set it in "
+            "the config file or pass --data.eval_file=FILE.jsonl"
         )
     if k is not None and k < 1:
         raise CommandError(f"--k must be >= 1, got {k}")

@@ -46,12 +46,12 @@ def config_help(config: RunConfig | None = None, width: int = 100) -> str:
     """The help text of every field of `config` (default: RunConfig()), its values as the defaults."""
     import tyro
 
-    from titanrl.config.overrides import TYRO_OPTIONS
+    from titanrl.config.overrides import TYRO_OPTIONS, without_rows
 
     out = io.StringIO()
     with _columns(width), contextlib.redirect_stdout(out), contextlib.suppress(SystemExit), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # a mistyped value in CONFIG.py: validate names it
-        tyro.cli(RunConfig, default=config or RunConfig(), args=["--help"], prog="titanrl",
+        tyro.cli(RunConfig, default=without_rows(config or RunConfig())[0], args=["--help"], prog="titanrl",
                  **TYRO_OPTIONS)
     lines = [line.rstrip() for line in out.getvalue().splitlines()]
     # tyro's usage line and RunConfig's docstring come before the first group (the command has its

@@ -3,6 +3,10 @@
 tyro builds the nested `--section.key` options from the dataclasses in `schema` (Literal fields
 become choices); `values` gives the value syntax. Anything tyro refuses becomes a `ConfigError`
 naming the key and what it expects, raised from tyro's parse-error hook instead of its exit.
+
+Rows in memory (`data.train_rows`, `data.eval_rows`: Python only, never an override) do not go
+through tyro: it would try to build an option from their runtime type (a `datasets.Dataset`
+holds a pyarrow Table, which tyro refuses with an exit), so they are set aside and put back.
 """
 
 from __future__ import annotations
@@ -47,6 +51,19 @@ def _registry() -> tyro.constructors.ConstructorRegistry:
     return registry
 
 
+IN_MEMORY_ROWS = ("train_rows", "eval_rows")
+"""DataConfig fields that hold rows in memory (Python only): kept out of tyro."""
+
+
+def without_rows(config: RunConfig) -> tuple[RunConfig, dict[str, Any]]:
+    """`config` with its in-memory rows (IN_MEMORY_ROWS) set to None, and those rows by field name."""
+    rows = {name: getattr(config.data, name) for name in IN_MEMORY_ROWS}
+    if all(value is None for value in rows.values()):
+        return config, rows
+    data = dataclasses.replace(config.data, **dict.fromkeys(IN_MEMORY_ROWS))
+    return dataclasses.replace(config, data=data), rows
+
+
 TYRO_OPTIONS: dict[str, Any] = dict(
     use_underscores=True,  # --train.max_staleness, as the fields are spelled
     config=(tyro.conf.FlagConversionOff,),  # bools take a value (--output.tensorboard=false), not --no-...
@@ -74,10 +91,13 @@ def apply_overrides(config: RunConfig, overrides: Sequence[str]) -> RunConfig:
     def refuse(event: tyro_errors.ParseErrorEvent) -> None:
         raise ConfigError(_explain(event, args))
 
+    bare, rows = without_rows(config)
     with tyro_errors.on_parse_error(refuse), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # a mistyped value in CONFIG.py: validate names it
         # tyro builds every section anew from `config`'s values: the input is never touched.
-        return tyro.cli(RunConfig, default=config, args=args, console_outputs=False, add_help=False, **TYRO_OPTIONS)
+        parsed = tyro.cli(RunConfig, default=bare, args=args, console_outputs=False, add_help=False, **TYRO_OPTIONS)
+    kept = {name: value for name, value in rows.items() if value is not None and getattr(parsed.data, name) is None}
+    return dataclasses.replace(parsed, data=dataclasses.replace(parsed.data, **kept)) if kept else parsed
 
 
 def _key(argument: Any) -> str:

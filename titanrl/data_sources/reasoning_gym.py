@@ -5,7 +5,7 @@
 
     config = titanrl.RunConfig(
         data=reasoning_gym_data("chain_sum", {"min_terms": 2, "max_terms": 4}, seed=0,
-                                train_size=2000, eval_size=200),
+                                train_size=2000, eval_size=200),  # answer_format="last_line": `Answer: N`
         rewards=[reasoning_gym_answer, reasoning_gym_format], reward_weights=[1.0, 0.1], ...)
 
 A task name, its config (keyword arguments of the task's reasoning-gym config dataclass, e.g.
@@ -22,22 +22,42 @@ A task name, its config (keyword arguments of the task's reasoning-gym config da
 Each row (every field a plain string but `messages`, so rows keep one schema through Arrow,
 Parquet and JSON lines):
 
-    messages     [{"role": "user", "content": question + "\\n\\n" + ANSWER_INSTRUCTION}]
+    messages     [{"role": "user", "content": question + "\\n\\n" + ANSWER_INSTRUCTIONS[answer_format]}]
     question     the task's question
     answer       the task's reference answer (None for tasks whose checker needs none)
     task         the reasoning-gym task name
     task_config  the config keys given plus seed and size, as JSON (the reward rebuilds the task's
                  config dataclass from them, so its checker sees the config of generation)
     metadata     the entry's metadata, as JSON (`titanrl.data_sources.plain_json`: tuples kept)
+    answer_format  the answer convention the prompt asked for: "tags" or "last_line"
 
 `reasoning_gym_data` puts them in a `DataConfig` with `messages_field="messages"`, so prompts
-are rendered with the checkpoint's chat template. The answer convention (the model ends with
-`<answer>...</answer>`) is `ANSWER_INSTRUCTION`, read back by `final_answer`.
+are rendered with the checkpoint's chat template.
+
+The answer convention is chosen once per source (`answer_format=`) and travels in every row, so
+the rewards (`titanrl.rewards.reasoning_gym`) read what the prompt asked for:
+
+- "tags" (the default; reasoning-gym's own): the instruction `ANSWER_INSTRUCTION` asks for the
+  final answer between `<answer>` and `</answer>`; the answer is the stripped text of the
+  completion's last `<answer>...</answer>` block (`tag_answer`, as
+  `reasoning_gym.utils.extract_answer`).
+- "last_line": the instruction `LAST_LINE_INSTRUCTION` asks for a final line `Answer: <answer>`
+  (small chat models follow it where they ignore the tags; examples/reasoning/). `last_line_answer`
+  reads the completion's last *answer line*: a line (split by `str.splitlines`) that starts, after
+  optional whitespace and asterisks (markdown bold/italic, `**`), with `answer` in any case,
+  optional whitespace and asterisks, then `:` (so `Answer: 42`, `answer:42`, `ANSWER : 42`,
+  `**Answer:** 42`, `**Answer**: 42`, `*Answer:* 42`, `**Answer: 42**`; not `The answer is 42`,
+  `Final answer: 42`, `Answer - 42`, nor `... so Answer: 42` in the middle of a line). Its answer
+  is the rest of the line with surrounding whitespace and asterisks removed, then, if it ends
+  with `.`, that one `.` and the whitespace and asterisks before it (`**42**.`, `42.`, `**42.**`
+  and ` 42 ` all give `42`; `3.5` stays `3.5`); an empty rest is no answer (None). Text after the answer line is
+  allowed by the answer reward (as text after `</answer>` is), not by the format reward.
 
 Errors are `ConfigError`s raised when the rows are built, before any config is validated or
 actor started, naming the argument at fault: `task` (an unknown name, with close matches),
 `config['key']` (a key the task's config does not have, a value of the wrong type, or one its
-`validate()` rejects), `seed`, `train_size`, `eval_size`.
+`validate()` rejects), `seed`, `train_size`, `eval_size`, `answer_format` (not one of
+`ANSWER_FORMATS`).
 """
 
 from __future__ import annotations
@@ -58,8 +78,24 @@ ANSWER_INSTRUCTION = ("Think step by step if it helps, then give only your final
                       "</answer> tags, as the last thing you write: <answer>your final answer</answer>")
 """Appended to every question: the answer convention that `final_answer` reads (reasoning-gym's own)."""
 
+LAST_LINE_INSTRUCTION = ("Think step by step if it helps, then end your reply with a final line of the form "
+                         "\"Answer: <answer>\", giving only your final answer after \"Answer:\".")
+"""Appended to every question under answer_format="last_line": the convention `last_line_answer` reads."""
+
+ANSWER_INSTRUCTIONS = {"tags": ANSWER_INSTRUCTION, "last_line": LAST_LINE_INSTRUCTION}
+"""The instruction of each answer convention."""
+
+ANSWER_FORMATS = tuple(ANSWER_INSTRUCTIONS)
+"""The answer conventions (`answer_format=`): "tags" (the default) and "last_line"."""
+
+DEFAULT_ANSWER_FORMAT = "tags"
+"""The convention of rows that name none (rows written before the field existed)."""
+
 ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
 """An answer block; the same pattern as `reasoning_gym.utils.extract_answer` (which imports the whole package)."""
+
+ANSWER_LINE = re.compile(r"\s*\**\s*answer\s*\**\s*:", re.IGNORECASE)
+"""The start of an answer line under "last_line" (`re.match`ed against each line; see the module docstring)."""
 
 RESERVED_KEYS = ("seed", "size")
 """Task config keys this module sets itself (from the `seed`, `train_size` and `eval_size` arguments)."""
@@ -69,11 +105,51 @@ UNSUPPORTED_TASKS = {"composite": "mix tasks by concatenating the rows of severa
 """Registered reasoning-gym datasets that are not single tasks, and what to do instead."""
 
 
-def final_answer(completion: str) -> str | None:
-    """The completion's final answer: the stripped text of its last `<answer>...</answer>` block,
-    or None when it has none (as `reasoning_gym.utils.extract_answer`)."""
+def tag_answer(completion: str) -> str | None:
+    """The stripped text of the completion's last `<answer>...</answer>` block, or None when it has
+    none (as `reasoning_gym.utils.extract_answer`)."""
     matches = ANSWER_TAG.findall(completion)
     return matches[-1].strip() if matches else None
+
+
+def answer_lines(completion: str) -> list[tuple[int, str]]:
+    """`(line index, answer text)` of every answer line of the completion (see the module
+    docstring), in order; the text may be empty."""
+    found = []
+    for index, line in enumerate(completion.splitlines()):
+        start = ANSWER_LINE.match(line)
+        if start is None:
+            continue
+        text = line[start.end():].strip().strip("*").strip()
+        if text.endswith("."):
+            text = text[:-1].rstrip().rstrip("*").rstrip()
+        found.append((index, text))
+    return found
+
+
+def last_line_answer(completion: str) -> str | None:
+    """The answer of the completion's last answer line (`Answer: 42` gives "42"; the module
+    docstring lists what is accepted), or None when it has none or that answer is empty."""
+    found = answer_lines(completion)
+    return (found[-1][1] or None) if found else None
+
+
+def check_answer_format(answer_format: Any, name: str = "answer_format") -> str:
+    """`answer_format` when it is one of `ANSWER_FORMATS`; a ConfigError naming `name` otherwise."""
+    if not isinstance(answer_format, str) or answer_format not in ANSWER_FORMATS:
+        raise ConfigError(f"reasoning_gym {name} must be one of {', '.join(map(repr, ANSWER_FORMATS))}, "
+                          f"got {answer_format!r}")
+    return answer_format
+
+
+def final_answer(completion: str, answer_format: str = DEFAULT_ANSWER_FORMAT) -> str | None:
+    """The completion's final answer under `answer_format` ("tags": `tag_answer`, "last_line":
+    `last_line_answer`), or None when it gives none; a ValueError for an unknown convention."""
+    if answer_format == "tags":
+        return tag_answer(completion)
+    if answer_format == "last_line":
+        return last_line_answer(completion)
+    raise ValueError(f"answer_format {answer_format!r} is not one of {', '.join(map(repr, ANSWER_FORMATS))}")
 
 
 def task_names() -> list[str]:
@@ -192,16 +268,17 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ConfigError(f"reasoning_gym {name} must be an integer >= {minimum}, got {value!r}")
 
 
-def _row(task: str, config_json: str, entry: dict[str, Any], index: int) -> dict[str, Any]:
+def _row(task: str, config_json: str, entry: dict[str, Any], index: int, answer_format: str) -> dict[str, Any]:
     """One prompt row of a reasoning-gym entry (see the module docstring)."""
     question, answer = entry["question"], entry["answer"]
     return {
-        "messages": [{"role": "user", "content": f"{question}\n\n{ANSWER_INSTRUCTION}"}],
+        "messages": [{"role": "user", "content": f"{question}\n\n{ANSWER_INSTRUCTIONS[answer_format]}"}],
         "question": question,
         "answer": None if answer is None else str(answer),
         "task": task,
         "task_config": config_json,
         "metadata": _metadata_json(task, entry, index),
+        "answer_format": answer_format,
     }
 
 
@@ -214,18 +291,21 @@ def _metadata_json(task: str, entry: dict[str, Any], index: int) -> str:
 
 
 def reasoning_gym_rows(task: str, config: Mapping[str, Any] | None = None, *, seed: int = 0,
-                       train_size: int = 1000, eval_size: int = 100) -> tuple[Any, Any]:
+                       train_size: int = 1000, eval_size: int = 100,
+                       answer_format: str = DEFAULT_ANSWER_FORMAT) -> tuple[Any, Any]:
     """Training and held-out rows (two `datasets.Dataset`s, the second empty when `eval_size` is 0)
-    of reasoning-gym `task` with `config` (see the module docstring)."""
+    of reasoning-gym `task` with `config`, asking for answers in `answer_format` ("tags" or
+    "last_line"; see the module docstring)."""
     import datasets
 
     _check_int("seed", seed, 0)
     _check_int("train_size", train_size, 1)
     _check_int("eval_size", eval_size, 0)
+    check_answer_format(answer_format)
     built = task_config(task, config, seed, train_size + eval_size)
     config_json = config_record(task, config, seed, train_size + eval_size)
     dataset = make_dataset(task, built)
-    rows = [_row(task, config_json, dataset[i], i) for i in range(train_size + eval_size)]
+    rows = [_row(task, config_json, dataset[i], i, answer_format) for i in range(train_size + eval_size)]
     train, held_out = rows[:train_size], rows[train_size:]
     seen = {row["question"] for row in train}
     kept = [row for row in held_out if row["question"] not in seen]
@@ -239,12 +319,14 @@ def reasoning_gym_rows(task: str, config: Mapping[str, Any] | None = None, *, se
 
 
 def reasoning_gym_data(task: str, config: Mapping[str, Any] | None = None, *, seed: int = 0,
-                       train_size: int = 1000, eval_size: int = 100, **data_fields: Any) -> Any:
+                       train_size: int = 1000, eval_size: int = 100, answer_format: str = DEFAULT_ANSWER_FORMAT,
+                       **data_fields: Any) -> Any:
     """A `titanrl.DataConfig` of `reasoning_gym_rows(...)`: the rows in `train_rows`/`eval_rows`
     (no eval when `eval_size` is 0) and `messages_field="messages"`; `data_fields` are further
     DataConfig fields (`system_prompt`, `shuffle_seed`, `on_overlong`)."""
     from titanrl.config import DataConfig
 
-    train, held_out = reasoning_gym_rows(task, config, seed=seed, train_size=train_size, eval_size=eval_size)
+    train, held_out = reasoning_gym_rows(task, config, seed=seed, train_size=train_size, eval_size=eval_size,
+                                         answer_format=answer_format)
     return DataConfig(train_rows=train, eval_rows=held_out if len(held_out) else None, messages_field="messages",
                       **data_fields)
