@@ -1,17 +1,24 @@
-"""Rollout-engine benchmark: vLLM's built-in Qwen3 vs TitanRL's VllmEngine (our model code).
+"""Rollout-engine benchmark: vLLM's built-in model of a family vs TitanRL's VllmEngine (our model code).
 
     .venv/bin/python benchmarks/rollout_engine.py --out benchmarks/results/rollout_engine.json
     .venv/bin/python benchmarks/rollout_engine.py --quick      # tiny model only (~1 min)
+    .venv/bin/python benchmarks/rollout_engine.py --family llama --out benchmarks/results/rollout_engine_llama_<cpu>.json
+
+`--family` (qwen3, the default; llama; qwen2) picks the checkpoints' architecture: the built-in
+arm is then vLLM's own LlamaForCausalLM / Qwen2ForCausalLM, ours the family's TitanRL class.
+Family defaults otherwise: Llama without biases or rope scaling (as Llama 3 / SmolLM2), Qwen2
+with its q/k/v biases.
 
 What it measures, on one freshly written random-init checkpoint per model size (byte
 tokenizer, float32):
 
 1. Generation throughput, completion tokens per second, of
-   - `builtin`: plain `vllm.LLM(model=ckpt)`, i.e. vLLM's own Qwen3ForCausalLM,
-   - `ours`: `titanrl.rollout.vllm.engine.VllmEngine`, i.e. vLLM running TitanRL's Qwen3
-     modules (`hf_overrides architectures=["TitanRLQwen3ForCausalLM"]`) with vLLM's CPU kernels
+   - `builtin`: plain `vllm.LLM(model=ckpt)`, i.e. vLLM's own implementation of the family
+     (Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM),
+   - `ours`: `titanrl.rollout.vllm.engine.VllmEngine`, i.e. vLLM running TitanRL's modules of
+     the family (`hf_overrides architectures=["TitanRL<Architecture>"]`) with vLLM's CPU kernels
      swapped in (`VllmEngineConfig.vllm_kernels=True`, the default: oneDNN GEMMs on prepacked
-     weights, `_C` RMSNorm / fused add+RMSNorm / rotary), and
+     weights with q/k/v and gate/up packed, vLLM's rotary op; RMSNorm stays ours, as vLLM runs it on x86), and
    - `ours_torch_kernels`: the same engine with `vllm_kernels=False` (torch's F.linear etc.,
      the state before the kernel overrides), measured side by side as the "before",
    with the same engine options (dtype float32, enforce_eager, max_model_len, max_num_seqs,
@@ -95,7 +102,7 @@ def _module_classes(llm) -> list[str]:
 
 
 class Builtin:
-    """Plain vllm.LLM on the checkpoint: vLLM's own Qwen3 implementation."""
+    """Plain vllm.LLM on the checkpoint: vLLM's own implementation of the family."""
 
     name = "builtin"
 
@@ -131,7 +138,7 @@ class Builtin:
 
 
 class Ours:
-    """TitanRL's VllmEngine (our Qwen3 modules inside vLLM, vLLM's CPU kernels swapped in)."""
+    """TitanRL's VllmEngine (our modules of the family inside vLLM, vLLM's CPU kernels swapped in)."""
 
     name = "ours"
     vllm_kernels = True
@@ -300,15 +307,16 @@ def _bench_push(ours: Ours, ckpt: str, repeats: int) -> dict:
     }
 
 
-def bench_size(size: str, root: Path, repeats: int, push_repeats: int, sequential: bool) -> dict:
-    from titanrl.models.tiny import tiny_config, write_tiny_checkpoint
+def bench_size(size: str, root: Path, repeats: int, push_repeats: int, sequential: bool,
+               family: str = "qwen3") -> dict:
+    from titanrl.models.tiny import tiny_config, write_checkpoint
 
-    overrides = SIZES[size]
-    ckpt = str(write_tiny_checkpoint(root / size, seed=0, **overrides))
-    cfg = tiny_config(**overrides)
+    cfg = tiny_config(family, **SIZES[size])
+    ckpt = str(write_checkpoint(root / size, cfg, seed=0))
     max_num_seqs = max(p * n for p, n, _ in WORKLOADS)  # covers the largest batch
     prompts = _prompts(max(p for p, _, _ in WORKLOADS))
     result: dict = {
+        "architecture": cfg.HF_ARCHITECTURE,
         "config": {
             k: getattr(cfg, k)
             for k in (
@@ -321,7 +329,9 @@ def bench_size(size: str, root: Path, repeats: int, push_repeats: int, sequentia
                 "vocab_size",
                 "tie_word_embeddings",
             )
-        },
+        }
+        | {k: getattr(cfg, k) for k in ("attention_bias", "mlp_bias") if hasattr(cfg, k)}
+        | {"qkv_bias": cfg.has_qkv_bias, "rope_scaling": cfg.rope_scaling},
         "max_num_seqs": max_num_seqs,
     }
     if sequential:
@@ -373,6 +383,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="also write the JSON result to this file")
     parser.add_argument("--quick", action="store_true", help="tiny model only")
+    parser.add_argument("--family", default="qwen3", choices=("qwen3", "llama", "qwen2"),
+                        help="model family of the checkpoints (vLLM's built-in model of it is the baseline)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per arm and workload (median reported)")
     parser.add_argument("--push-repeats", type=int, default=5)
     parser.add_argument(
@@ -388,6 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = ["tiny"] if args.quick else list(SIZES)
     report: dict = {
         "benchmark": "rollout_engine",
+        "family": args.family,
         "cpu_flags": isa_flags(),
         "vllm": vllm.__version__,
         "torch": torch.__version__,
@@ -403,7 +416,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     with tempfile.TemporaryDirectory(prefix="titanrl_bench_") as tmp:
         for size in sizes:
-            report["sizes"][size] = bench_size(size, Path(tmp), args.repeats, args.push_repeats, args.sequential)
+            report["sizes"][size] = bench_size(size, Path(tmp), args.repeats, args.push_repeats, args.sequential,
+                                               args.family)
     report["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)
 
