@@ -53,7 +53,7 @@ def test_config_validates_on_a_stand_in_checkpoint(tiny_llama, monkeypatch, no_f
     assert config.model.checkpoint == str(tiny_llama)
     assert config.rewards == [reasoning_gym_answer, reasoning_gym_format] and config.reward_weights == [1.0, 0.1]
     assert config.eval.correct_threshold == 1.0 and max(config.reward_weights[1:]) < config.eval.correct_threshold
-    assert (config.rollout.prompts_per_step, config.rollout.group_size, config.rollout.max_new_tokens) == (8, 8, 64)
+    assert (config.rollout.prompts_per_step, config.rollout.group_size, config.rollout.max_new_tokens) == (16, 8, 64)
     train, held_out = load_run_rows(config)
     assert len(train) == 2000 and len(held_out) == config.eval.max_prompts == 200  # nothing dropped as overlong
     assert not {r["question"] for r in train} & {r["question"] for r in held_out}
