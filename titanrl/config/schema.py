@@ -213,8 +213,8 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.99)
     """AdamW betas."""
     weight_decay: float = 0.0
-    """AdamW decoupled weight decay of the weight matrices (an untied lm_head included); norms
-    (every *norm.weight), biases and the embedding (with a tied lm_head) are never decayed: the
+    """AdamW decoupled weight decay of the weight matrices (an untied LM head included); norm
+    gains, biases and the embedding (with a tied head) are never decayed: the
     optimizer's 'no_decay' param group."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up steps."""

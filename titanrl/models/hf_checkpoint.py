@@ -24,6 +24,7 @@ from torch import nn
 from titanrl.atomic_io import replacing_directory
 from titanrl.models.architectures import build_model, config_from_hf_dict
 from titanrl.models.common.decoder import DecoderConfig, DecoderForCausalLM
+from titanrl.models.common.state_dict_adapter import DECODER_ADAPTER
 from titanrl.models.qwen3.moe import (
     expert_checkpoint_name,
     parse_expert_checkpoint_name,
@@ -40,8 +41,8 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
-EMBED = "model.embed_tokens.weight"
-HEAD = "lm_head.weight"
+EMBED = DECODER_ADAPTER.embed
+HEAD = DECODER_ADAPTER.head
 
 
 class CheckpointError(ValueError):

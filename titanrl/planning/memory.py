@@ -56,17 +56,18 @@ ActivationCheckpointing = Literal["none", "full"]
 PipelineSchedule = Literal["1F1B", "GPipe"]
 
 # Bytes autograd keeps per token of one decoder block, per element of each width: counted with
-# `torch.autograd.graph.saved_tensors_hooks` over the unique storages titanrl.models.qwen3's
-# block saves (parameters excluded), for float32 and bfloat16 compute; tests/test_plan.py
-# recounts them on the real module so the table and the model cannot drift apart.
+# `torch.autograd.graph.saved_tensors_hooks` over the unique storages a Qwen3 block of the shared
+# decoder (titanrl/models/common/decoder.py) saves (parameters excluded), for float32 and bfloat16
+# compute; tests/test_plan.py recounts them on the real module so the table and the model cannot
+# drift apart. Families without per-head q/k norms save a little less (counted the same here).
 #   hidden: the two RMSNorms (float32 upcast of the input, the normalized output the projections
 #     read; in float32 the upcast is the input itself and x * rsqrt is kept too).
-#   q (heads x head_dim): q projection, q_norm's upcast and output, the rotated halves, q after
+#   q (heads x head_dim): q projection, the q norm's upcast and output, the rotated halves, q after
 #     rotary, k and v repeated to every query head (SDPA reads them), the attention output and
-#     o_proj's (transposed, copied) input.
-#   kv: k and v projections and k_norm's upcast.
-#   intermediate: gate and up outputs, silu(gate), their product (down_proj's input).
-#   per query head: attention's log-sum-exp and q_norm's rsqrt (float32); per kv head: k_norm's rsqrt.
+#     the output projection's (transposed, copied) input.
+#   kv: k and v projections and the k norm's upcast.
+#   intermediate: gate and up outputs, silu(gate), their product (the down projection's input).
+#   per query head: attention's log-sum-exp and the q norm's rsqrt (float32); per kv head: the k norm's.
 #   per token: the two RMSNorms' rsqrt (float32).
 BLOCK_SAVED_BYTES = {
     4: dict(hidden=24, q=24, kv=8, intermediate=16, q_head=8, kv_head=4, token=8),

@@ -3,13 +3,10 @@
 Weight decay pulls weights towards zero. That regularises the projection matrices; a norm's
 gain, a bias or a token embedding it only drags away from where it belongs (norm gains towards
 0 instead of 1, the rows of rarely seen tokens towards 0 between their updates), the usual
-exclusion in LM training. By HF parameter name:
-
-    no_decay   every `*norm.weight`, every `*.bias`, `model.embed_tokens.weight` and, with tied
-               embeddings, `lm_head.weight` (the same matrix; the last pipeline stage's copy of it)
-    decay      everything else, an untied `lm_head.weight` included (an output projection,
-               decayed like the other matrices), and in an MoE model the router
-               (`mlp.gate.weight`) and the stacked experts (`mlp.experts.{gate,up,down}_proj`)
+exclusion in LM training. Which names fall where is the family's rule
+(`StateDictAdapter.decays` in titanrl/models/common/state_dict_adapter.py): norm gains, biases,
+the embedding and a tied head (the same matrix) are 'no_decay'; every other matrix, an untied
+head, routers and experts included, is 'decay'.
 
 Each group carries its name (`name`: 'decay' or 'no_decay'); the flattened distributed
 checkpoint stores every group setting per parameter (`param_groups.<param>.name`, `...weight_decay`),

@@ -377,7 +377,7 @@ class VllmEngine:
         """Copies new weights into the running engine in place and invalidates the prefix cache.
 
         `state_dict` uses our model's `state_dict()` names (stacked experts `[E, out, in]`), or
-        an HF checkpoint's (one tensor per expert, stacked here); a tied `lm_head.weight` is
+        an HF checkpoint's (one tensor per expert, stacked here); a tied LM head is
         dropped (the LM head follows the embedding). Every parameter must be present unless
         `allow_partial`. Must not be called while a `generate` call is running; between two
         engine steps with requests unfinished (`AsyncGenerator`), pass `recompute_running`: those

@@ -93,8 +93,8 @@ class VllmModelBoundary:
     `input_ids [N]` / `positions [N]` and returns final-norm hidden states `[N, hidden]`
     (vLLM computes logits only for the rows it samples from, via `compute_logits`).
     Parameters keep the model's names, so `load_weights` and in-place pushes use them directly;
-    with tied embeddings `lm_head.weight` *is* the embedding Parameter, so a push to
-    `model.embed_tokens.weight` moves the LM head too.
+    with tied embeddings the head's weight *is* the embedding Parameter, so a push to the
+    embedding moves the LM head too.
     """
 
     vllm_architecture: ClassVar[str]
@@ -169,10 +169,10 @@ class VllmModelBoundary:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies named tensors into the parameters in place; returns the parameter names loaded.
 
-        Used by vLLM's loader at start-up (checkpoint names: one tensor per expert,
-        `...mlp.experts.{e}.gate_proj.weight`, goes into row e of the stacked parameter) and by
-        the TitanRL worker extension for pushes (the model's own names, stacked experts whole).
-        A tied `lm_head.weight` is skipped (it is the embedding). Unknown names and shape
+        Used by vLLM's loader at start-up (checkpoint names: one tensor per expert goes into its
+        row of the stacked parameter, `parse_expert_checkpoint_name`) and by the TitanRL worker
+        extension for pushes (the model's own names, stacked experts whole). A tied head is
+        skipped (it is the embedding). Unknown names and shape
         mismatches raise rather than being ignored.
         """
         params = dict(self.named_parameters())  # type: ignore[attr-defined]  # a tied head appears once

@@ -5,7 +5,7 @@ Same directory layout as `GRPOTrainer.save_state` (see titanrl.trainer.checkpoin
 `titanrl.trainer.checkpoint.export_hf` reads a checkpoint from any layout. The optimizer state
 is saved flattened (`state.<name>.<key>`, `param_groups.<name>.<key>`): every entry is keyed
 by one parameter, so pipeline stages, which each hold some parameters and their own optimizer,
-save and load their part. `router_bias` holds mixture-of-experts routers' `expert_bias` buffers
+save and load their part. `router_bias` holds mixture-of-experts routers' load-balancing bias buffers
 (not in the model's state dict, as HF files have no such tensor; replicated on every rank, so
 DCP writes each once); a checkpoint without them loads with the biases untouched. GRPOTrainer writes the same flattened form
 (`titanrl.trainer.checkpoint.STATE_DICT_OPTIONS`). Each parameter's entry names its param
@@ -71,10 +71,10 @@ def _saved_key(key: str, renames: dict[str, str]) -> str:
 def save_model_optim(pm: ParallelModel, optimizers: list[torch.optim.Optimizer], path: str | os.PathLike) -> None:
     """DCP-saves {"model", "optim"} of every rank's parts into `path` (call on every rank).
 
-    A tied matrix is saved as every layout (and GRPOTrainer) saves it: the weight under
-    `model.embed_tokens.weight` and `lm_head.weight` (readers of tied checkpoints ask for both),
-    its optimizer state once, under `model.embed_tokens.weight`. Split across pipeline stages,
-    the first stage writes the embedding and the state, the last stage only `lm_head.weight`.
+    A tied matrix is saved as every layout (and GRPOTrainer) saves it: the weight under the
+    embedding's and the head's names (readers of tied checkpoints ask for both), its optimizer
+    state once, under the embedding's. Split across pipeline stages, the first stage writes the
+    embedding and the state, the last stage only the head.
     """
     stepped = [bool(opt.state) for opt in optimizers]
     parts = _part_states(pm, optimizers)

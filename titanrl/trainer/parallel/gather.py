@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from titanrl.models.architectures import build_model, spec_for
 from titanrl.trainer.parallel.mesh import coord, global_rank
 from titanrl.trainer.parallel.parallelize import ParallelModel
-from titanrl.trainer.parallel.pipeline import stage_of_layer
+from titanrl.models.common.pipeline_stage import stage_of_layer
 from titanrl.weight_sync.layout import WeightLayout, build_layout
 
 Bucket = list[tuple[str, torch.Tensor]]

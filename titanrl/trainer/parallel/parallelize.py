@@ -70,7 +70,7 @@ class ParallelModel:
     def named_parameters(self, head_copy: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """HF-named parameters held on this rank (sharded ones as DTensors), tied ones once.
 
-        head_copy=False leaves out the last stage's `lm_head.weight` when it is a copy of the
+        head_copy=False leaves out the last stage's LM head weight when it is a copy of the
         tied embedding (the first stage's is the one to count, save and publish).
         """
         for part in self.parts:

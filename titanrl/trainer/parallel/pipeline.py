@@ -9,7 +9,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from titanrl.config.parallel import PP_SCHEDULES
 from titanrl.config.schema import ParallelConfig
-from titanrl.models.common.pipeline_stage import PipelineStageModel, stage_of_layer  # noqa: F401  (re-exported)
+from titanrl.models.common.pipeline_stage import PipelineStageModel
 
 
 def num_stages(parallel: ParallelConfig) -> int:

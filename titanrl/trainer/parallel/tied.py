@@ -2,8 +2,8 @@
 
 With `tie_word_embeddings=True` one matrix is both the first stage's token embedding and the
 last stage's LM head, and those stages run on different pipeline ranks. Each of the two ranks
-keeps its own copy (`model.embed_tokens.weight` on pp rank 0, `lm_head.weight` on pp rank
-pp-1, the latter in the last stage even when schedules interleave), both loaded from the same
+keeps its own copy (the embedding on pp rank 0, the head on pp rank pp-1, the latter in the
+last stage even when schedules interleave; names from the spec's StateDictAdapter), both loaded from the same
 tensor. After every backward the two copies' gradients are summed over a two-rank group, one
 group per (dp, cp, tp) coordinate, so each copy holds the full tied gradient; with identical
 gradients, clipping and optimizer state the copies stay bitwise equal.
@@ -12,8 +12,8 @@ Under FSDP the copies' gradients are DTensors sharded the same way (one `fully_s
 same shape over the same data-parallel mesh coordinates), so summing their local shards is
 summing the full gradients. Under TP both copies are vocabulary shards (Shard(0)) of the same
 rows at the same tp coordinate, so the same holds.
-The global gradient norm and checkpoints count the tied matrix once, under its HF name
-`model.embed_tokens.weight` (see step.grad_norm and checkpoint.py).
+The global gradient norm and checkpoints count the tied matrix once, under the embedding's name
+(see step.grad_norm and checkpoint.py).
 """
 
 from __future__ import annotations
