@@ -42,6 +42,21 @@ asks for >= 1.5). Every line carries the CPU flags and the load average.
         [--size 19m|small] [--titanrl-overrides train.share_prompts=false ...] [--out FILE.jsonl]
 
     .venv/bin/python benchmarks/vs_trl.py --steps 3 --repeats 1 --size small   # a quick check
+
+`--workload reasoning` (issue 47): the real model on the real task. SmolLM2-135M-Instruct
+converted by `titanrl models get smollm2-135m-instruct` (cached), the chain_sum rows of
+examples/reasoning/task.py rendered with the checkpoint's chat template (TRL gets the same rows
+as conversational prompts), the rewards reasoning_gym_answer + 0.1 x reasoning_gym_format,
+16 prompts x 8 samples per step, up to 64 new tokens at temperature 1.0, lr 3e-5 with 2 warm-up
+steps then constant, no KL, `--steps` steps (default 20). TitanRL runs examples/reasoning/config.py
+as written (eval off during the run); TRL's GRPOTrainer gets micro-batches of 16 with 8 accumulation
+steps, so one optimizer step consumes one generation batch of 128 completions, as TitanRL's.
+After the arms, one evaluator scores the base checkpoint and each arm's final weights alike:
+`titanrl eval` (vLLM, greedy) on the example's 200 held-out questions. The summary adds each
+arm's held-out accuracy before and after and ratio_titanrl_over_trl_speed (issue 47 asks >= 2,
+with a gain at least TRL's).
+
+    .venv/bin/python benchmarks/vs_trl.py --workload reasoning --steps 20 --repeats 1
 """
 
 from __future__ import annotations
@@ -81,6 +96,13 @@ WARMUP_STEPS = 1
 """Steps left out of step_s: start-up costs (first forward, allocations, TitanRL's unoverlapped first rollout)."""
 ISSUE_TARGET = 1.5
 """Issue 21's goal for ratio_titanrl_over_trl_speed."""
+
+REASONING_DIR = ROOT / "examples" / "reasoning"
+REASONING_CONFIG = REASONING_DIR / "config.py"
+REASONING = dict(prompts_per_step=16, group_size=8, max_new_tokens=64, lr=3e-5, warmup_steps=2,
+                 micro_batch_size=16, temperature=1.0, reward_weights=[1.0, 0.1], target=2.0)
+"""`--workload reasoning`: examples/reasoning/config.py's recipe (checked against it by
+`check_reasoning_recipe`), what TRL's arm is given, and issue 47's speed goal."""
 
 
 # --- pure helpers -----------------------------------------------------------------------------
@@ -127,7 +149,8 @@ def trl_step_stats(step_times: list[float], lengths: list[float], warmup: int = 
     }
 
 
-def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(results: list[dict[str, Any]], target: float = ISSUE_TARGET,
+              samples_per_step: int = PROMPTS_PER_STEP * GROUP_SIZE) -> dict[str, Any]:
     """The summary over repeats: each arm's median step_s and tokens_per_s, and TRL over TitanRL.
 
     ratio_titanrl_over_trl_speed is TRL's median step_s over TitanRL's (> 1: TitanRL is faster);
@@ -151,8 +174,9 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "ratio_tokens_per_s": round(med["titanrl"]["tokens_per_s"] / med["trl"]["tokens_per_s"], 3),
         "titanrl_completion_len_mean": round(statistics.fmean(r["completion_len_mean"] for r in by_arm["titanrl"]), 2),
         "trl_completion_len_mean": round(statistics.fmean(r["completion_len_mean"] for r in by_arm["trl"]), 2),
-        "issue_target": ISSUE_TARGET,
-        "meets_issue_target": ratio >= ISSUE_TARGET,
+        "issue_target": target,
+        "meets_issue_target": ratio >= target,
+        "samples_per_step": samples_per_step,
     }
 
 
@@ -219,14 +243,9 @@ def trl_reward(prompts: list[str], completions: list[str], answer: list[str], **
     return [reward(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
 
 
-def run_trl_arm(args: argparse.Namespace) -> dict[str, Any]:
-    """Trains the TRL arm once (this interpreter must be .venv-trl's) and returns its stats."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    torch.set_num_threads(args.threads)
+def step_timer() -> Any:
+    """A TRL TrainerCallback timing each optimizer step (begin -> end) and logging mean completion lengths."""
+    from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         """Seconds from each optimizer step's begin to its end, and each logged mean completion length."""
@@ -244,6 +263,17 @@ def run_trl_arm(args: argparse.Namespace) -> dict[str, Any]:
             if logs and "completions/mean_length" in logs:
                 self.lengths.append(float(logs["completions/mean_length"]))
 
+    return StepTimer()
+
+
+def run_trl_arm(args: argparse.Namespace) -> dict[str, Any]:
+    """Trains the TRL arm once (this interpreter must be .venv-trl's) and returns its stats."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(args.threads)
     config = GRPOConfig(
         output_dir=str(Path(args.work_dir) / "trl-run"), max_steps=args.steps, learning_rate=LR,
         per_device_train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE, gradient_accumulation_steps=1,
@@ -251,7 +281,7 @@ def run_trl_arm(args: argparse.Namespace) -> dict[str, Any]:
         use_vllm=False, use_cpu=True, bf16=False, fp16=False, logging_steps=1, save_strategy="no",
         report_to="none", disable_tqdm=True, seed=0, dataloader_num_workers=0,
     )
-    timer = StepTimer()
+    timer = step_timer()
     trainer = GRPOTrainer(
         model=args.checkpoint, reward_funcs=[trl_reward], args=config,
         train_dataset=Dataset.from_list(arithmetic_rows()),
@@ -263,6 +293,118 @@ def run_trl_arm(args: argparse.Namespace) -> dict[str, Any]:
     stats["dtype"] = str(next(trainer.model.parameters()).dtype)
     stats["versions"] = {"torch": torch.__version__, "trl": _version("trl"), "transformers": _version("transformers")}
     return stats
+
+
+def reasoning_task() -> Any:
+    """examples/reasoning/task.py (its folder goes on sys.path, as `titanrl train` does for config.py)."""
+    if str(REASONING_DIR) not in sys.path:
+        sys.path.insert(0, str(REASONING_DIR))
+    import task
+
+    return task
+
+
+def check_reasoning_recipe(config: Any) -> None:
+    """Refuses to run when examples/reasoning/config.py no longer matches REASONING (what TRL gets)."""
+    found = dict(prompts_per_step=config.rollout.prompts_per_step, group_size=config.rollout.group_size,
+                 max_new_tokens=config.rollout.max_new_tokens, lr=config.train.lr,
+                 warmup_steps=config.train.warmup_steps, micro_batch_size=config.train.micro_batch_size,
+                 temperature=config.rollout.temperature, reward_weights=list(config.reward_weights))
+    differ = {k: (v, REASONING[k]) for k, v in found.items() if v != REASONING[k]}
+    if differ:
+        raise SystemExit(f"examples/reasoning/config.py differs from vs_trl's REASONING (config, here): {differ}; "
+                         "update REASONING so that both arms do the same work")
+
+
+def run_titanrl_reasoning_arm(args: argparse.Namespace) -> dict[str, Any]:
+    """examples/reasoning/config.py as written, on --checkpoint, for --steps steps, eval off;
+    its final weights go to WORK_DIR/final (an HF checkpoint) for the evaluator."""
+    import titanrl
+    from titanrl.cli import load_config_file
+    from titanrl.config import apply_overrides
+
+    out_dir = Path(args.work_dir) / "titanrl-run"
+    config = apply_overrides(load_config_file(str(REASONING_CONFIG)), [
+        f"model.checkpoint={args.checkpoint}", f"train.steps={args.steps}", "eval.every_steps=0",
+        f"output.dir={out_dir}", "output.progress_bar=false", "output.tensorboard=false", *args.titanrl_overrides])
+    check_reasoning_recipe(config)
+    stats = titanrl_step_stats(titanrl.train(config).metrics)
+    stats["final"] = str(out_dir)  # `titanrl eval` takes a run directory (its newest policy)
+    stats["torch_threads"] = {"trainer": config.train.threads, "trainer_when_rollouts_idle":
+                              config.train.threads_when_rollouts_idle,
+                              "rollout_worker": config.rollout.threads_per_worker}
+    stats["overrides"] = args.titanrl_overrides
+    return stats
+
+
+def completion_text(completion: Any) -> str:
+    """TRL hands conversational completions as a list of messages; plain ones as a string."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(m["content"] for m in completion if m.get("role") == "assistant")
+
+
+def trl_reasoning_rewards() -> list[Any]:
+    """reasoning_gym_answer and reasoning_gym_format in TRL's batched form (the same functions)."""
+    from titanrl.rewards.reasoning_gym import reasoning_gym_answer, reasoning_gym_format
+
+    def batched(fn: Any) -> Any:
+        def reward(prompts: list[Any], completions: list[Any], **columns: list[Any]) -> list[float]:
+            # Row columns come as lists, one value per completion; TRL adds non-list extras (trainer_state).
+            columns = {k: v for k, v in columns.items() if isinstance(v, list) and k not in ("prompt", "messages")}
+            fields = [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+            return [fn("", completion_text(c), **f) for c, f in zip(completions, fields, strict=True)]
+
+        reward.__name__ = fn.__name__
+        return reward
+
+    return [batched(reasoning_gym_answer), batched(reasoning_gym_format)]
+
+
+def run_trl_reasoning_arm(args: argparse.Namespace) -> dict[str, Any]:
+    """TRL's GRPOTrainer on the same rows, rewards and recipe; final weights to WORK_DIR/final."""
+    import torch
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(args.threads)
+    rows = reasoning_task().chain_sum_data().train_rows.rename_column("messages", "prompt")
+    r = REASONING
+    config = GRPOConfig(
+        output_dir=str(Path(args.work_dir) / "trl-run"), max_steps=args.steps, learning_rate=r["lr"],
+        warmup_steps=r["warmup_steps"], lr_scheduler_type="constant_with_warmup",
+        per_device_train_batch_size=r["micro_batch_size"],
+        gradient_accumulation_steps=r["prompts_per_step"] * r["group_size"] // r["micro_batch_size"],
+        num_generations=r["group_size"], max_completion_length=r["max_new_tokens"], temperature=r["temperature"],
+        reward_weights=r["reward_weights"], beta=0.0, use_vllm=False, use_cpu=True, bf16=False, fp16=False,
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )
+    timer = step_timer()
+    trainer = GRPOTrainer(model=args.checkpoint, reward_funcs=trl_reasoning_rewards(), args=config,
+                          train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(args.checkpoint),
+                          callbacks=[timer])
+    trainer.train()
+    final = Path(args.work_dir) / "final"
+    trainer.save_model(str(final))
+    stats = trl_step_stats(timer.times, timer.lengths)
+    stats["final"] = str(final)
+    stats["torch_threads"] = torch.get_num_threads()
+    stats["dtype"] = str(next(trainer.model.parameters()).dtype)
+    stats["loss_type"] = config.loss_type
+    stats["versions"] = {"torch": torch.__version__, "trl": _version("trl"), "transformers": _version("transformers")}
+    return stats
+
+
+def run_eval_arm(args: argparse.Namespace) -> dict[str, Any]:
+    """Held-out greedy accuracy of --checkpoint (an HF folder or a run directory) under the reasoning
+    example's config: what `titanrl eval CHECKPOINT --config examples/reasoning/config.py` prints."""
+    from titanrl.cli import load_config_file
+    from titanrl.commands.evaluate import evaluate_checkpoint
+
+    started = time.perf_counter()
+    report = evaluate_checkpoint(load_config_file(str(REASONING_CONFIG)), args.checkpoint)
+    return {"accuracy": report.accuracy, "reward_mean": report.reward_mean, "prompts": report.prompts,
+            "eval_s": round(time.perf_counter() - started, 1)}
 
 
 def _version(package: str) -> str:
@@ -299,6 +441,7 @@ def run_arm(arm: str, python: str, args: argparse.Namespace, checkpoint: Path, w
     work_dir.mkdir(parents=True)
     result = work_dir / "result.json"
     cmd = [python, str(Path(__file__).resolve()), "--arm", arm, "--checkpoint", str(checkpoint),
+           "--workload", args.workload,
            "--work-dir", str(work_dir), "--result", str(result), "--steps", str(args.steps),
            "--threads", str(args.threads), "--titanrl-overrides", *args.titanrl_overrides]
     started = time.perf_counter()
@@ -319,12 +462,53 @@ def emit(record: dict[str, Any], out: Path | None) -> None:
             f.write(line + "\n")
 
 
+def drive_reasoning(args: argparse.Namespace, out: Path | None, pythons: dict[str, str]) -> None:
+    """`--workload reasoning`: the arms on SmolLM2 (cached by `titanrl models get`), then one evaluator
+    on the base checkpoint and each arm's final weights; prints each run and the summary."""
+    from titanrl.commands.models import get_model
+
+    checkpoint = get_model(reasoning_task().MODEL)
+    r = REASONING
+    samples = r["prompts_per_step"] * r["group_size"]
+    base = {"benchmark": "vs_trl", "workload": "reasoning", "model": reasoning_task().MODEL, "steps": args.steps,
+            "threads": args.threads, **{k: r[k] for k in ("prompts_per_step", "group_size", "max_new_tokens",
+                                                         "temperature", "lr")}}
+    with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
+        before = run_arm("eval", sys.executable, args, checkpoint, Path(tmp) / "eval-base")
+        emit({**base, "eval": "base", **before, **machine_fields()}, out)
+        results = []
+        for repeat in range(args.repeats):
+            for arm in args.arms:
+                load_start = round(os.getloadavg()[0], 2)
+                stats = run_arm(arm, pythons[arm], args, checkpoint, Path(tmp) / f"{arm}{repeat}")
+                stats["tokens_per_s"] = tokens_per_s(stats["completion_len_mean"], samples, stats["step_s"])
+                after = run_arm("eval", sys.executable, args, Path(stats.pop("final")), Path(tmp) / f"eval-{arm}{repeat}")
+                stats.update(accuracy_before=before["accuracy"], accuracy_after=after["accuracy"],
+                             accuracy_gain=after["accuracy"] - before["accuracy"],
+                             reward_mean_after=after["reward_mean"], eval_prompts=after["prompts"])
+                record = {**base, "arm": arm, "repeat": repeat, **rounded(stats), "loadavg_start": load_start,
+                          **machine_fields()}
+                results.append(record)
+                emit(record, out)
+        if set(args.arms) == {"titanrl", "trl"}:
+            summary = summarize(results, r["target"], samples)
+            gains = {arm: statistics.median(x["accuracy_gain"] for x in results if x["arm"] == arm)
+                     for arm in ("titanrl", "trl")}
+            summary.update(accuracy_before=round(before["accuracy"], 4),
+                           titanrl_accuracy_gain=round(gains["titanrl"], 4), trl_accuracy_gain=round(gains["trl"], 4),
+                           meets_gain_target=gains["titanrl"] >= gains["trl"])
+            emit({**base, "summary": True, "repeats": args.repeats, **summary, **machine_fields()}, out)
+
+
 def drive(args: argparse.Namespace) -> None:
     """Writes the checkpoint, alternates the arms `--repeats` times, prints each run and the summary."""
     trl_python = Path(args.trl_python)
     if "trl" in args.arms and not trl_python.is_file():
         raise SystemExit(f"{trl_python} does not exist: run `make trl-venv` first")
     out = Path(args.out) if args.out else None
+    if args.workload == "reasoning":
+        drive_reasoning(args, out, {"titanrl": sys.executable, "trl": str(trl_python)})
+        return
     base = {"benchmark": "vs_trl", "size": args.size, "steps": args.steps, "threads": args.threads,
             "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE, "max_new_tokens": MAX_NEW_TOKENS}
     pythons = {"titanrl": sys.executable, "trl": str(trl_python)}
@@ -350,7 +534,10 @@ def drive(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run (the first is warm-up)")
+    parser.add_argument("--workload", choices=["arithmetic", "reasoning"], default="arithmetic",
+                        help="issue 21's tiny random Qwen3 on arithmetic, or issue 47's SmolLM2 on chain_sum")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps per run, the first is warm-up (default 10; 20 for reasoning)")
     parser.add_argument("--repeats", type=int, default=2, help="times each arm runs, alternating")
     parser.add_argument("--threads", type=int, default=2,
                         help="TRL's torch threads; TitanRL's train.threads (its rollout worker keeps "
@@ -363,11 +550,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="which arms to run, in this order each repeat")
     parser.add_argument("--trl-python", default=str(TRL_PYTHON), help="the interpreter of TRL's venv")
     # One arm in this process (what the driver starts): --arm, --checkpoint, --work-dir, --result.
-    parser.add_argument("--arm", choices=["titanrl", "trl"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--arm", choices=["titanrl", "trl", "eval"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", default="", help=argparse.SUPPRESS)
     parser.add_argument("--work-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 20 if args.workload == "reasoning" else 10
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be > {WARMUP_STEPS} (the warm-up step is not measured)")
     return args
@@ -381,7 +570,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.checkpoint:
         raise SystemExit("--arm needs --checkpoint (a directory written by write_tiny_checkpoint)")
     args.work_dir = args.work_dir or tempfile.mkdtemp(prefix=f"vs_trl-{args.arm}-")
-    stats = (run_titanrl_arm if args.arm == "titanrl" else run_trl_arm)(args)
+    arms = {("titanrl", "arithmetic"): run_titanrl_arm, ("trl", "arithmetic"): run_trl_arm,
+            ("titanrl", "reasoning"): run_titanrl_reasoning_arm, ("trl", "reasoning"): run_trl_reasoning_arm}
+    stats = run_eval_arm(args) if args.arm == "eval" else arms[args.arm, args.workload](args)
     if args.result:
         Path(args.result).write_text(json.dumps(stats))
     else:

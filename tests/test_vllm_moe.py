@@ -13,11 +13,12 @@ pytest.importorskip("vllm")
 
 from titanrl.envs.base import Environment, StepResult  # noqa: E402
 from titanrl.models.hf_checkpoint import hf_state_dict, load_model, load_state_dict_into  # noqa: E402
+from titanrl.rollout.vllm.engine import VllmEngineConfig  # noqa: E402
 from titanrl.rollout.vllm.routing_record import NOT_RECORDED, fit_routing, merge_routing  # noqa: E402
 
 TOL = 1e-5
-BLOCK = 128
-"""vLLM's CPU KV-cache block: the prefix cache reuses whole blocks only."""
+BLOCK = VllmEngineConfig.kv_block_size
+"""The engine's KV-cache block: the prefix cache reuses whole blocks only."""
 
 
 def _trainer_view(model, seq: list[int], temperature: float = 1.0) -> tuple[torch.Tensor, np.ndarray]:

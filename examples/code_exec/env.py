@@ -20,3 +20,17 @@ TOOL_TIMEOUT_S = 5.0
 def make_env(context: EnvContext) -> CodeTestsEnv:
     """One fresh CodeTestsEnv for one episode, sharing the worker's sandbox pool."""
     return CodeTestsEnv.from_context(context, test_timeout_s=TEST_TIMEOUT_S, tool_timeout_s=TOOL_TIMEOUT_S)
+
+
+HUMANEVAL_TEST_TIMEOUT_S = 10.0
+"""Per HumanEval problem (its `check` runs every assert at once); canonical solutions take < 1 s."""
+HUMANEVAL_INSTRUCTIONS = (
+    "You are a careful Python programmer. Write the complete function, with the same name and "
+    "arguments, in one ```python fenced block."
+)
+
+
+def make_humaneval_env(context: EnvContext) -> CodeTestsEnv:
+    """HumanEval mode (humaneval.py): one answer, no tool; the problem's tests score it in the sandbox."""
+    return CodeTestsEnv.from_context(context, test_timeout_s=HUMANEVAL_TEST_TIMEOUT_S, use_tool=False,
+                                     instructions=HUMANEVAL_INSTRUCTIONS)

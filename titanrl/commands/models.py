@@ -275,6 +275,24 @@ def get_model(
     return final
 
 
+def example_checkpoint(name: str, override_env: str) -> str:
+    """The checkpoint folder an example trains: `$override_env` when set (used as it is), else model
+    `name` from the cache, converted there first (with a note of what that costs) when missing."""
+    import os
+
+    override = os.environ.get(override_env)
+    if override:
+        print(f"model from ${override_env}: {override}", file=sys.stderr, flush=True)
+        return override
+    entry = lookup(name)
+    if not is_complete(cache_dir(entry), entry):
+        print(f"model {name} is not cached at {cache_dir(entry)}; getting it as `titanrl models get {name}` does: "
+              f"pip-installs {entry.requirement} (--no-deps, the GGUF weights), dequantizes it to a float32 HF "
+              f"checkpoint and checks its logits (about a minute, once; set ${override_env}=DIR to use a "
+              "checkpoint folder you have instead)", file=sys.stderr, flush=True)
+    return str(get_model(name))
+
+
 def list_table(table: Mapping[str, PretrainedModel] = KNOWN_MODELS) -> str:
     """The known models: name, pip requirement, licence, cached (where) or not, description."""
     rows = [("NAME", "PACKAGE", "LICENCE", "CACHED", "DESCRIPTION")]

@@ -4,11 +4,12 @@ CodeTestsEnv rows:
 
     {"prompt": "Write a function `gcd(a: int, b: int) -> int` ...",   # shown to the model
      "entry_point": "gcd",                                          # name the tests call
-     "tests": ["assert gcd(12, 18) == 6", ...]}                      # hidden from the model
+     "tests": ["assert gcd(12, 18) == 6", ...],                     # hidden from the model
+     "code_prefix": "import math\ndef gcd(a, b):\n    ..."}          # optional (see answer_program)
 
 The model may call `run_python` to try code (stdout/stderr come back as a tool response),
 then answers. The answer's code is the last ```python (or bare ```) fenced block, or the
-whole answer when it has no fence; reward = fraction of tests passed (see
+whole answer when it has no fence, run after the row's optional `code_prefix`; reward = fraction of tests passed (see
 titanrl/rewards/code_tests.py for how each test runs in isolation). A syntax error, a crash
 or a hang while loading the code, a test timeout or a sandbox failure adds 1 to
 info["errors"]; info also gets `tests_passed` and `tests_total` on the final turn.
@@ -38,6 +39,20 @@ def extract_code(answer: str) -> str:
     """The last fenced code block of `answer`, or the whole answer when it has none."""
     blocks = _FENCE_RE.findall(answer)
     return blocks[-1] if blocks else answer
+
+
+def answer_program(row: dict[str, Any], answer: str) -> str:
+    """The program the tests run against: the answer's code, after the row's `code_prefix` when
+    it has one (HumanEval: imports, helpers and the stub). An answer that defines the entry point
+    follows the prefix as a new block; one that does not is taken as the stub's body."""
+    code = extract_code(answer)
+    prefix = row.get("code_prefix") or ""
+    if not prefix:
+        return code
+    defines = re.search(rf"^\s*def\s+{re.escape(row.get('entry_point') or '')}\s*\(", code, re.MULTILINE)
+    if defines:
+        return prefix.rstrip() + "\n\n\n" + code
+    return (prefix if prefix.endswith("\n") else prefix + "\n") + code
 
 
 class PythonTool:
@@ -120,7 +135,7 @@ class CodeTestsEnv(ToolEnv):
         return result
 
     async def score(self, row: dict[str, Any], answer: str) -> float:
-        fraction, details = await fraction_of_tests_passed(self.pool, extract_code(answer), row["tests"],
+        fraction, details = await fraction_of_tests_passed(self.pool, answer_program(row, answer), row["tests"],
                                                            self.test_timeout_s)
         self.stats.sandbox_s += details["sandbox_s"]
         self.stats.errors += details["error"] is not None
