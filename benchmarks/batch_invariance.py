@@ -1,6 +1,6 @@
 """What batch-invariant mode costs: generator and trainer time with it off and on, side by side.
 
-    .venv/bin/python benchmarks/batch_invariance.py [--out benchmarks/results/batch_invariance.json]
+    .venv/bin/python benchmarks/batch_invariance.py [--out benchmarks/results/batch_invariance/batch_invariance.json]
 
 For two models, the demo's warm start (examples/arithmetic/warm_start, 0.5M params) and the
 25M-parameter model of benchmarks/rollout_engine.py (hidden 512, 8 layers, head_dim 64):
@@ -29,6 +29,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -108,11 +109,25 @@ def measure_trainer(checkpoint: str, repeats: int) -> dict[str, float]:
     return {**result, "tokens_per_s_off": tokens / result["off_s"], "tokens_per_s_on": tokens / result["on_s"]}
 
 
+def in_product_mkl_mode() -> None:
+    """Restarts this script with the MKL mode a batch-invariant run's actors get (`actor_env`:
+    MKL_CBWR=AVX2,STRICT on Intel CPUs with AVX-512, nothing elsewhere). MKL takes the mode only
+    before its first GEMM, and the off arm runs GEMMs before the on arm's kernels ask for it; both
+    arms then run in that mode, as both would inside a batch-invariant run's processes."""
+    from titanrl.kernels.mkl_mode import actor_env
+
+    wanted = actor_env()
+    if any(os.environ.get(k) != v for k, v in wanted.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **wanted})
+
+
 def main() -> None:
+    in_product_mkl_mode()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", help="also write the JSON line to this file")
     args = parser.parse_args()
+    from titanrl.kernels.cpu_build import isa_flags
     from titanrl.models.tiny import write_tiny_checkpoint
 
     torch.set_num_threads(1)
@@ -130,6 +145,8 @@ def main() -> None:
         "target": 1.5,
         "models": results,
         "threads": 1,
+        "mkl_cbwr": os.environ.get("MKL_CBWR"),
+        "cpu_flags": isa_flags(),
     }
     text = json.dumps(line)
     print(text)

@@ -10,7 +10,7 @@ Prints one JSON object per line and never aborts: every check or timing runs in 
 try/except and a failure prints {"name": ..., "error": ..., "traceback": ...}. Once the time
 budget (--budget-s, default 200 s) is spent, the remaining items print {"skipped": ...}.
 
-Checks (`titanrl.kernels.checks`, the same functions the tests use): each Triton kernel
+Checks (`support.kernel_checks`, the same functions the tests use): each Triton kernel
 against float64 torch (`max_rel_err`) and a probe row/query bitwise equal alone vs inside
 batches of other sizes at random positions (`invariant`):
 - linear, float32 and bfloat16, K = N = 4096 (and 4096 x 7), M in 1..2048, input gradient too;
@@ -56,8 +56,11 @@ def load_kernels():
 
     mods = {
         name: importlib.import_module(f"titanrl.kernels.{name}")
-        for name in ("checks", "triton_matmul", "triton_rms_norm", "triton_log_softmax", "triton_attention")
+        for name in ("triton_matmul", "triton_rms_norm", "triton_log_softmax", "triton_attention")
     }
+    if str(REPO / "tests") not in sys.path:  # the checks the tests use: tests/support/kernel_checks.py
+        sys.path.insert(0, str(REPO / "tests"))
+    mods["checks"] = importlib.import_module("support.kernel_checks")
     return types.SimpleNamespace(**mods)
 
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/kernels_invariance.py                 # ~1-2 min on 2 cores
     .venv/bin/python benchmarks/kernels_invariance.py --quick         # fewer repeats
-    .venv/bin/python benchmarks/kernels_invariance.py --out benchmarks/results/kernels_invariance.json
+    .venv/bin/python benchmarks/kernels_invariance.py --out benchmarks/results/kernels_invariance/kernels_invariance.json
 
 For each op and shape of the demo models (the tiny Qwen3: hidden 128, intermediate 384, 4/2
 heads of 32, vocab 512; the 25M one of benchmarks/rollout_engine.py: hidden 512, intermediate

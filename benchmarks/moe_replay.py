@@ -1,11 +1,11 @@
 """How often the trainer routes a token as the generator did, with and without router replay.
 
-    .venv/bin/python benchmarks/moe_replay.py [--out benchmarks/results/moe_replay.jsonl]
+    .venv/bin/python benchmarks/moe_replay.py [--out benchmarks/results/moe_replay/moe_replay.jsonl]
 
 Needs the vLLM MoE generator with routing capture (rollout.record_routed_experts). A tiny
 Qwen3-MoE (4 experts, top-2, both layers sparse, init std 0.1) generates 3 prompts x 3 samples x
 12 tokens in an in-process vLLM engine that records each token's experts; the trainer then
-runs one gradient pass (`ParallelGRPOStep`, library kernels, float32) over those groups with its
+runs one gradient pass (`GRPOStep`, library kernels, float32) over those groups with its
 weights equal to the generator's ("same_weights") and with its routers perturbed by
 normal(0, scale) noise (a router that moved since the generator sampled), with and without
 `train.router_replay`. One JSON line per case: moe/route_agreement (the trainer's live top-k
@@ -36,7 +36,7 @@ from titanrl.models.tiny import tiny_config, write_checkpoint  # noqa: E402
 from titanrl.trainer.batch import pack  # noqa: E402
 from titanrl.trainer.optimizer import build_optimizers  # noqa: E402
 from titanrl.trainer.parallel.parallelize import parallelize  # noqa: E402
-from titanrl.trainer.parallel.step import ParallelGRPOStep  # noqa: E402
+from titanrl.trainer.step import GRPOStep  # noqa: E402
 from titanrl.types import Group, Sample  # noqa: E402
 
 
@@ -65,7 +65,7 @@ def perturbed(model, scale: float, seed: int = 7):
 def moe_stats(model, groups: list[Group], replay: bool):
     cfg = TrainConfig(router_replay=replay, micro_batch_size=4)
     pm = parallelize(model, ParallelConfig(), None)
-    step = ParallelGRPOStep(pm, build_optimizers(pm, cfg), cfg, 1.0)
+    step = GRPOStep(pm, build_optimizers(pm, cfg), cfg, 1.0)
     return step.accumulate_gradients(pack(groups, model.config.eos_token_id or 0)).moe
 
 

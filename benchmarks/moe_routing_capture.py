@@ -1,6 +1,6 @@
 """Cost of recording routed experts in vLLM (`VllmEngineConfig.record_routed_experts`).
 
-    .venv/bin/python benchmarks/moe_routing_capture.py --out benchmarks/results/moe_routing_capture.jsonl
+    .venv/bin/python benchmarks/moe_routing_capture.py --out benchmarks/results/moe_routing_capture/moe_routing_capture.jsonl
 
 One tiny Qwen3-MoE checkpoint (hidden 128, 2 sparse layers, 4 experts, top-2, byte tokenizer,
 float32), two in-process engines on it in the same process, one recording routing and one not;

@@ -4,7 +4,7 @@
         [--out FILE]
 
 The policy: hidden 256, 4 layers, 8 experts per layer routed top-2 (expert width 256), head_dim
-64, the byte tokenizer's vocabulary; one step = `ParallelGRPOStep.accumulate_gradients` +
+64, the byte tokenizer's vocabulary; one step = `GRPOStep.accumulate_gradients` +
 `clip_and_step` on `--rows` sequences of 16 prompt + 32 completion tokens. Arms:
 
   ep1_grouped_mm / ep1_loop   one process (one thread), experts by `torch._grouped_mm` / a loop
@@ -74,7 +74,7 @@ def time_steps(rank: int, world_size: int, checkpoint: str, rows: int, implement
     from titanrl.trainer.optimizer import build_optimizers
     from titanrl.trainer.parallel.mesh import build_mesh
     from titanrl.trainer.parallel.parallelize import parallelize
-    from titanrl.trainer.parallel.step import ParallelGRPOStep
+    from titanrl.trainer.step import GRPOStep
 
     parallel = ParallelConfig(dp_shard=world_size, ep=world_size)
     model, _ = load_model(checkpoint, dtype=getattr(torch, dtype))
@@ -85,7 +85,7 @@ def time_steps(rank: int, world_size: int, checkpoint: str, rows: int, implement
             if isinstance(module, GroupedExperts):
                 module.implementation = implementation
     train = TrainConfig(micro_batch_size=rows, lr=1e-4)
-    step = ParallelGRPOStep(pm, build_optimizers(pm, train), train, 1.0)
+    step = GRPOStep(pm, build_optimizers(pm, train), train, 1.0)
     batch = _batch(rows)
     times = []
     for i in range(repeats + 1):

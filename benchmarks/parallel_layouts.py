@@ -2,10 +2,10 @@
 
     .venv/bin/python benchmarks/parallel_layouts.py [LAYOUT ...] [--tied] [--moe] [--family F] [--out FILE [--append]]
 
-For each layout (default: all of `titanrl.trainer.parallel.layout_check.LAYOUTS`: fsdp, ddp, tp,
+For each layout (default: all of `support.layout_check.LAYOUTS`: fsdp, ddp, tp,
 tp_sp, pp (1F1B), pp_gpipe, pp_interleaved, cp with 2 gloo processes; hsdp, fsdp+tp, fsdp+tp_sp,
 fsdp+cp, cp+tp_sp, pp+fsdp, pp+tp, pp+cp, cp4, pp4 with 4), processes on 127.0.0.1 run
-`ParallelGRPOStep` on the same packed batch (16 rows of a 4-layer tiny Qwen3, micro-batches of
+`GRPOStep` on the same packed batch (16 rows of a 4-layer tiny Qwen3, micro-batches of
 3 rows) that `GRPOTrainer.accumulate_gradients` runs in this process, and one JSON line per
 layout is printed:
 
@@ -21,20 +21,21 @@ layout is printed:
   tied_copies_equal         --tied, pipeline layouts: the first and last stages' copies of the tied
                             embedding / LM head are bitwise equal after two optimizer steps (else null)
 
-benchmarks/results/parallel_layouts.jsonl holds an untied run of every layout followed by a
-tied one (`--tied --out ... --append`).
+benchmarks/results/parallel_layouts/parallel_layouts.jsonl holds an untied run of every layout
+followed by a tied one (`--tied --out ... --append`).
 
 --moe runs the tiny mixture-of-experts policy (layout_check.TINY_MOE: layers 1-3 route each
 token to 2 of 4 experts, init std 0.2 so routing varies) under every layout, by default, the
 expert-parallel ones included: ep (experts over dp_shard=2), tp_sp+ep (over the tp ranks),
 fsdp+ep (dp_shard=4 as 2 x ep=2), ep4, hsdp+ep, fsdp+tp_sp+ep; ep=1 layouts replicate the
-sparse blocks over tp. benchmarks/results/parallel_layouts_moe.jsonl holds such a run.
+sparse blocks over tp. benchmarks/results/parallel_layouts/parallel_layouts_moe.jsonl holds
+such a run.
 
 --family llama / qwen2 runs the same 4-layer shape as another dense family
 (layout_check.FAMILY_OVERRIDES): Llama with biases on q/k/v/o and gate/up/down (tp shards the
 column-parallel biases and replicates the row-parallel ones), Qwen2 with its q/k/v biases; neither
-has q/k norms. benchmarks/results/parallel_layouts_{llama,qwen2}.jsonl hold an untied run of
-every dense layout followed by a tied run of the pipeline layouts.
+has q/k norms. benchmarks/results/parallel_layouts/parallel_layouts_{llama,qwen2}.jsonl hold an
+untied run of every dense layout followed by a tied run of the pipeline layouts.
 
 Target: loss and gradient differences <= 1e-5. Runtime ~1.5 min on 2 shared cores (4-process
 worlds oversubscribe them; step times here measure overheads, not speed-ups).
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import tempfile
 from pathlib import Path
 
@@ -52,7 +54,9 @@ import torch
 
 from titanrl.config import ParallelConfig
 from titanrl.trainer.parallel.launch import run_local_world
-from titanrl.trainer.parallel.layout_check import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness the tests use
+from support.layout_check import (  # noqa: E402
     EXPERT_PARALLEL,
     FAMILY_OVERRIDES,
     LAYOUTS,

@@ -14,7 +14,7 @@ SmolLM2-135M-Instruct (`titanrl models get`, cached), chain_sum prompts under th
 Each measurement uses prompts no earlier call saw. One JSON line per arm, then a summary with
 `prefill_speedup` and `rollout_speedup` of each block size over the first (the baseline, 128).
 
-    .venv/bin/python benchmarks/prefill_sharing.py [--block-sizes 128,32] [--out FILE.jsonl]
+    .venv/bin/python benchmarks/prefill_sharing.py [--block-sizes 128,32] [--out benchmarks/results/prefill_sharing/prefill_sharing.jsonl]
 """
 
 from __future__ import annotations

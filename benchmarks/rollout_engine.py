@@ -1,8 +1,8 @@
 """Rollout-engine benchmark: vLLM's built-in model of a family vs TitanRL's VllmEngine (our model code).
 
-    .venv/bin/python benchmarks/rollout_engine.py --out benchmarks/results/rollout_engine.json
+    .venv/bin/python benchmarks/rollout_engine.py --out benchmarks/results/rollout_engine/rollout_engine.json
     .venv/bin/python benchmarks/rollout_engine.py --quick      # tiny model only (~1 min)
-    .venv/bin/python benchmarks/rollout_engine.py --family llama --out benchmarks/results/rollout_engine_llama_<cpu>.json
+    .venv/bin/python benchmarks/rollout_engine.py --family llama --out benchmarks/results/rollout_engine/rollout_engine_llama_<cpu>.json
 
 `--family` (qwen3, the default; llama; qwen2) picks the checkpoints' architecture: the built-in
 arm is then vLLM's own LlamaForCausalLM / Qwen2ForCausalLM, ours the family's TitanRL class.

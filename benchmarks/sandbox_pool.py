@@ -1,6 +1,6 @@
 """Sandbox benchmark: pre-warmed `SandboxPool.run` vs one-shot `run_python_async`.
 
-    .venv/bin/python benchmarks/sandbox_pool.py --out benchmarks/results/sandbox_pool.json
+    .venv/bin/python benchmarks/sandbox_pool.py --out benchmarks/results/sandbox_pool/sandbox_pool.json
 
 Both arms run the same trivial program (`print(sum(range(1000)))`) in the same process:
 

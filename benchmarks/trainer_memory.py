@@ -1,7 +1,7 @@
 """Peak memory and tokens/s of one GRPO step at Qwen3-0.6B's shape, each memory switch off and on.
 
     .venv/bin/python benchmarks/trainer_memory.py [--layers 2] [--rows 16] [--completion 128]
-        [--config-json examples/configs/smollm2-135m.json] [--out benchmarks/results/trainer_memory_cpu.jsonl]
+        [--config-json examples/configs/smollm2-135m.json] [--out benchmarks/results/trainer_memory/trainer_memory_cpu.jsonl]
 
 `--config-json` measures another published architecture of any family instead (its depth cut to
 `--layers` unless that is 0, which keeps the published depth).

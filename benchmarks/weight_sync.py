@@ -1,6 +1,6 @@
 """Weight-sync benchmark: each transport's push time against the memory-copy bound.
 
-    .venv/bin/python benchmarks/weight_sync.py [--out benchmarks/results/weight_sync.jsonl]
+    .venv/bin/python benchmarks/weight_sync.py [--out benchmarks/results/weight_sync/weight_sync.jsonl]
     .venv/bin/python benchmarks/weight_sync.py --no-multiprocess     # in-process engines only
 
 Model: the 25M-parameter `medium` Qwen3 of benchmarks/rollout_engine.py (hidden 512, 8 layers,

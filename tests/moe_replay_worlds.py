@@ -9,7 +9,8 @@ import torch.distributed as dist
 from titanrl.config import ParallelConfig, TrainConfig
 from titanrl.trainer.batch import PackedBatch
 from titanrl.trainer.optimizer import build_optimizers
-from titanrl.trainer.parallel import ParallelGRPOStep, build_mesh, parallelize
+from titanrl.trainer.parallel import build_mesh, parallelize
+from titanrl.trainer.step import GRPOStep
 from titanrl.trainer.parallel.gather import iter_full_gradients
 
 
@@ -25,7 +26,7 @@ def replay_steps(rank: int, world_size: int, state: dict, batch: PackedBatch,
         model.load_state_dict(state)
         parallel = ParallelConfig(**layout)
         pm = parallelize(model, parallel, build_mesh(parallel, "cpu"))
-        step = ParallelGRPOStep(pm, build_optimizers(pm, train), train, 1.0)
+        step = GRPOStep(pm, build_optimizers(pm, train), train, 1.0)
         stats = step.accumulate_gradients(batch)
         grads = {n: g.clone() for bucket in iter_full_gradients(pm) for n, g in bucket}
         out[name] = {"grads": grads, "moe": stats.moe}

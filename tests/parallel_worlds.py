@@ -16,16 +16,11 @@ from titanrl import kernels
 from titanrl.config import ParallelConfig
 from titanrl.models.hf_checkpoint import load_model
 from titanrl.models.qwen3 import CausalSDPA
-from titanrl.trainer.parallel import (
-    ParallelGRPOStep,
-    build_mesh,
-    iter_full_weights,
-    load_model_optim,
-    parallelize,
-)
+from titanrl.trainer.parallel import build_mesh, iter_full_weights, load_model_optim, parallelize
+from titanrl.trainer.step import GRPOStep
 from titanrl.trainer.optimizer import build_optimizers
 from titanrl.trainer.parallel.checkpoint import save_training_checkpoint
-from titanrl.trainer.parallel.layout_check import Case, check_layout
+from support.layout_check import Case, check_layout
 from titanrl.trainer.parallel.ring_attention import ContextLayout, RingAttention
 
 
@@ -86,10 +81,10 @@ def _setup(case: Case, layout: dict):
                      activation_checkpointing=case.train.activation_checkpointing,
                      activation_checkpointing_every=case.train.activation_checkpointing_every)
     optimizers = build_optimizers(pm, case.train)
-    return pm, optimizers, ParallelGRPOStep(pm, optimizers, case.train, case.temperature)
+    return pm, optimizers, GRPOStep(pm, optimizers, case.train, case.temperature)
 
 
-def _loss(step: ParallelGRPOStep, case: Case) -> float:
+def _loss(step: GRPOStep, case: Case) -> float:
     """Token-mean loss on the case's batch at the current weights (gradients dropped)."""
     stats = step.accumulate_gradients(case.batch)
     for opt in step.optimizers:
@@ -148,14 +143,14 @@ def resharding(case: Case, workdir: str, save_layout: dict, load_layouts: dict[s
 
 
 def batch_invariant(case: Case, layouts: dict[str, dict]) -> dict[str, dict[str, float]]:
-    """ParallelGRPOStep(batch_invariant=True) per layout: the step's parity counts against the
+    """GRPOStep(batch_invariant=True) per layout: the step's parity counts against the
     case's generator logprobs (tokens compared, tokens not bitwise equal)."""
     out = {}
     for name, layout in layouts.items():
         parallel = ParallelConfig(**layout)
         model, _ = load_model(case.checkpoint)
         pm = parallelize(model, parallel, build_mesh(parallel, "cpu"))
-        step = ParallelGRPOStep(pm, build_optimizers(pm, case.train), case.train, case.temperature,
+        step = GRPOStep(pm, build_optimizers(pm, case.train), case.train, case.temperature,
                                 batch_invariant=True)
         stats = step.accumulate_gradients(case.batch)
         out[name] = {"checked": stats.parity.checked, "different": stats.parity.different,
@@ -164,7 +159,7 @@ def batch_invariant(case: Case, layouts: dict[str, dict]) -> dict[str, dict[str,
 
 
 def forward_parity(case: Case, layouts: dict[str, dict]) -> dict[str, dict[str, Any]]:
-    """Per layout: ParallelGRPOStep.measure_parity (forward only) on fresh weights, whether every
+    """Per layout: GRPOStep.measure_parity (forward only) on fresh weights, whether every
     parameter's .grad is still None and every optimizer state empty after it (on all ranks), then
     the parity of a gradient pass at the same weights; parities as (diff_sum, diff_max, different,
     checked) and the wall time of each pass (slowest rank)."""
@@ -398,7 +393,7 @@ def sharded_loading(cases: dict[str, tuple[str, Case]], layouts: dict[str, dict]
                                       "same_names": sorted(old_params) == sorted(dict(new.named_parameters()))}
             if f"{case_name}/{name}" in steps:
                 for which, pm in (("new", new), ("old", old)):
-                    step = ParallelGRPOStep(pm, build_optimizers(pm, case.train), case.train, case.temperature)
+                    step = GRPOStep(pm, build_optimizers(pm, case.train), case.train, case.temperature)
                     stats = step.accumulate_gradients(case.batch)
                     grads = {n: t.clone() for bucket in iter_full_gradients(pm) for n, t in bucket}
                     report[which] = {"loss": stats.loss_sum / stats.tokens, "grads": grads}

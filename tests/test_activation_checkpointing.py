@@ -10,7 +10,7 @@ import torch
 
 from titanrl.config import ModelConfig
 from titanrl.trainer.parallel.activation_checkpoint import checkpointed_layers
-from titanrl.trainer.parallel.layout_check import make_case
+from support.layout_check import make_case
 from titanrl.trainer.trainer import GRPOTrainer
 
 MODES = {"full": dict(activation_checkpointing="full"),

@@ -10,7 +10,6 @@ import dataclasses
 import pytest
 import torch
 
-from titanrl import kernels
 from titanrl.config import ModelConfig, TrainConfig
 from titanrl.models.hf_checkpoint import load_model
 from titanrl.models.tiny import write_tiny_checkpoint
@@ -19,22 +18,13 @@ from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.trainer.truncation import Truncation
 from titanrl.types import Group, Sample
 
+from support.logprobs import padded_forward_logprobs
+
 
 @pytest.fixture(scope="module")
 def bi_checkpoint(tmp_path_factory):
     """Tiny checkpoint with peaked distributions; 2 layers, head_dim 32, GQA 4:2, 4096 positions."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("bi") / "ckpt", seed=11, std=0.1)
-
-
-def _trainer_logprobs(model, sequences: list[list[int]], grad: bool) -> list[torch.Tensor]:
-    """Per-token logprobs of each sequence from one right-padded training forward."""
-    T = max(len(s) for s in sequences)
-    ids = torch.zeros(len(sequences), T, dtype=torch.long)
-    for i, s in enumerate(sequences):
-        ids[i, : len(s)] = torch.tensor(s)
-    with torch.set_grad_enabled(grad):
-        logprobs = kernels.token_logprobs(model(ids[:, :-1]), ids[:, 1:])
-    return [logprobs[i, : len(s) - 1].detach() for i, s in enumerate(sequences)]
 
 
 def test_trainer_logprobs_do_not_depend_on_the_batch(bi_checkpoint):
@@ -44,18 +34,18 @@ def test_trainer_logprobs_do_not_depend_on_the_batch(bi_checkpoint):
     model.set_batch_invariant(True).train()
     g = torch.Generator().manual_seed(0)
     pool = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(2, 90, (37,), generator=g)]
-    alone = [_trainer_logprobs(model, [s], grad=True)[0] for s in pool[:7]]
-    in_seven = _trainer_logprobs(model, pool[:7][::-1], grad=True)[::-1]
-    in_37 = _trainer_logprobs(model, pool[30:] + pool[:30], grad=True)
+    alone = [padded_forward_logprobs(model, [s], grad=True)[0] for s in pool[:7]]
+    in_seven = padded_forward_logprobs(model, pool[:7][::-1], grad=True)[::-1]
+    in_37 = padded_forward_logprobs(model, pool[30:] + pool[:30], grad=True)
     in_37 = in_37[7:14]  # pool[:7] sit at positions 7..13 after the rotation
     for a, b, c in zip(alone, in_seven, in_37):
         assert torch.equal(a, b) and torch.equal(a, c)
-    no_grad = _trainer_logprobs(model, pool[:7], grad=False)
+    no_grad = padded_forward_logprobs(model, pool[:7], grad=False)
     assert all(torch.equal(a, b) for a, b in zip(alone, no_grad))
     # The library path is not invariant on this CPU, which is why the mode exists.
     model.set_batch_invariant(False)
-    plain_alone = [_trainer_logprobs(model, [s], grad=False)[0] for s in pool[:7]]
-    plain_batch = _trainer_logprobs(model, pool[:7], grad=False)
+    plain_alone = [padded_forward_logprobs(model, [s], grad=False)[0] for s in pool[:7]]
+    plain_batch = padded_forward_logprobs(model, pool[:7], grad=False)
     assert all((a - b).abs().max() < 1e-4 for a, b in zip(plain_alone, plain_batch))
 
 
@@ -92,7 +82,7 @@ def test_vllm_decode_prefill_chunked_prefill_and_trainer_agree(bi_checkpoint):
         groups = engine.generate(prompts, n=2, temperature=1.0, max_tokens=24, seed=7)
         sampled = [c for grp in groups for c in grp]
         sequences = [c.prompt_token_ids + c.token_ids for c in sampled]
-        trainer = _trainer_logprobs(model, sequences, grad=True)
+        trainer = padded_forward_logprobs(model, sequences, grad=True)
         for c, lp in zip(sampled, trainer):
             decode = torch.tensor(c.logprobs)
             assert torch.equal(decode, lp[len(c.prompt_token_ids) - 1 :])
@@ -123,7 +113,7 @@ def test_vllm_decode_prefill_chunked_prefill_and_trainer_agree(bi_checkpoint):
                 assert torch.equal(_prompt_logprobs(chunked, s), lp)
         # Greedy decode after a chunked prefill (seeded sampling + chunking hits a vLLM CPU bug).
         (out,) = chunked.generate([prompts[4]], n=1, temperature=0.0, max_tokens=16)[0]
-        lp = _trainer_logprobs(model, [out.prompt_token_ids + out.token_ids], grad=False)[0]
+        lp = padded_forward_logprobs(model, [out.prompt_token_ids + out.token_ids], grad=False)[0]
         assert torch.equal(torch.tensor(out.logprobs), lp[len(out.prompt_token_ids) - 1 :])
     finally:
         chunked.close()

@@ -12,8 +12,8 @@ from titanrl import kernels
 from titanrl.config import ModelConfig
 from titanrl.trainer.chunked_logprobs import chunked_token_logprobs
 from titanrl.trainer.grpo import clipped_surrogate_loss, token_logprobs
-from titanrl.trainer.parallel.layout_check import make_case
-from titanrl.trainer.parallel.step import trimmed_len
+from support.layout_check import make_case
+from titanrl.trainer.step import trimmed_len
 from titanrl.trainer.trainer import GRPOTrainer
 
 N, D, V = 30, 16, 50

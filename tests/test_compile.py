@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_trainer_packing import _assert_same_gradients, _gradients, _groups
+from support.packing_cases import accumulated_gradients, assert_same_gradients, varied_groups
 from titanrl.config import ModelConfig, TrainConfig
 from titanrl.config.parallel import check_compile
 from titanrl.config.schema import ParallelConfig
@@ -28,14 +28,14 @@ def _compiled_graphs() -> int:
 def test_compiled_blocks_give_eager_gradients(tmp_path, moe):
     write = write_tiny_moe_checkpoint if moe else write_tiny_checkpoint
     ckpt = write(tmp_path / "tiny", seed=1)
-    groups = _groups(seed=3)
+    groups = varied_groups(seed=3)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    eager, eager_stats, eager_lp, _, _ = _gradients(ckpt, groups, pack=True)
+    eager, eager_stats, eager_lp, _, _ = accumulated_gradients(ckpt, groups, pack=True)
     assert _compiled_graphs() == 0
-    compiled, stats, lp, _, _ = _gradients(ckpt, groups, pack=True, compile=True)
+    compiled, stats, lp, _, _ = accumulated_gradients(ckpt, groups, pack=True, compile=True)
     assert _compiled_graphs() > 0, "train.compile=True compiled nothing"
-    _assert_same_gradients(compiled, eager, atol=1e-5)
+    assert_same_gradients(compiled, eager, atol=1e-5)
     torch.testing.assert_close(lp, eager_lp, rtol=0, atol=1e-5)
     assert stats.loss_sum == pytest.approx(eager_stats.loss_sum, abs=1e-5)
 
@@ -47,10 +47,10 @@ def test_compiled_trainer_reuses_one_graph_across_lengths(tmp_path):
     torch._dynamo.utils.counters.clear()
     trainer = GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), TrainConfig(device="cpu", compile=True),
                           temperature=1.0, seed=0)
-    trainer.step(_groups(seed=0))
+    trainer.step(varied_groups(seed=0))
     after_first = _compiled_graphs()
     for seed in (1, 2):
-        trainer.step(_groups(seed=seed))
+        trainer.step(varied_groups(seed=seed))
     assert after_first > 0
     assert _compiled_graphs() == after_first
 
@@ -95,7 +95,7 @@ def test_compiled_blocks_take_the_thread_count_at_run_time(tmp_path, monkeypatch
             trainer = GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), TrainConfig(device="cpu", compile=True,
                                                                                  threads=1),
                                   temperature=1.0, seed=0)
-            batch = trainer.prepare_batch(_groups(seed=0))
+            batch = trainer.prepare_batch(varied_groups(seed=0))
             _, code = run_and_get_code(trainer.accumulate_gradients, batch)
             counts[dynamic] = "\n".join(code).count("#pragma omp parallel")
     finally:

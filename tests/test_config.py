@@ -11,8 +11,6 @@ import pytest
 
 from titanrl.config import (
     ConfigError,
-    DataConfig,
-    ModelConfig,
     RunConfig,
     apply_overrides,
     resolve_reward,
@@ -20,38 +18,7 @@ from titanrl.config import (
 )
 from titanrl.models.tiny import tiny_config
 
-
-def length_reward(prompt: str, completion: str, **fields) -> float:
-    """An importable module-level reward ('tests.test_config:length_reward' style)."""
-    return float(len(completion))
-
-
-@pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory):
-    """A real tiny checkpoint directory (config, weights, tokenizer)."""
-    from titanrl.models.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
-
-
-@pytest.fixture
-def good_config(tmp_path, checkpoint_dir) -> RunConfig:
-    train = tmp_path / "train.jsonl"
-    train.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    return RunConfig(
-        model=ModelConfig(checkpoint=str(checkpoint_dir)),
-        data=DataConfig(train_file=str(train)),
-        rewards=[length_reward],
-    )
-
-
-def _fails(config: RunConfig, *needles: str) -> str:
-    with pytest.raises(ConfigError) as info:
-        validate(config)
-    msg = str(info.value)
-    for needle in needles:
-        assert needle in msg, f"{needle!r} not in {msg!r}"
-    return msg
+from support.config_cases import checkpoint_dir, fails_validation, good_config, length_reward  # noqa: F401  (fixtures)
 
 
 # ----------------------------------------------------------------------------- positive cases
@@ -156,31 +123,31 @@ def test_override_wrong_type(override, needle):
 def test_str_assigned_to_int_field(good_config):
     """A str assigned directly to an int field is caught by validate with field and type."""
     good_config.train.steps = "10"
-    _fails(good_config, "train.steps must be int", "'10'")
+    fails_validation(good_config, "train.steps must be int", "'10'")
 
 
 def test_bool_is_not_an_int(good_config):
     """True is not accepted where an int is expected (bool is an int subclass in Python)."""
     good_config.rollout.group_size = True
-    _fails(good_config, "rollout.group_size must be int")
+    fails_validation(good_config, "rollout.group_size must be int")
 
 
 def test_str_assigned_to_float_field(good_config):
     """A str in a float field is caught by validate."""
     good_config.train.lr = "abc"
-    _fails(good_config, "train.lr must be float")
+    fails_validation(good_config, "train.lr must be float")
 
 
 def test_wrong_tuple_length(good_config):
     """betas with three elements is rejected."""
     good_config.train.betas = (0.9, 0.99, 0.1)
-    _fails(good_config, "train.betas must be")
+    fails_validation(good_config, "train.betas must be")
 
 
 def test_group_size_below_two(good_config):
     """group_size=1 leaves GRPO nothing to compare; the message says >= 2."""
     good_config.rollout.group_size = 1
-    _fails(good_config, "rollout.group_size must be >= 2")
+    fails_validation(good_config, "rollout.group_size must be >= 2")
 
 
 @pytest.mark.parametrize(
@@ -198,7 +165,7 @@ def test_group_size_below_two(good_config):
 def test_non_positive_fields(good_config, section, name, value):
     """Counts and the learning rate must be > 0; the message names the field."""
     setattr(getattr(good_config, section), name, value)
-    _fails(good_config, f"{section}.{name} must be > 0")
+    fails_validation(good_config, f"{section}.{name} must be > 0")
 
 
 @pytest.mark.parametrize(
@@ -217,19 +184,19 @@ def test_non_positive_fields(good_config, section, name, value):
 def test_out_of_range_values(good_config, section, name, value, needle):
     """Values of the right type but outside their range are rejected by name."""
     setattr(getattr(good_config, section), name, value)
-    _fails(good_config, needle)
+    fails_validation(good_config, needle)
 
 
 def test_missing_checkpoint_setting(good_config):
     """An empty model.checkpoint says to set it to an HF checkpoint directory."""
     good_config.model.checkpoint = ""
-    _fails(good_config, "model.checkpoint is empty", "HF checkpoint directory")
+    fails_validation(good_config, "model.checkpoint is empty", "HF checkpoint directory")
 
 
 def test_checkpoint_dir_does_not_exist(good_config, tmp_path):
     """A checkpoint path that does not exist is named in the error."""
     good_config.model.checkpoint = str(tmp_path / "nope")
-    _fails(good_config, "model.checkpoint", "nope", "does not exist")
+    fails_validation(good_config, "model.checkpoint", "nope", "does not exist")
 
 
 def test_checkpoint_dir_without_config_json(good_config, tmp_path):
@@ -237,7 +204,7 @@ def test_checkpoint_dir_without_config_json(good_config, tmp_path):
     empty = tmp_path / "empty_ckpt"
     empty.mkdir()
     good_config.model.checkpoint = str(empty)
-    _fails(good_config, "model.checkpoint", "config.json")
+    fails_validation(good_config, "model.checkpoint", "config.json")
 
 
 def test_checkpoint_config_json_corrupt(good_config, tmp_path):
@@ -246,43 +213,43 @@ def test_checkpoint_config_json_corrupt(good_config, tmp_path):
     bad.mkdir()
     (bad / "config.json").write_text("{not json")
     good_config.model.checkpoint = str(bad)
-    _fails(good_config, "model.checkpoint", "not valid JSON")
+    fails_validation(good_config, "model.checkpoint", "not valid JSON")
 
 
 def test_train_file_empty_setting(good_config):
     """An unset data.train_file says to set it."""
     good_config.data.train_file = ""
-    _fails(good_config, "data.train_file is empty")
+    fails_validation(good_config, "data.train_file is empty")
 
 
 def test_train_file_missing(good_config, tmp_path):
     """A train file that does not exist is named."""
     good_config.data.train_file = str(tmp_path / "missing.jsonl")
-    _fails(good_config, "data.train_file", "missing.jsonl", "does not exist")
+    fails_validation(good_config, "data.train_file", "missing.jsonl", "does not exist")
 
 
 def test_eval_file_missing(good_config, tmp_path):
     """An eval file that does not exist is named (eval_file is optional but must exist if set)."""
     good_config.data.eval_file = str(tmp_path / "eval_missing.jsonl")
-    _fails(good_config, "data.eval_file", "eval_missing.jsonl")
+    fails_validation(good_config, "data.eval_file", "eval_missing.jsonl")
 
 
 def test_train_file_is_a_directory(good_config, tmp_path):
     """A directory is not a dataset file."""
     good_config.data.train_file = str(tmp_path)
-    _fails(good_config, "data.train_file")
+    fails_validation(good_config, "data.train_file")
 
 
 def test_no_rewards(good_config):
     """A run without rewards is rejected with the expected reward signature."""
     good_config.rewards = []
-    _fails(good_config, "rewards is empty", "reward(prompt, completion")
+    fails_validation(good_config, "rewards is empty", "reward(prompt, completion")
 
 
 def test_reward_not_callable(good_config):
     """A non-callable reward is named by its index and the signature it needs."""
     good_config.rewards = [length_reward, 42]
-    _fails(good_config, "rewards[1] must be callable", "42")
+    fails_validation(good_config, "rewards[1] must be callable", "42")
 
 
 @pytest.mark.parametrize(
@@ -292,13 +259,13 @@ def test_reward_not_callable(good_config):
 def test_reward_string_not_importable(good_config, spec):
     """A 'module:function' string that cannot be imported names itself and the expected form."""
     good_config.rewards = [spec]
-    _fails(good_config, "rewards[0]", repr(spec), "cannot be imported", "'package.module:function'")
+    fails_validation(good_config, "rewards[0]", repr(spec), "cannot be imported", "'package.module:function'")
 
 
 def test_reward_string_names_non_callable(good_config):
     """A 'module:attr' string naming a non-callable (a constant) is rejected as not callable."""
     good_config.rewards = ["titanrl.models.tiny:EOS_TOKEN_ID"]
-    _fails(good_config, "rewards[0] must be callable")
+    fails_validation(good_config, "rewards[0] must be callable")
 
 
 def test_not_a_run_config():
@@ -310,7 +277,7 @@ def test_not_a_run_config():
 def test_section_replaced_by_wrong_type(good_config):
     """A whole section replaced by a non-dataclass is a type error naming the section."""
     good_config = dataclasses.replace(good_config, train="fast")
-    _fails(good_config, "train must be TrainConfig")
+    fails_validation(good_config, "train must be TrainConfig")
 
 
 # ----------------------------------------------------------------------------- driver + CLI
@@ -451,28 +418,28 @@ def test_checkpoint_without_weights_or_tokenizer(good_config, tmp_path, checkpoi
     bare.mkdir()
     shutil.copy(checkpoint_dir / "config.json", bare / "config.json")
     good_config.model.checkpoint = str(bare)
-    _fails(good_config, "model.checkpoint", "model.safetensors")
+    fails_validation(good_config, "model.checkpoint", "model.safetensors")
     shutil.copy(checkpoint_dir / "model.safetensors", bare / "model.safetensors")
-    _fails(good_config, "model.checkpoint", "tokenizer")
+    fails_validation(good_config, "model.checkpoint", "tokenizer")
 
 
 def test_clip_range_and_token_budget(good_config):
     """clip_eps outside (0, 1) and completions that cannot fit max_model_len are rejected."""
     good_config.train.clip_eps = 1.5
-    _fails(good_config, "train.clip_eps")
+    fails_validation(good_config, "train.clip_eps")
     good_config.train.clip_eps = 0.2
     good_config.rollout.max_new_tokens = good_config.rollout.max_model_len
-    _fails(good_config, "rollout.max_new_tokens", "max_model_len")
+    fails_validation(good_config, "rollout.max_new_tokens", "max_model_len")
 
 
 def test_env_factory_is_validated(good_config):
     """env.factory must be importable and callable; with an env, rewards become optional."""
     good_config.env.factory = "no_such_module:make_env"
-    _fails(good_config, "env.factory", "cannot be imported")
+    fails_validation(good_config, "env.factory", "cannot be imported")
     good_config.env.factory = 42
-    _fails(good_config, "env.factory", "make_env(context)")
+    fails_validation(good_config, "env.factory", "make_env(context)")
     good_config.env.factory = "titanrl.envs.base:EnvContext"  # any callable passes validation
     good_config.rewards = []
     validate(good_config)
     good_config.env.max_turns = 0
-    _fails(good_config, "env.max_turns")
+    fails_validation(good_config, "env.max_turns")

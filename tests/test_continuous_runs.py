@@ -1,17 +1,13 @@
 """Continuous runs end to end (real Ray, real vLLM): the buffer, worker deaths, a dead trainer.
 
-The reward functions here kill processes on purpose: the reward runs inside the rollout worker's
+The reward functions of `support.worker_deaths` kill processes on purpose: the reward runs inside the rollout worker's
 process, so `os.kill(os.getpid(), SIGKILL)` there is a worker dying mid-generation, exactly as an
 out-of-memory kill would. Call counts are kept in files (workers are separate processes).
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import signal
-from pathlib import Path
 
 import pytest
 
@@ -19,82 +15,14 @@ import titanrl
 from titanrl.errors import RunStopped
 from titanrl.rundir.checkpoints import latest_checkpoint
 
-COUNTER_DIR = ""
-"""Set by each test before its run; shipped to the workers with the reward function (by value)."""
-KILL_AT = 0
-"""The reward call that kills its worker (1-based)."""
-KILL_EVERY_LATER_CALL = False
-"""Also kill at every call after KILL_AT (a worker that keeps dying)."""
-
-
-def _count_call() -> int:
-    with open(Path(COUNTER_DIR) / "calls", "ab") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(b"x")
-        f.flush()
-        return f.tell()
-
-
-def killing_reward(prompt: str, completion: str, **fields) -> float:
-    """Digit share of the completion; kills its own worker process at call KILL_AT (and later ones)."""
-    n = _count_call()
-    if n == KILL_AT or (KILL_EVERY_LATER_CALL and n > KILL_AT):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
-
-
-def actor_pids(*class_names: str) -> list[int]:
-    """Processes whose title says they run an actor of one of `class_names` (Ray sets `ray::Class...`)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode()
-        except (OSError, ValueError):
-            continue
-        if any(title.startswith(f"ray::{name}") for name in class_names):
-            pids.append(int(proc.name))
-    return pids
-
-
-def trainer_killing_reward(prompt: str, completion: str, **fields) -> float:
-    """Digit share; at call KILL_AT it kills the trainer actor's process instead."""
-    if _count_call() == KILL_AT:
-        for pid in actor_pids("GRPOTrainer"):
-            os.kill(pid, signal.SIGKILL)
-    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
-
-
-def _config(tmp_path: Path, tiny_run, reward, threads_when_rollouts_idle: int | None = None,
-            **rollout) -> titanrl.RunConfig:
-    return titanrl.RunConfig(
-        model=titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)),
-        data=titanrl.DataConfig(train_file=str(tiny_run.train_file), eval_file=str(tiny_run.eval_file(8))),
-        rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=8, max_model_len=64,
-                                      continuous=True, **rollout),
-        train=titanrl.TrainConfig(steps=4, lr=3e-3, max_staleness=1,
-                                  threads_when_rollouts_idle=threads_when_rollouts_idle),
-        eval=titanrl.EvalConfig(every_steps=2, correct_threshold=0.5),
-        output=titanrl.OutputConfig(dir=str(tmp_path / "run"), progress_bar=False, rollouts_per_step=4,
-                                    save_every_steps=1),
-        rewards=[reward],
-    )
-
-
-def _arm(tmp_path: Path, kill_at: int, every_later_call: bool = False) -> None:
-    global COUNTER_DIR, KILL_AT, KILL_EVERY_LATER_CALL
-    COUNTER_DIR, KILL_AT, KILL_EVERY_LATER_CALL = str(tmp_path), kill_at, every_later_call
-
-
-def _alive_run_actors() -> list[int]:
-    """Processes of this run's actors still alive (killed actors' processes exit within moments)."""
-    import time
-
-    deadline = time.monotonic() + 30
-    while (pids := actor_pids("GRPOTrainer", "TrainerGroup", "RolloutWorker", "ContinuousRolloutWorker")) and \
-            time.monotonic() < deadline:
-        time.sleep(0.5)
-    return pids
-
+from support.worker_deaths import (
+    alive_run_actors,
+    arm,
+    killing_reward,
+    run_config,
+    shm_names,
+    trainer_killing_reward,
+)
 
 @pytest.fixture(scope="module")
 def killed_worker_run(tmp_path_factory, ray_session, tiny_run) -> dict:
@@ -102,13 +30,13 @@ def killed_worker_run(tmp_path_factory, ray_session, tiny_run) -> dict:
     0 or 1 is SIGKILLed at reward call 24 of 64 (inside step 2's or 3's groups). What the killed-worker
     test checks is read here, before the resume test continues the same run directory."""
     tmp_path = tmp_path_factory.mktemp("killed_worker")
-    _arm(tmp_path, kill_at=24)
-    before = _shm_names()
-    config = _config(tmp_path, tiny_run, killing_reward, num_workers=2, weight_transport="shared_memory",
+    arm(tmp_path, kill_at=24)
+    before = shm_names()
+    config = run_config(tmp_path, tiny_run, killing_reward, num_workers=2, weight_transport="shared_memory",
                      threads_when_rollouts_idle=2)
     result = titanrl.train(config)
     rows = [json.loads(line) for line in (result.run_dir / "rollouts.jsonl").read_text().splitlines()]
-    return dict(config=config, result=result, rows=rows, shm_left=_shm_names() - before, alive=_alive_run_actors())
+    return dict(config=config, result=result, rows=rows, shm_left=shm_names() - before, alive=alive_run_actors())
 
 
 @pytest.mark.slow
@@ -153,14 +81,14 @@ def test_worker_that_keeps_dying_stops_the_run_with_a_checkpoint(tmp_path, ray_s
     finished), every reward kills its worker: the
     replacements die too, and after three deaths in a row the run stops with a message that says so
     and the last completed step saved."""
-    _arm(tmp_path, kill_at=45, every_later_call=True)
-    config = _config(tmp_path, tiny_run, killing_reward, num_workers=1)
+    arm(tmp_path, kill_at=45, every_later_call=True)
+    config = run_config(tmp_path, tiny_run, killing_reward, num_workers=1)
     with pytest.raises(RunStopped, match="died 3 times in a row") as stopped:
         titanrl.train(config)
     saved = latest_checkpoint(config.output.dir)
     assert saved is not None and saved.step >= 1
     assert str(saved.path) in str(stopped.value)
-    assert _alive_run_actors() == []
+    assert alive_run_actors() == []
 
 
 @pytest.mark.slow
@@ -168,23 +96,14 @@ def test_dead_trainer_stops_the_run_cleanly_with_the_last_checkpoint(tmp_path, r
     """The trainer's process is SIGKILLed mid-run (reward call 60: past 8 eval and 48 step-1..3 calls, so
     step 4's groups or step 2's eval, both after step 1's checkpoint): the run stops with RunStopped
     naming the newest checkpoint, and no actor of the run is left alive."""
-    _arm(tmp_path, kill_at=60)
-    config = _config(tmp_path, tiny_run, trainer_killing_reward, num_workers=1)
+    arm(tmp_path, kill_at=60)
+    config = run_config(tmp_path, tiny_run, trainer_killing_reward, num_workers=1)
     with pytest.raises(RunStopped) as stopped:
         titanrl.train(config)
     saved = latest_checkpoint(config.output.dir)
     assert saved is not None and saved.step >= 1
     assert str(saved.path) in str(stopped.value)
-    assert _alive_run_actors() == []
-
-
-def _shm_names() -> set[str]:
-    """TitanRL's weight segments and busy-flag files in /dev/shm (other processes' entries, e.g.
-    multiprocessing semaphores of a concurrent job, are not this run's to clean up)."""
-    from titanrl.busy_flags import FILE_PREFIX
-    from titanrl.weight_sync.segment import PREFIX
-
-    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith((PREFIX, FILE_PREFIX))}
+    assert alive_run_actors() == []
 
 
 @pytest.mark.slow
@@ -195,7 +114,7 @@ def test_continuous_run_resumes_from_a_checkpoint_without_losing_or_repeating_gr
     alike), within the staleness bound, and metrics.jsonl reads as one run."""
     config = killed_worker_run["config"]
     assert latest_checkpoint(config.output.dir).step == 3  # the last step is exported, not checkpointed
-    _arm(tmp_path, kill_at=10**9)
+    arm(tmp_path, kill_at=10**9)
     config.train.steps = 6
     result = titanrl.train(config, resume=True)
 

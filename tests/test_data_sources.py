@@ -18,7 +18,7 @@ from titanrl.config import ConfigError, DataConfig, ModelConfig, RunConfig, vali
 from titanrl.data import DatasetError, PromptStream, load_rows, load_run_rows, render_messages
 from titanrl.models.tokenizer import EOS_TOKEN, build_byte_tokenizer
 from titanrl.rundir.driver_state import DRIVER_STATE, read_driver_state, write_driver_state
-from titanrl.rundir.layout import config_record
+from titanrl.config.record import config_record
 
 ROWS = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6)]
 

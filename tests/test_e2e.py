@@ -54,6 +54,10 @@ def test_grpo_run_writes_metrics_changes_weights_and_syncs_versions(tmp_path, ra
     assert json.loads((result.run_dir / "config.json").read_text())["rewards"] == [
         f"{tiny_run.reward.__module__}:digit_share"
     ]
+    # The resolved config: what the actors ran with (length norm filled from max_new_tokens).
+    resolved = json.loads((result.run_dir / "config.resolved.json").read_text())
+    assert resolved["train"]["loss_length_norm"] == config.rollout.max_new_tokens
+    assert resolved["resolved"]["model"]["family"] == "qwen3" and resolved["rollout"]["record_routed_experts"] is False
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from test_trainer_packing import _groups
+from support.packing_cases import varied_groups
 from titanrl.busy_flags import BusyFlags, BusySlot
 from titanrl.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from titanrl.config.parallel import check_idle_threads
@@ -92,18 +92,18 @@ def test_trainer_takes_idle_cores_and_gives_them_back(checkpoint, flags):
     layers = len(trainer.model.model.layers)
 
     flags.slot(1).set(True)  # a worker samples: the trainer keeps train.threads
-    trainer.accumulate_gradients(trainer.prepare_batch(_groups(seed=0)))
+    trainer.accumulate_gradients(trainer.prepare_batch(varied_groups(seed=0)))
     assert forward and set(forward) == {1} and set(backward) == {1}
 
     forward.clear(), backward.clear()
     flags.slot(1).set(False)  # every worker waits: all the cores
-    trainer.accumulate_gradients(trainer.prepare_batch(_groups(seed=0)))
+    trainer.accumulate_gradients(trainer.prepare_batch(varied_groups(seed=0)))
     assert set(forward) == {2} and set(backward) == {2}
 
     # A worker starting mid-forward gets its core back at the next layer, not the next step.
     forward.clear(), backward.clear()
     trainer.model.model.layers[0].mlp.register_forward_hook(lambda m, i, o: flags.slot(0).set(True))
-    trainer.accumulate_gradients(trainer.prepare_batch(_groups(seed=0)))
+    trainer.accumulate_gradients(trainer.prepare_batch(varied_groups(seed=0)))
     micro_batches = len(forward) // layers
     assert forward[:layers] == [2] + [1] * (layers - 1)
     assert set(backward) == {1} and micro_batches >= 1
@@ -114,17 +114,17 @@ def test_without_busy_flags_the_trainer_keeps_its_threads(checkpoint, flags):
     trainer = _trainer(checkpoint, None)
     assert trainer.idle_cores is None
     forward, backward = _record_threads(trainer)
-    trainer.accumulate_gradients(trainer.prepare_batch(_groups(seed=0)))  # flags all idle
+    trainer.accumulate_gradients(trainer.prepare_batch(varied_groups(seed=0)))  # flags all idle
     assert set(forward) == {1} and set(backward) == {1}
 
 
 def test_step_reports_the_idle_fraction(checkpoint, flags):
     trainer = _trainer(checkpoint, flags)
-    idle = trainer.step(_groups(seed=0))
+    idle = trainer.step(varied_groups(seed=0))
     assert idle["train/rollouts_idle_frac"] == 1.0
     flags.slot(0).set(True)
-    assert trainer.step(_groups(seed=1))["train/rollouts_idle_frac"] == 0.0
-    assert "train/rollouts_idle_frac" not in _trainer(checkpoint, None).step(_groups(seed=0))
+    assert trainer.step(varied_groups(seed=1))["train/rollouts_idle_frac"] == 0.0
+    assert "train/rollouts_idle_frac" not in _trainer(checkpoint, None).step(varied_groups(seed=0))
 
 
 def test_checks_run_inside_compiled_blocks(checkpoint, flags):
@@ -136,7 +136,7 @@ def test_checks_run_inside_compiled_blocks(checkpoint, flags):
     for busy in (False, True, False):
         flags.slot(0).set(busy)
         trainer.idle_cores.checks = trainer.idle_cores.idle_checks = 0
-        trainer.accumulate_gradients(trainer.prepare_batch(_groups(seed=0)))
+        trainer.accumulate_gradients(trainer.prepare_batch(varied_groups(seed=0)))
         assert trainer.idle_cores.checks == 2 * layers  # one micro-batch: each layer forward and backward
         assert trainer.idle_cores.idle_checks == (0 if busy else 2 * layers)
         assert torch.get_num_threads() == (1 if busy else 2)

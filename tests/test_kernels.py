@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from titanrl import kernels
-from titanrl.kernels import checks
+from support import kernel_checks as checks
 from titanrl.kernels.cpu_attention import KeyTable, attention, varlen_attention
 from titanrl.kernels.rotary import apply_rotary
 from titanrl.kernels.swiglu import silu_gate

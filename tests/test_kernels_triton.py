@@ -39,7 +39,7 @@ def _ops():
 
 def run_check(name: str, device: str) -> list[dict]:
     """Runs one named group of checks on `device`; returns their result dicts."""
-    from titanrl.kernels import checks
+    from support import kernel_checks as checks
 
     ops, cuda = _ops(), device == "cuda"
     if name == "linear":

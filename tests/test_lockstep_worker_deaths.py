@@ -1,6 +1,6 @@
 """Lock-step runs survive a rollout worker's death (real Ray, real vLLM, tiny model).
 
-A reward that SIGKILLs its own worker process at a chosen call (`test_continuous_runs.killing_reward`)
+A reward that SIGKILLs its own worker process at a chosen call (`support.worker_deaths.killing_reward`)
 is a worker dying mid-request, exactly as an out-of-memory kill would. The replacement loads the
 trainer's current weights and is handed the dead worker's part of the request with the same rows
 and seeds; with batch_invariant=True the run's metrics then equal an undisturbed run's bit for bit.
@@ -11,9 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_continuous_runs import _alive_run_actors, _arm, _config, _shm_names, killing_reward
 
 import titanrl
+
+from support.worker_deaths import alive_run_actors, arm, killing_reward, run_config, shm_names
 
 KILL_AT = 8 + 16 + 3
 """Reward call that kills its worker: past the 8 evaluation calls of step 0 and step 1's 16 samples,
@@ -21,7 +22,7 @@ inside step 2's request."""
 
 
 def _lockstep_config(tmp_path: Path, tiny_run, **rollout) -> titanrl.RunConfig:
-    config = _config(tmp_path, tiny_run, killing_reward, num_workers=2, **rollout)
+    config = run_config(tmp_path, tiny_run, killing_reward, num_workers=2, **rollout)
     config.rollout.continuous = False
     config.train.steps, config.train.max_staleness = 3, 0
     config.output.save_every_steps = 0
@@ -39,7 +40,7 @@ def undisturbed(tmp_path_factory, ray_session, tiny_run) -> list[tuple]:
     """The undisturbed run's columns, pushed through the object store: a transport moves the same
     weights, so it cannot change a bit of them (the killed broadcast run is compared with these)."""
     run_dir = tmp_path_factory.mktemp("undisturbed")
-    _arm(run_dir, kill_at=10**9)
+    arm(run_dir, kill_at=10**9)
     reference = titanrl.train(_lockstep_config(run_dir, tiny_run, weight_transport="object_store"))
     assert reference.metrics[-1]["workers/restarts"] == 0.0
     return _columns(reference.metrics)
@@ -68,9 +69,9 @@ def test_killed_lockstep_worker_is_replaced_and_the_run_equals_an_undisturbed_on
     groups would wait forever for their min_version) by the real `WorkerPool` under worker deaths in
     tests/test_buffer.py::test_staleness_bound_holds_and_every_group_is_trained_once, and in an
     object_store run by tests/test_continuous_runs.py::test_worker_that_keeps_dying_stops_the_run_with_a_checkpoint."""
-    _arm(tmp_path / "killed", kill_at=KILL_AT)
+    arm(tmp_path / "killed", kill_at=KILL_AT)
     (tmp_path / "killed").mkdir()
-    before = _shm_names()
+    before = shm_names()
     killed = titanrl.train(_lockstep_config(tmp_path / "killed", tiny_run, weight_transport=transport))
 
     assert [m["step"] for m in killed.metrics if m["step"] > 0] == [1, 2, 3]
@@ -78,5 +79,5 @@ def test_killed_lockstep_worker_is_replaced_and_the_run_equals_an_undisturbed_on
     assert _columns(killed.metrics) == undisturbed
     evals = {m["step"]: m["eval/policy_version"] for m in killed.metrics if "eval/policy_version" in m}
     assert evals == {0: 0, 2: 2, 3: 3}
-    assert _shm_names() - before == set()
-    assert _alive_run_actors() == []
+    assert shm_names() - before == set()
+    assert alive_run_actors() == []

@@ -415,10 +415,10 @@ def test_validation_accepts_the_variants(run_config):
 
 
 def test_driver_resolves_the_length_norm(run_config):
-    """loss_length_norm None becomes rollout.max_new_tokens for the trainer the driver starts."""
-    from titanrl.trainer.losses.settings import with_length_norm
+    """loss_length_norm None becomes rollout.max_new_tokens in the resolved config the trainer gets."""
+    from titanrl.config.resolve import resolve
 
     run_config.rollout.max_new_tokens = 24
-    assert with_length_norm(run_config).loss_length_norm == 24
+    assert resolve(run_config).config.train.loss_length_norm == 24
     run_config.train.loss_length_norm = 7
-    assert with_length_norm(run_config).loss_length_norm == 7
+    assert resolve(run_config).config.train.loss_length_norm == 7

@@ -16,7 +16,7 @@ from torch import nn
 
 from titanrl.config import ConfigError, DataConfig, ModelConfig, RunConfig, apply_overrides, validate
 from titanrl.models.hf_checkpoint import load_model
-from titanrl.trainer.parallel.layout_check import check_layouts, make_case, reference
+from support.layout_check import check_layouts, make_case, reference
 from titanrl.trainer.trainer import GRPOTrainer
 
 BF16 = torch.bfloat16
@@ -135,14 +135,15 @@ def _fsdp_internals(rank: int, case) -> dict | None:
     bf16, the pushed tensors (GatheredWeights) the bf16 cast of the gathered float32 weights."""
     from titanrl.config import ParallelConfig
     from titanrl.trainer.optimizer import build_optimizers
-    from titanrl.trainer.parallel import ParallelGRPOStep, build_mesh, iter_full_weights, parallelize
+    from titanrl.trainer.parallel import build_mesh, iter_full_weights, parallelize
+    from titanrl.trainer.step import GRPOStep
     from titanrl.trainer.parallel.gather import GatheredWeights
 
     model, _ = load_model(case.checkpoint)
     parallel = ParallelConfig(dp_shard=2)
     pm = parallelize(model, parallel, build_mesh(parallel, "cpu"), compute_dtype=BF16)
     seen = _record_weight_dtypes(pm.parts[0])
-    step = ParallelGRPOStep(pm, build_optimizers(pm, case.train), case.train, case.temperature)
+    step = GRPOStep(pm, build_optimizers(pm, case.train), case.train, case.temperature)
     stats = step.accumulate_gradients(case.batch)
     shard_dtypes = {p.to_local().dtype for p in pm.parameters()} | {p.grad.to_local().dtype for p in pm.parameters()}
     step.clip_and_step(stats)
@@ -164,14 +165,15 @@ def _tp_losses(case) -> dict:
     """tp=2 (no FSDP): the loss with float32 masters and bf16 compute, and with a bf16 model."""
     from titanrl.config import ParallelConfig
     from titanrl.trainer.optimizer import build_optimizers
-    from titanrl.trainer.parallel import ParallelGRPOStep, build_mesh, parallelize
+    from titanrl.trainer.parallel import build_mesh, parallelize
+    from titanrl.trainer.step import GRPOStep
 
     parallel, out = ParallelConfig(tp=2), {}
     for name, dtype, compute in (("mixed", torch.float32, BF16), ("bf16", BF16, None)):
         model, _ = load_model(case.checkpoint, dtype=dtype)
         pm = parallelize(model, parallel, build_mesh(parallel, "cpu"), compute_dtype=compute)
         seen = _record_weight_dtypes(pm.parts[0])
-        step = ParallelGRPOStep(pm, build_optimizers(pm, case.train), case.train, case.temperature)
+        step = GRPOStep(pm, build_optimizers(pm, case.train), case.train, case.temperature)
         stats = step.accumulate_gradients(case.batch)
         out[name] = dict(loss=stats.loss_sum / stats.tokens, forward_weight_dtypes=set(seen),
                          grad_dtypes={p.grad.dtype for p in pm.parameters()})

@@ -277,8 +277,7 @@ def test_vllm_batch_invariant_logprobs_equal_the_trainers(tmp_path, family):
     """With `batch_invariant=True` the engine's sampled logprobs (T=1, 2 samples of each of the 6
     prompts, 16 tokens) equal the trainer model's batch-invariant logprobs of the same tokens
     exactly (one right-padded training forward over all 12 sequences)."""
-    from test_batch_invariance import _trainer_logprobs
-
+    from support.logprobs import padded_forward_logprobs
     from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
     ckpt = _vllm_checkpoint(tmp_path, family)
@@ -292,6 +291,6 @@ def test_vllm_batch_invariant_logprobs_equal_the_trainers(tmp_path, family):
     assert len(sampled) == 12 and all(c.token_ids for c in sampled)
     model, _ = load_model(ckpt)
     model.set_batch_invariant(True)
-    trainer = _trainer_logprobs(model, [c.prompt_token_ids + c.token_ids for c in sampled], grad=False)
+    trainer = padded_forward_logprobs(model, [c.prompt_token_ids + c.token_ids for c in sampled], grad=False)
     for c, lp in zip(sampled, trainer, strict=True):
         assert torch.equal(torch.tensor(c.logprobs), lp[len(c.prompt_token_ids) - 1 :])

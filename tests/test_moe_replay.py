@@ -21,7 +21,7 @@ from titanrl.trainer.grpo import clipped_surrogate_loss, token_logprobs
 from titanrl.trainer.moe import load_balancing_loss, real_tokens
 from titanrl.trainer.optimizer import build_optimizers
 from titanrl.trainer.parallel.parallelize import parallelize
-from titanrl.trainer.parallel.step import ParallelGRPOStep
+from titanrl.trainer.step import GRPOStep
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def _step(model, **train):
     cfg = TrainConfig(**{"micro_batch_size": 2, "moe_load_balance": "none", **train})
     pm = parallelize(copy.deepcopy(model), ParallelConfig(), None,
                      activation_checkpointing=cfg.activation_checkpointing)
-    return ParallelGRPOStep(pm, build_optimizers(pm, cfg), cfg, 1.0), pm
+    return GRPOStep(pm, build_optimizers(pm, cfg), cfg, 1.0), pm
 
 
 def _grads(pm):

@@ -18,7 +18,7 @@ from titanrl.models.hf_checkpoint import load_model  # noqa: E402
 from titanrl.trainer.batch import pack  # noqa: E402
 from titanrl.trainer.optimizer import build_optimizers  # noqa: E402
 from titanrl.trainer.parallel.parallelize import parallelize  # noqa: E402
-from titanrl.trainer.parallel.step import ParallelGRPOStep  # noqa: E402
+from titanrl.trainer.step import GRPOStep  # noqa: E402
 from titanrl.types import Group, Sample  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def _groups(engine) -> list[Group]:
 def _moe_stats(model, groups, replay: bool):
     cfg = TrainConfig(router_replay=replay, micro_batch_size=4, moe_load_balance="none")
     pm = parallelize(model, ParallelConfig(), None)
-    step = ParallelGRPOStep(pm, build_optimizers(pm, cfg), cfg, 1.0)
+    step = GRPOStep(pm, build_optimizers(pm, cfg), cfg, 1.0)
     return step.accumulate_gradients(pack(groups, model.config.eos_token_id or 0)).moe
 
 

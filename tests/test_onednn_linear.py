@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from test_trainer_packing import _assert_same_gradients, _gradients, _groups
+from support.packing_cases import accumulated_gradients, assert_same_gradients, varied_groups
 from titanrl.config import ConfigError, ModelConfig, TrainConfig
 from titanrl.config.parallel import uses_onednn_linears
 from titanrl.config.schema import ParallelConfig
@@ -67,10 +67,10 @@ def test_trainer_with_onednn_has_the_mkl_gradients(tmp_path, moe):
     layer = _trainer(ckpt, cpu_matmul="onednn").model.model.layers[0]
     assert type(layer.self_attn.q_proj) is OneDnnLinear
     assert type(_trainer(ckpt, cpu_matmul="mkl").model.model.layers[0].self_attn.q_proj) is nn.Linear
-    groups = _groups(seed=3)
-    mkl, mkl_stats, mkl_lp, *_ = _gradients(ckpt, groups, pack=True, cpu_matmul="mkl")
-    ours, stats, lp, *_ = _gradients(ckpt, groups, pack=True, cpu_matmul="onednn")
-    _assert_same_gradients(ours, mkl, atol=1e-6)
+    groups = varied_groups(seed=3)
+    mkl, mkl_stats, mkl_lp, *_ = accumulated_gradients(ckpt, groups, pack=True, cpu_matmul="mkl")
+    ours, stats, lp, *_ = accumulated_gradients(ckpt, groups, pack=True, cpu_matmul="onednn")
+    assert_same_gradients(ours, mkl, atol=1e-6)
     torch.testing.assert_close(lp, mkl_lp, rtol=0, atol=1e-5)
     assert stats.loss_sum == pytest.approx(mkl_stats.loss_sum, rel=1e-6)
 
@@ -78,11 +78,11 @@ def test_trainer_with_onednn_has_the_mkl_gradients(tmp_path, moe):
 def test_compiled_blocks_with_onednn_have_the_eager_mkl_gradients(tmp_path):
     """oneDNN's op runs inside train.compile's blocks (a custom op with a fake kernel)."""
     ckpt = write_tiny_checkpoint(tmp_path / "tiny", seed=1)
-    groups = _groups(seed=4)
+    groups = varied_groups(seed=4)
     torch._dynamo.reset()
-    eager, *_ = _gradients(ckpt, groups, pack=True, cpu_matmul="mkl")
-    compiled, *_ = _gradients(ckpt, groups, pack=True, cpu_matmul="onednn", compile=True)
-    _assert_same_gradients(compiled, eager, atol=1e-5)
+    eager, *_ = accumulated_gradients(ckpt, groups, pack=True, cpu_matmul="mkl")
+    compiled, *_ = accumulated_gradients(ckpt, groups, pack=True, cpu_matmul="onednn", compile=True)
+    assert_same_gradients(compiled, eager, atol=1e-5)
 
 
 @pytest.mark.parametrize("settings, batch_invariant, device, dtype, needle", [

@@ -11,7 +11,7 @@ import torch
 
 from titanrl.config import ModelConfig
 from titanrl.trainer.lr_schedule import build_scheduler
-from titanrl.trainer.parallel.layout_check import make_case
+from support.layout_check import make_case
 from titanrl.trainer.trainer import GRPOTrainer
 
 WEIGHT_DECAY = 0.5

@@ -1,6 +1,6 @@
 """Pipeline stages in batch-invariant mode compute the full batch-invariant model's bits (one process).
 
-The gloo-world checks (the pipelined ParallelGRPOStep's logprobs and loss against GRPOTrainer)
+The gloo-world checks (the pipelined GRPOStep's logprobs and loss against GRPOTrainer)
 are in test_parallel_layouts.py and test_parallel_layouts_4.py; this checks the stage modules
 themselves, and the chunked LM head the step applies to the last stage's hidden states (a plain
 matmul gives a 1-3 row call other bits on CPU).
@@ -13,7 +13,7 @@ from titanrl import kernels
 from titanrl.models.hf_checkpoint import load_model
 from titanrl.models.tiny import write_tiny_checkpoint
 from titanrl.trainer.chunked_logprobs import chunked_token_logprobs
-from titanrl.trainer.parallel.layout_check import TINY_MODEL
+from support.layout_check import TINY_MODEL
 from titanrl.trainer.parallel.pipeline import PipelineStageModel
 
 
@@ -35,7 +35,7 @@ def _run(stages: list[PipelineStageModel], ids: torch.Tensor) -> torch.Tensor:
 def test_stages_give_the_batch_invariant_models_bits(checkpoint, n_stages):
     """Stages cut from a model after set_batch_invariant(True) carry the mode (every submodule),
     and stages cut from a plain model switched with the stage's set_batch_invariant(True) (what
-    ParallelGRPOStep does) match them: chained over 2 or 4 stages, the last stage's final-norm
+    GRPOStep does) match them: chained over 2 or 4 stages, the last stage's final-norm
     hidden states of a 1x1, 1x3, 2x5 and 3x7 call are torch.equal to the full batch-invariant
     model's on the whole 3x7 batch, and the step's chunked batch-invariant head (3-token chunks,
     the last stage's tied head weight) turns them into exactly the logprobs `kernels.token_logprobs`

@@ -9,7 +9,7 @@ import torch
 from titanrl.config import ModelConfig
 from titanrl.models.hf_checkpoint import load_model
 from titanrl.trainer.checkpoint import export_hf
-from titanrl.trainer.parallel.layout_check import make_case
+from support.layout_check import make_case
 from titanrl.trainer.trainer import GRPOTrainer
 
 LOADS = {"tp": dict(tp=2), "pp": dict(pp=2), "cp": dict(cp=2)}

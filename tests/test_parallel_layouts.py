@@ -10,7 +10,7 @@ import torch
 
 from titanrl.config import ModelConfig
 from titanrl.trainer.parallel.launch import run_local_world
-from titanrl.trainer.parallel.layout_check import LAYOUTS, make_case, reference
+from support.layout_check import LAYOUTS, make_case, reference
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.trainer.truncation import Truncation
 
@@ -29,7 +29,7 @@ TRUNCATED = ["fsdp", "pp", "cp"]
 """Layouts checked with the trainer scoring under top-k 20 + top-p 0.9 at T=0.7 (tp is refused)."""
 
 FORWARD_PARITY = ["fsdp", "ddp", "tp_sp", "cp", "pp", "pp_gpipe", "pp_interleaved"]
-"""Layouts whose forward-only parity (ParallelGRPOStep.measure_parity) is checked, tied policy."""
+"""Layouts whose forward-only parity (GRPOStep.measure_parity) is checked, tied policy."""
 
 LOSS_VARIANT = dict(loss="gspo", gspo_clip_eps=(0.02, 0.03), off_policy_correction="tis_sequence",
                     off_policy_cap=1.1, entropy_coef=0.01)
@@ -153,7 +153,7 @@ def test_batch_invariant_logprobs_and_loss_bitwise_under_pipeline(world, layout)
 
 @pytest.mark.parametrize("layout", FORWARD_PARITY)
 def test_forward_only_parity_equals_gradient_pass(world, layout):
-    """ParallelGRPOStep.measure_parity under `layout` (forward only; pipelines via the schedule's
+    """GRPOStep.measure_parity under `layout` (forward only; pipelines via the schedule's
     eval) gives exactly the parity the gradient pass reports at the same weights: diff sum, diff
     max, tokens different and tokens checked are equal floats (noisy generator logprobs, so the
     diffs are far from 0). Afterwards every parameter's .grad is still None and every optimizer

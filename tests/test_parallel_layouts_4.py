@@ -9,7 +9,7 @@ import torch
 
 from titanrl.config import ModelConfig
 from titanrl.trainer.parallel.launch import run_local_world
-from titanrl.trainer.parallel.layout_check import LAYOUTS as LAYOUTS_BY_NAME, make_case, reference
+from support.layout_check import LAYOUTS as LAYOUTS_BY_NAME, make_case, reference
 from titanrl.trainer.trainer import GRPOTrainer
 
 LAYOUTS = ["hsdp", "fsdp+tp", "fsdp+tp_sp", "fsdp+cp", "cp+tp_sp", "pp+fsdp", "pp+tp", "pp+cp", "cp4"]
@@ -82,7 +82,7 @@ def test_4_rank_tied_layout_equals_single_process(world, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", FORWARD_PARITY)
 def test_4_rank_forward_only_parity_equals_gradient_pass(world, layout):
-    """ParallelGRPOStep.measure_parity under FSDP-sharded pipeline stages (pp=2 x dp_shard=2) and
+    """GRPOStep.measure_parity under FSDP-sharded pipeline stages (pp=2 x dp_shard=2) and
     pp=4 runs the schedule's forward-only eval and gives exactly the gradient pass's parity
     (equal floats), leaving every .grad None and every optimizer state empty on every rank."""
     r = world["forward_parity"][layout]

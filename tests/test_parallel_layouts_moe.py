@@ -11,7 +11,7 @@ import torch
 from titanrl.models.hf_checkpoint import load_model
 from titanrl.trainer.checkpoint import export_hf
 from titanrl.trainer.parallel.launch import run_local_world
-from titanrl.trainer.parallel.layout_check import LAYOUTS, make_case, reference
+from support.layout_check import LAYOUTS, make_case, reference
 
 EXPERT_PARALLEL = ["ep", "tp_sp+ep"]
 """2-rank layouts with expert parallelism: experts over dp_shard ranks, and over the tp ranks."""

@@ -6,7 +6,7 @@ in test_parallel_layouts.py, tied pipeline checkpoints in test_parallel_checkpoi
 import pytest
 
 from titanrl.trainer.parallel.launch import run_local_world
-from titanrl.trainer.parallel.layout_check import make_case, reference
+from support.layout_check import make_case, reference
 
 LAYOUTS = ["pp+fsdp", "pp+tp"]
 

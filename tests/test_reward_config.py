@@ -4,10 +4,11 @@ bad value fails in `validate`, naming the field, before any actor starts."""
 from __future__ import annotations
 
 import pytest
-from test_config import _fails, checkpoint_dir, good_config  # noqa: F401  (fixtures)
 
 from titanrl.config import apply_overrides, validate
 from titanrl.rewards import exact_match
+
+from support.config_cases import checkpoint_dir, fails_validation, good_config  # noqa: F401  (fixtures)
 
 
 def test_reward_settings_validate_and_parse(good_config):
@@ -45,12 +46,12 @@ def test_bad_reward_settings_fail_naming_the_field(good_config, change, needles)
         good_config.reward_health.hacking_window = change.pop("hacking_window")
     for name, value in change.items():
         setattr(good_config.rollout, name, value)
-    _fails(good_config, *needles)
+    fails_validation(good_config, *needles)
 
 
 def test_overlong_penalty_names_itself_for_agreement_pairs(good_config):
     """The penalty is a reward term ('overlong_penalty') once overlong_buffer > 0, and only then."""
     good_config.reward_health.agreement_pairs = ["length_reward:overlong_penalty"]
-    _fails(good_config, "names 'overlong_penalty'")
+    fails_validation(good_config, "names 'overlong_penalty'")
     good_config.rollout.overlong_buffer = 4
     validate(good_config)

@@ -17,7 +17,8 @@ from titanrl.rundir.checkpoints import (
     RunCheckpointError,
     writing_checkpoint,
 )
-from titanrl.rundir.layout import config_differences, config_record, create_run_dir, reopen_run_dir, set_aside_after
+from titanrl.config.record import config_record
+from titanrl.rundir.layout import config_differences, create_run_dir, reopen_run_dir, set_aside_after
 
 
 def _reward(prompt: str, completion: str, **fields) -> float:

@@ -22,7 +22,7 @@ from titanrl.models.hf_checkpoint import (
 from titanrl.models.tiny import tiny_config, write_tiny_checkpoint
 from titanrl.trainer.checkpoint import open_initial_policy
 from titanrl.trainer.parallel.launch import run_local_world
-from titanrl.trainer.parallel.layout_check import make_case
+from support.layout_check import make_case
 from titanrl.trainer.trainer import GRPOTrainer
 
 LAYOUTS = {

@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from test_trainer_packing import _assert_same_gradients, _gradients, _groups
+from support.packing_cases import accumulated_gradients, assert_same_gradients, varied_groups
 from titanrl.models import packed_sequences
 from titanrl.models.tiny import write_tiny_checkpoint, write_tiny_moe_checkpoint
 
@@ -26,7 +26,7 @@ def checkpoint(tmp_path_factory):
 
 def _assert_close_to_cpu(gpu: dict, cpu: dict) -> None:
     """float32 GPU against CPU: other reduction orders, so an absolute floor for near-zero entries."""
-    _assert_same_gradients(gpu, cpu, atol=1e-6)
+    assert_same_gradients(gpu, cpu, atol=1e-6)
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -36,9 +36,9 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("share", [False, True], ids=["packed", "shared_prompts"])
 def test_cuda_packed_float32_step_has_the_cpu_padded_gradients(checkpoint, share):
     """float32 on the GPU: packed (padded SDPA around the call) equals the CPU's padded step."""
-    groups = _groups()
-    g_cpu, s_cpu, lp_cpu, *_ = _gradients(checkpoint, groups, False)
-    g_gpu, s_gpu, lp_gpu, computed, _ = _gradients(checkpoint, groups, True, share=share, device="cuda")
+    groups = varied_groups()
+    g_cpu, s_cpu, lp_cpu, *_ = accumulated_gradients(checkpoint, groups, False)
+    g_gpu, s_gpu, lp_gpu, computed, _ = accumulated_gradients(checkpoint, groups, True, share=share, device="cuda")
     _assert_close_to_cpu(g_gpu, g_cpu)
     torch.testing.assert_close(lp_gpu, lp_cpu, rtol=0, atol=1e-5)
     assert s_gpu.tokens == s_cpu.tokens
@@ -57,12 +57,12 @@ def test_cuda_bfloat16_packed_step_runs_the_varlen_flash_kernel(checkpoint, monk
         return real(*args, **kwargs)
 
     monkeypatch.setattr(packed_sequences, "_varlen_kernel", lambda: counting)
-    groups = _groups()
-    g_pack, _, lp_pack, *_ = _gradients(checkpoint, groups, True, share=False, device="cuda", dtype="bfloat16")
+    groups = varied_groups()
+    g_pack, _, lp_pack, *_ = accumulated_gradients(checkpoint, groups, True, share=False, device="cuda", dtype="bfloat16")
     assert calls, "the packed bfloat16 step never called the varlen kernel"
     monkeypatch.undo()
-    g_pad, _, lp_pad, *_ = _gradients(checkpoint, groups, False, device="cuda", dtype="bfloat16")
-    g_ref, _, lp_ref, *_ = _gradients(checkpoint, groups, False)  # float32 CPU, the reference
+    g_pad, _, lp_pad, *_ = accumulated_gradients(checkpoint, groups, False, device="cuda", dtype="bfloat16")
+    g_ref, _, lp_ref, *_ = accumulated_gradients(checkpoint, groups, False)  # float32 CPU, the reference
     assert g_pack.keys() == g_ref.keys()
     for name in g_ref:
         # The packed bf16 step is no further from float32 than the padded bf16 step (plus slack).
@@ -76,20 +76,20 @@ def test_cuda_bfloat16_packed_step_runs_the_varlen_flash_kernel(checkpoint, monk
 def test_cuda_compiled_blocks_give_eager_gradients(tmp_path, moe):
     """train.compile on the GPU (Inductor's Triton kernels): gradients and logprobs of eager."""
     ckpt = (write_tiny_moe_checkpoint if moe else write_tiny_checkpoint)(tmp_path / "tiny", seed=1)
-    groups = _groups(seed=3)
+    groups = varied_groups(seed=3)
     torch._dynamo.reset()
-    eager, _, eager_lp, *_ = _gradients(ckpt, groups, True, device="cuda")
-    compiled, _, lp, *_ = _gradients(ckpt, groups, True, device="cuda", compile=True)
-    _assert_same_gradients(compiled, eager, atol=1e-5)
+    eager, _, eager_lp, *_ = accumulated_gradients(ckpt, groups, True, device="cuda")
+    compiled, _, lp, *_ = accumulated_gradients(ckpt, groups, True, device="cuda", compile=True)
+    assert_same_gradients(compiled, eager, atol=1e-5)
     torch.testing.assert_close(lp, eager_lp, rtol=0, atol=1e-5)
 
 
 def test_cuda_moe_step_with_router_replay_matches_cpu(tmp_path):
     """The MoE policy (router replay, auxiliary loss) on the GPU: the CPU's gradients and aux loss."""
     ckpt = write_tiny_moe_checkpoint(tmp_path / "moe", seed=0)
-    groups = _groups(seed=2, routed_layers=2)
+    groups = varied_groups(seed=2, routed_layers=2)
     kw = dict(router_replay=True, moe_load_balance="aux_loss")
-    g_cpu, s_cpu, *_ = _gradients(ckpt, groups, True, **kw)
-    g_gpu, s_gpu, *_ = _gradients(ckpt, groups, True, device="cuda", **kw)
+    g_cpu, s_cpu, *_ = accumulated_gradients(ckpt, groups, True, **kw)
+    g_gpu, s_gpu, *_ = accumulated_gradients(ckpt, groups, True, device="cuda", **kw)
     _assert_close_to_cpu(g_gpu, g_cpu)
     assert s_gpu.moe.aux_loss == pytest.approx(s_cpu.moe.aux_loss, rel=1e-5)

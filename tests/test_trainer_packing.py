@@ -6,58 +6,13 @@ gradients of every parameter (and, where the claim is exact, the logprobs bit fo
 
 from __future__ import annotations
 
-import random
-
-import numpy as np
 import pytest
 import torch
 
-from titanrl.config import ModelConfig, TrainConfig
-from titanrl.models.tiny import TINY_MOE, write_tiny_checkpoint, write_tiny_moe_checkpoint
+from titanrl.models.tiny import write_tiny_checkpoint, write_tiny_moe_checkpoint
 from titanrl.trainer.packing import pack_micro_batch, pad_fraction
-from titanrl.trainer.trainer import GRPOTrainer
-from titanrl.types import Group, Sample
 
-
-def _groups(seed: int = 0, routed_layers: int = 0) -> list[Group]:
-    """Groups whose prompts and completions differ in length (rows of very different padding),
-    with env-inserted (loss-mask 0) tokens in some completions."""
-    rng = random.Random(seed)
-    out = []
-    for g in range(3):
-        prompt = [rng.randrange(256) for _ in range(rng.randint(2, 9))]
-        samples = []
-        for _ in range(4):
-            n = rng.randint(1, 14)
-            completion = [rng.randrange(256) for _ in range(n)]
-            mask = [float(rng.random() > 0.2) for _ in range(n)] if rng.random() < 0.5 else None
-            routed = None
-            if routed_layers:
-                k, e = TINY_MOE["num_experts_per_tok"], TINY_MOE["num_experts"]
-                routed = np.stack([np.random.default_rng(seed + g).permutation(e)[:k]
-                                   for _ in range((len(prompt) + n) * routed_layers)]).reshape(-1, routed_layers, k)
-                routed = routed.astype("int16")
-            samples.append(Sample(prompt="", completion="", prompt_ids=prompt, completion_ids=completion,
-                                  gen_logprobs=[-rng.uniform(3, 8) for _ in range(n)], reward=rng.random(),
-                                  group_id=g, policy_version=0, loss_mask=mask, routed_experts=routed))
-        out.append(Group(samples))
-    return out
-
-
-def _gradients(checkpoint, groups, pack: bool, batch_invariant: bool = False, share: bool = True,
-               device: str = "cpu", dtype: str = "float32", **train):
-    """One accumulation on `device`: gradients (on the CPU), stats, logprobs, tokens computed, batch."""
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(checkpoint), dtype=dtype),
-                          TrainConfig(device=device, micro_batch_size=5, pack_sequences=pack, share_prompts=share,
-                                      **train),
-                          temperature=1.0, seed=0, batch_invariant=batch_invariant)
-    tokens = []
-    hook = trainer.model.model.embed_tokens.register_forward_hook(lambda m, i, o: tokens.append(i[0].numel()))
-    batch = trainer.prepare_batch(groups)
-    stats = trainer.accumulate_gradients(batch)
-    hook.remove()
-    grads = {n: p.grad.float().cpu() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    return grads, stats, trainer.grpo.batch_logprobs(batch).float().cpu(), sum(tokens), batch
+from support.packing_cases import accumulated_gradients, assert_same_gradients, varied_groups
 
 
 @pytest.fixture(scope="module")
@@ -65,20 +20,13 @@ def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
-def _assert_same_gradients(a: dict, b: dict, atol: float = 1e-7) -> None:
-    """Same parameter names (at least one) and gradients within rtol 1e-4 and `atol`."""
-    assert a.keys() == b.keys() and a
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=atol, msg=name)
-
-
 @pytest.mark.parametrize("share", [False, True], ids=["packed", "shared_prompts"])
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_packed_step_has_the_padded_gradients_and_computes_only_real_tokens(checkpoint, batch_invariant, share):
-    groups = _groups()
-    g_pad, s_pad, lp_pad, computed_pad, batch = _gradients(checkpoint, groups, False, batch_invariant)
-    g_pack, s_pack, lp_pack, computed_pack, _ = _gradients(checkpoint, groups, True, batch_invariant, share)
-    _assert_same_gradients(g_pack, g_pad)
+    groups = varied_groups()
+    g_pad, s_pad, lp_pad, computed_pad, batch = accumulated_gradients(checkpoint, groups, False, batch_invariant)
+    g_pack, s_pack, lp_pack, computed_pack, _ = accumulated_gradients(checkpoint, groups, True, batch_invariant, share)
+    assert_same_gradients(g_pack, g_pad)
     assert s_pack.tokens == s_pad.tokens
     assert s_pack.loss_sum == pytest.approx(s_pad.loss_sum, rel=1e-6)
     if batch_invariant:  # what parity with a batch-invariant generator rests on
@@ -97,21 +45,21 @@ def test_packed_step_has_the_padded_gradients_and_computes_only_real_tokens(chec
 
 def test_packed_step_with_activation_checkpointing(checkpoint):
     """The layout stays set through the backward, where checkpointed blocks recompute attention."""
-    groups = _groups(seed=1)
-    g_pad, *_ = _gradients(checkpoint, groups, False, activation_checkpointing="full")
-    g_pack, *_ = _gradients(checkpoint, groups, True, activation_checkpointing="full")
-    _assert_same_gradients(g_pack, g_pad)
+    groups = varied_groups(seed=1)
+    g_pad, *_ = accumulated_gradients(checkpoint, groups, False, activation_checkpointing="full")
+    g_pack, *_ = accumulated_gradients(checkpoint, groups, True, activation_checkpointing="full")
+    assert_same_gradients(g_pack, g_pad)
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["packed", "shared_prompts"])
 def test_packed_moe_step_with_router_replay_and_aux_loss(tmp_path, share):
     """The auxiliary loss and routing counts weigh a shared prompt token once per sample holding it."""
     ckpt = write_tiny_moe_checkpoint(tmp_path / "moe", seed=0)
-    groups = _groups(seed=2, routed_layers=2)  # a group's tokens are all routed alike: prompts shared
+    groups = varied_groups(seed=2, routed_layers=2)  # a group's tokens are all routed alike: prompts shared
     kw = dict(router_replay=True, moe_load_balance="aux_loss")
-    g_pad, s_pad, *_ = _gradients(ckpt, groups, False, **kw)
-    g_pack, s_pack, *_ = _gradients(ckpt, groups, True, share=share, **kw)
-    _assert_same_gradients(g_pack, g_pad)
+    g_pad, s_pad, *_ = accumulated_gradients(ckpt, groups, False, **kw)
+    g_pack, s_pack, *_ = accumulated_gradients(ckpt, groups, True, share=share, **kw)
+    assert_same_gradients(g_pack, g_pad)
     assert s_pack.moe is not None and s_pad.moe is not None
     torch.testing.assert_close(torch.tensor(s_pack.moe.aux_loss), torch.tensor(s_pad.moe.aux_loss))
 

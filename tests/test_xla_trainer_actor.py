@@ -69,12 +69,13 @@ def run_config(vllm_tiny_checkpoint) -> RunConfig:
 @pytest.fixture(scope="module")
 def xla_trainer(ray_session, run_config):
     """The XLA trainer actor (on torch 2.9's CPU device), in its run's placement group."""
+    from titanrl.config.resolve import resolve
     from titanrl.driver.actors import start_trainer
     from titanrl.driver.placement import Placement
 
     _xla_python_or_skip()
     placement = Placement.create(run_config)
-    actor = start_trainer(run_config, placement, xla_device_type="cpu")
+    actor = start_trainer(resolve(run_config), placement, xla_device_type="cpu")
     try:
         ray_session.get(actor.get_version.remote())
         yield actor
@@ -86,11 +87,11 @@ def xla_trainer(ray_session, run_config):
 @pytest.fixture(scope="module")
 def cpu_trainer(run_config):
     """This venv's CPU trainer, built from the same settings as the actor."""
-    from titanrl.trainer.losses.settings import with_length_norm
+    from titanrl.config.resolve import resolve
     from titanrl.trainer.trainer import GRPOTrainer
     from titanrl.trainer.truncation import Truncation
 
-    train = dataclasses.replace(with_length_norm(run_config), device="cpu")
+    train = dataclasses.replace(resolve(run_config).config.train, device="cpu")
     return GRPOTrainer(run_config.model, train, run_config.rollout.temperature, run_config.seed,
                        truncation=Truncation.scored_by_trainer(run_config.rollout))
 

@@ -117,7 +117,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
     p = sub.add_parser(
         "train", help="run GRPO from a config file",
-        usage="%(prog)s CONFIG.py [--out RUN_DIR] [--resume] [--section.key=value ...]",
+        usage="%(prog)s CONFIG.py [--out RUN_DIR] [--resume] [--print-config] [--section.key=value ...]",
         description=_wrap("Runs GRPO as CONFIG.py configures it, with --section.key=value overrides on top."),
         **common,
     )
@@ -127,6 +127,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "--resume", action="store_true",
         help="continue the run in RUN_DIR from its newest training checkpoint (the config must match it; "
         "only train.steps and output.* may change)",
+    )
+    p.add_argument(
+        "--print-config", action="store_true",
+        help="print the resolved config (what the run directory's config.resolved.json would hold: every derived "
+        "value filled, the checkpoint's model) and exit without starting Ray",
     )
 
     p = sub.add_parser(
@@ -287,6 +292,13 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     import titanrl.driver.train
 
     config = _load(args.config, overrides + ([f"output.dir={args.out}"] if args.out else []))
+    if args.print_config:
+        from titanrl.config import validate
+        from titanrl.config.resolve import resolve
+
+        validate(config)
+        print(resolve(config).to_json(), end="")
+        return EXIT_OK
     try:
         result = titanrl.driver.train.train(config, resume=args.resume)
     except (ConfigError, KeyboardInterrupt):

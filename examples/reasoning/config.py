@@ -30,9 +30,9 @@ def make_config(data: titanrl.DataConfig | None = None) -> titanrl.RunConfig:
         data=data if data is not None else chain_sum_data(),
         rollout=titanrl.RolloutConfig(
             # 16 prompts x 8 samples = 128 completions per step (~85 prompt + <= 64 new tokens each).
-            # Measured 2026-12-06 (README.md): 27-38 s a step once completions shrink to ~6 tokens, so
-            # 45 steps and 4 evaluations take ~30 minutes; 8 prompts a step (15 steps) reached only
-            # 6.5 %. Groups of 8 give GRPO a usable contrast when only a few samples are right.
+            # Measured 2026-12-06 (README.md): 24-26 s a step once completions shrink to ~6 tokens
+            # (27-38 s with vLLM's default KV block), so 45 steps and 4 evaluations take under 30
+            # minutes; 8 prompts a step (15 steps) reached only 6.5 %. Groups of 8 give GRPO a usable contrast when only a few samples are right.
             prompts_per_step=16,
             group_size=8,
             # Full-softmax sampling: exploration is what finds the `Answer:` line at first.

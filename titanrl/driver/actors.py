@@ -1,6 +1,7 @@
 """The run's Ray actors: the trainer (one process or a parallel group) and the rollout side.
 
-`start_trainer` and `start_rollouts` create the actors without waiting for them; `shut_down`
+`start_trainer` and `start_rollouts` create the actors, from the resolved config
+(`titanrl.config.resolve`), without waiting for them; `shut_down`
 closes engines inside their actors before killing them (a multiprocess engine would leave its
 shared memory behind otherwise).
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from titanrl.config import RunConfig
+from titanrl.config.resolve import ResolvedRunConfig
 from titanrl.config.xla_env import xla_runtime_env
 from titanrl.data import PromptStream
 from titanrl.driver.placement import Placement
@@ -19,7 +20,7 @@ from titanrl.driver.sources.lockstep import LockstepRollouts
 from titanrl.rollout.seeds import request_seed
 
 
-def start_trainer(config: RunConfig, placement: Placement, *, xla_device_type: str = "xla",
+def start_trainer(resolved: ResolvedRunConfig, placement: Placement, *, xla_device_type: str = "xla",
                   busy_flags: str | None = None) -> Any:
     """The trainer actor: `GRPOTrainer`, or `TrainerGroup` (same interface) for a parallel layout.
 
@@ -34,9 +35,8 @@ def start_trainer(config: RunConfig, placement: Placement, *, xla_device_type: s
     from titanrl.trainer.trainer_group import TrainerGroup
     from titanrl.trainer.truncation import Truncation
 
-    from titanrl.trainer.losses.settings import with_length_norm
-
-    tc = with_length_norm(config)
+    config = resolved.config
+    tc = config.train
     options, kwargs = placement.trainer_options(), placement.trainer_kwargs()
     if tc.device == "xla":
         options["runtime_env"] = xla_runtime_env(tc)
@@ -52,7 +52,7 @@ def start_trainer(config: RunConfig, placement: Placement, *, xla_device_type: s
     )
 
 
-def start_rollouts(config: RunConfig, train_rows: list[dict[str, Any]],
+def start_rollouts(resolved: ResolvedRunConfig, train_rows: list[dict[str, Any]],
                    placement: Placement, busy_flags: str | None = None) -> RolloutSource:
     """The rollout workers and the source of each step's groups (`rollout.continuous` picks which);
     worker i (and any replacement of it) runs in the placement's bundle for worker i and raises
@@ -62,6 +62,7 @@ def start_rollouts(config: RunConfig, train_rows: list[dict[str, Any]],
     from titanrl.rollout.continuous_worker import ContinuousRolloutWorker
     from titanrl.rollout.worker import RolloutWorker
 
+    config = resolved.config
     rc, tc = config.rollout, config.train
     stream = PromptStream(train_rows, rc.prompts_per_step, config.data.shuffle_seed + config.seed)
     turns = config.env.max_turns if config.env.factory is not None else 1

@@ -19,6 +19,8 @@ from typing import Any
 
 from titanrl.busy_flags import BusyFlags
 from titanrl.config import RunConfig, validate
+from titanrl.config.record import config_record
+from titanrl.config.resolve import ResolvedRunConfig, resolve
 from titanrl.data import load_run_rows
 from titanrl.driver.actors import shut_down, start_rollouts, start_trainer
 from titanrl.driver.log import show_messages
@@ -30,7 +32,7 @@ from titanrl.driver.signals import SigtermAsInterrupt
 from titanrl.driver.weight_transport import choose_weight_transport, shm_free_bytes
 from titanrl.errors import RunStopped, RunTerminated
 from titanrl.rundir.driver_state import read_driver_state
-from titanrl.rundir.layout import config_record, create_run_dir, reopen_run_dir, set_aside_after
+from titanrl.rundir.layout import create_run_dir, reopen_run_dir, set_aside_after, write_resolved_config
 from titanrl.rundir.checkpoints import RunCheckpoint
 from titanrl.rundir.metrics import MetricsLogger, read_metrics
 from titanrl.rundir.progress import plot_run
@@ -65,6 +67,7 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
     started = time.perf_counter()
     show_messages()
     validate(config)
+    resolved = resolve(config)
     train_rows, eval_rows = load_run_rows(config)
     checkpoint, driver_state = None, None
     if resume:
@@ -73,6 +76,8 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
         set_aside_after(run_dir, checkpoint.step)
     else:
         run_dir = create_run_dir(config)
+    write_resolved_config(run_dir, resolved)
+    config = resolved.config
 
     import ray
 
@@ -80,7 +85,7 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
     init_ray(address=config.ray_address)
     sigterm = SigtermAsInterrupt().install()  # after ray.init, which installs its own handler
     try:
-        return _run(config, run_dir, checkpoint, driver_state, eval_rows, train_rows, started, sigterm)
+        return _run(resolved, run_dir, checkpoint, driver_state, eval_rows, train_rows, started, sigterm)
     except KeyboardInterrupt as e:
         if not sigterm.received:
             raise
@@ -90,12 +95,13 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
         sigterm.uninstall()
 
 
-def _run(config: RunConfig, run_dir: Path, checkpoint: RunCheckpoint | None, driver_state: dict[str, Any] | None,
+def _run(resolved: ResolvedRunConfig, run_dir: Path, checkpoint: RunCheckpoint | None, driver_state: dict[str, Any] | None,
          eval_rows: list[dict[str, Any]], train_rows: list[dict[str, Any]], started: float,
          sigterm: SigtermAsInterrupt) -> RunResult:
     """Starts the actors, runs (or resumes) the loop, saves on any failure, and shuts everything down."""
     import ray
 
+    config = resolved.config
     ship_user_code_by_value(config.rewards + ([config.env.factory] if config.env.factory is not None else []))
     placement = Placement.create(config)
     try:
@@ -108,8 +114,8 @@ def _run(config: RunConfig, run_dir: Path, checkpoint: RunCheckpoint | None, dri
     busy = BusyFlags.create(config.rollout.num_workers) if config.train.threads_when_rollouts_idle is not None else None
     busy_path = None if busy is None else busy.path
     try:
-        trainer = start_trainer(config, placement, busy_flags=busy_path)
-        rollouts = start_rollouts(config, train_rows, placement, busy_flags=busy_path)
+        trainer = start_trainer(resolved, placement, busy_flags=busy_path)
+        rollouts = start_rollouts(resolved, train_rows, placement, busy_flags=busy_path)
     except BaseException:
         placement.remove()
         if busy is not None:

@@ -260,7 +260,7 @@ class MemoryEstimate:
 
 
 def schedule(layout: Layout, work: Workload) -> Schedule:
-    """Rows per data-parallel rank and micro-batches, as ParallelGRPOStep cuts them."""
+    """Rows per data-parallel rank and micro-batches, as GRPOStep cuts them."""
     rows = -(-work.batch // layout.dp)  # zero-mask rows pad the batch to a multiple of dp
     n_micro = -(-rows // work.micro_batch)
     if layout.pp > 1:  # the pipeline wants at least pp micro-batches, a multiple of pp

@@ -61,13 +61,17 @@ class RolloutWorker:
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(
             lambda record: "set_num_threads" not in record.getMessage()
         )
-        from titanrl.models.hf_checkpoint import read_config
-        from titanrl.models.qwen3.moe import Qwen3MoeConfig
+        from titanrl.config.resolve import engine_logprobs, records_routed_experts
         from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
+        # A run's config comes resolved (titanrl.config.resolve); a worker built by hand (eval, tests)
+        # from a RolloutConfig with record_routed_experts=None resolves it by the same rule.
         record_routing = rc.record_routed_experts
-        if record_routing is None:  # on for mixture-of-experts policies (router replay reads it)
-            record_routing = isinstance(read_config(model_config.checkpoint), Qwen3MoeConfig)
+        if record_routing is None:
+            from titanrl.models.architectures import spec_for
+            from titanrl.models.hf_checkpoint import read_config
+
+            record_routing = records_routed_experts(rc, spec_for(read_config(model_config.checkpoint)).is_moe)
         self.worker_id, self.cfg, self.prompt_field = worker_id, rc, prompt_field
         self.rewards = [resolve_reward(r, i) for i, r in enumerate(rewards)]
         # Helper threads start on first use, so an episode worker (EnvRunner scores) pays nothing.
@@ -84,8 +88,7 @@ class RolloutWorker:
                 multiprocess=rc.vllm_multiprocess,
                 vllm_kernels=rc.vllm_kernels,
                 batch_invariant=batch_invariant,
-                # Untruncated, the processed logprobs are the full softmax at the temperature: 'raw' too.
-                logprobs=rc.logprobs if rc.top_k > 0 or rc.top_p < 1 else "sampled",
+                logprobs=engine_logprobs(rc),
                 record_routed_experts=record_routing,
             )
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -11,11 +10,13 @@ from typing import Any
 
 from titanrl.atomic_io import write_text_atomically
 from titanrl.config import RunConfig
+from titanrl.config.record import config_record
 from titanrl.errors import ConfigError
 from titanrl.jsonl import read_json_lines
 from titanrl.rundir.checkpoints import RunCheckpoint, latest_checkpoint, remove_stale_temporaries
 
 CONFIG_FILE = "config.json"
+RESOLVED_CONFIG_FILE = "config.resolved.json"
 RESUMABLE_SECTIONS = ("output",)
 """Config sections a resumed run may change; everything else must match the checkpointed run."""
 RESUMABLE_KEYS = ("train.steps", "train.compile", "train.threads_when_rollouts_idle", "train.cpu_matmul")
@@ -27,21 +28,10 @@ RESUMABLE_PREFIXES = ("train.parallel.", "train.device")
 dp_shard=2 can continue with tp=2 (the same training, not the same bits: reduction orders differ)."""
 
 
-def config_record(config: RunConfig) -> dict[str, Any]:
-    """The resolved config as JSON: callables by their 'module:qualname'."""
-
-    def name(fn: Any) -> str:
-        return fn if isinstance(fn, str) else f"{fn.__module__}:{getattr(fn, '__qualname__', type(fn).__name__)}"
-
-    env = dataclasses.replace(config.env, factory=None)
-    data = dataclasses.replace(config.data, train_rows=None, eval_rows=None)
-    record = dataclasses.asdict(dataclasses.replace(config, rewards=[], env=env, data=data))
-    for split in ("train_rows", "eval_rows"):  # rows in memory: their count, not their contents
-        rows = getattr(config.data, split)
-        record["data"][split] = None if rows is None else f"{len(rows)} rows in memory"
-    record["rewards"] = [name(r) for r in config.rewards]
-    record["env"]["factory"] = None if config.env.factory is None else name(config.env.factory)
-    return json.loads(json.dumps(record))  # tuples become lists, as they are when read back
+def write_resolved_config(run_dir: Path, resolved: Any) -> None:
+    """`config.resolved.json`: the config with every derived value filled, and what the checkpoint
+    holds (a `titanrl.config.resolve.ResolvedRunConfig`); rewritten on resume."""
+    write_text_atomically(run_dir / RESOLVED_CONFIG_FILE, resolved.to_json())
 
 
 def create_run_dir(config: RunConfig) -> Path:

@@ -4,7 +4,7 @@ The loss keeps its right-padded [B, T] batch (rows are samples: advantages, sequ
 masks stay as they are); only the model runs on the packed row. A row's real tokens are those at
 or before its last trained target (`moe.real_tokens`): nothing after that can change a trained
 logprob, since attention is causal. The LM head then scatters each trained token's logprob back
-to its [B, T] slot (see ParallelGRPOStep._head).
+to its [B, T] slot (see GRPOStep._head).
 
 With `input_ids_BT`, rows that begin with the same prompt (a GRPO group's samples) hold it once:
 a row's prefix up to and including its first trained position is shared when an earlier row of

@@ -2,7 +2,7 @@
 
 Held only when the penalty is on. Built through the policy's own path (`build_policy`: the same
 layout, shards, storage and compute dtypes), then frozen: eval mode, no gradients, no optimizer.
-Its logprobs come from the policy's micro-batch forward (`ParallelGRPOStep.batch_logprobs`), once
+Its logprobs come from the policy's micro-batch forward (`GRPOStep.batch_logprobs`), once
 per step before the micro-batch loop, into `PackedBatch.reference_BT`; a mixture-of-experts
 reference routes as that forward does (through the generator's experts with train.router_replay).
 
@@ -26,7 +26,7 @@ from titanrl.models.qwen3.moe import zero_routing_buffers
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.batch import PackedBatch
 from titanrl.trainer.parallel.parallelize import ParallelModel
-from titanrl.trainer.parallel.step import ParallelGRPOStep
+from titanrl.trainer.step import GRPOStep
 from titanrl.trainer.policy import build_policy
 from titanrl.trainer.truncation import Truncation
 
@@ -37,11 +37,11 @@ REFERENCE_STATE_KEY = "reference_checkpoint"
 class ReferencePolicy:
     """The frozen reference: its checkpoint directory and a gradient-free step over its weights."""
 
-    def __init__(self, checkpoint: str, step: ParallelGRPOStep) -> None:
+    def __init__(self, checkpoint: str, step: GRPOStep) -> None:
         self.checkpoint = checkpoint
         """Absolute path of the directory the weights came from (what a resume rebuilds it from)."""
         self.step = step
-        """`ParallelGRPOStep` over the frozen weights, without optimizers: only its forward is used."""
+        """`GRPOStep` over the frozen weights, without optimizers: only its forward is used."""
 
     @property
     def pm(self) -> ParallelModel:
@@ -86,4 +86,4 @@ def build_reference(checkpoint: str, recorded_in: str | None = None, *, policy: 
         part.eval()
         part.requires_grad_(False)
         zero_routing_buffers(part, pm.device)  # float32 on the device, as the policy's (they stay zero)
-    return ReferencePolicy(checkpoint, ParallelGRPOStep(pm, [], train_config, temperature, batch_invariant, truncation))
+    return ReferencePolicy(checkpoint, GRPOStep(pm, [], train_config, temperature, batch_invariant, truncation))

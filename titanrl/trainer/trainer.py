@@ -5,7 +5,7 @@ process that is the whole model on the device (no mesh, no collective); in a par
 each rank's `GRPOTrainer` (a `ParallelTrainerRank` actor) holds its shard, and every method
 below is a collective that all ranks call in the same order (`TrainerGroup` sees to that).
 The micro-batch loop, padding trim, finite check, clip and optimizer step live once, in
-`ParallelGRPOStep`; this class adds packing, minibatches, PPO epochs, skip rules, metrics,
+`GRPOStep`; this class adds packing, minibatches, PPO epochs, skip rules, metrics,
 checkpoints and weight publishing.
 
 Plain Python class; the driver runs it as a Ray actor (`ray.remote(GRPOTrainer)`), and unit
@@ -40,7 +40,7 @@ from titanrl.trainer.optimizer import build_optimizers
 from titanrl.trainer.parallel.checkpoint import load_model_optim, save_training_checkpoint
 from titanrl.trainer.parallel.gather import GatheredWeights, iter_full_weights
 from titanrl.trainer.parallel.mesh import barrier, build_mesh, global_rank, init_distributed, resolve_device_type
-from titanrl.trainer.parallel.step import ParallelGRPOStep
+from titanrl.trainer.step import GRPOStep
 from titanrl.trainer.policy import build_policy
 from titanrl.trainer.reference import REFERENCE_STATE_KEY, ReferencePolicy, build_reference, reference_source
 from titanrl.trainer.stats import GradStats, LogprobParity
@@ -135,7 +135,7 @@ class GRPOTrainer:
         self.rank = global_rank()
         self.optimizers = build_optimizers(self.pm, train_config)
         self.schedulers = [build_scheduler(opt, train_config) for opt in self.optimizers]
-        self.grpo = ParallelGRPOStep(self.pm, self.optimizers, train_config, temperature, batch_invariant,
+        self.grpo = GRPOStep(self.pm, self.optimizers, train_config, temperature, batch_invariant,
                                      truncation, xla=self.xla)
         # The reference scores tokens under the same (truncated) distribution as the policy.
         self._build_reference = functools.partial(build_reference, policy=self.pm, dtype=self.dtype,
@@ -196,7 +196,7 @@ class GRPOTrainer:
         """Leaves in `.grad` the gradient of the batch's loss (train.loss_aggregation); no optimizer step.
 
         With `train.decoupled_loss`, `proximal_BT` holds the logprobs before this step's first
-        update (None: this forward is at those weights). See `ParallelGRPOStep.accumulate_gradients`.
+        update (None: this forward is at those weights). See `GRPOStep.accumulate_gradients`.
         """
         if proximal_BT is not None:
             batch = dataclasses.replace(batch, proximal_BT=proximal_BT)

@@ -1,4 +1,4 @@
 """Policy losses of the GRPO step: variants (settings, policy), aggregation, off-policy correction.
 
-`ParallelGRPOStep._loss` composes them per micro-batch; the modules import nothing of the step.
+`GRPOStep._loss` composes them per micro-batch; the modules import nothing of the step.
 """

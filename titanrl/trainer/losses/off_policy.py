@@ -1,7 +1,7 @@
 """Off-policy correction by the ratio w = pi_trainer / pi_generator (no gradient).
 
 pi_trainer is the trainer's policy at the weights the batch starts from (the decoupled loss's
-proximal policy: `ParallelGRPOStep.batch_logprobs`, or the forward itself when it runs at
+proximal policy: `GRPOStep.batch_logprobs`, or the forward itself when it runs at
 those weights). The generator's logprobs differ from it by the train/inference mismatch and by
 staleness; these weights correct the policy gradient for that, per token or per sequence:
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from titanrl.config.schema import RunConfig, TrainConfig
+from titanrl.config.schema import TrainConfig
 
 DAPO_CLIP_EPS_HIGH = 0.28
 """DAPO's clip-higher upper range, also CISPO's default weight truncation (1 + 0.28)."""
@@ -16,7 +15,7 @@ DEFAULT_AGGREGATION = {"gspo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token
 
 @dataclass(frozen=True)
 class LossSettings:
-    """What `ParallelGRPOStep._loss` computes, resolved from train.* fields."""
+    """What `GRPOStep._loss` computes, resolved from train.* fields."""
 
     loss: str
     """train.loss."""
@@ -66,12 +65,3 @@ def loss_settings(cfg: TrainConfig) -> LossSettings:
     scale = cfg.loss != "dr_grpo" if cfg.scale_advantages_by_std is None else cfg.scale_advantages_by_std
     return LossSettings(cfg.loss, cfg.loss_aggregation or DEFAULT_AGGREGATION.get(cfg.loss, "token-mean"),
                         low, high, cfg.entropy_coef, cfg.loss_length_norm, correction, cap, lo, scale)
-
-
-def with_length_norm(config: RunConfig) -> TrainConfig:
-    """config.train with loss_length_norm resolved: None is the longest completion a sample can
-    have (rollout.max_new_tokens; env.max_total_tokens for environment runs)."""
-    if config.train.loss_length_norm is not None:
-        return config.train
-    longest = config.env.max_total_tokens if config.env.factory is not None else config.rollout.max_new_tokens
-    return dataclasses.replace(config.train, loss_length_norm=longest)

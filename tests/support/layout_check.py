@@ -1,9 +1,9 @@
 """Checks a parallel layout against the single-process trainer: same batch, same loss and gradients.
 
-    python -m titanrl.trainer.parallel.layout_check fsdp tp_sp pp ...   (one JSON line per layout)
+    python -m support.layout_check fsdp tp_sp pp ...   (one JSON line per layout)
 
 `reference` runs GRPOTrainer.accumulate_gradients (and its optimizer step) in this process;
-`check_layouts` runs ParallelGRPOStep under each layout inside a torch.distributed world and
+`check_layouts` runs GRPOStep under each layout inside a torch.distributed world and
 compares the global loss and the full gathered gradient with the reference. Used by
 benchmarks/parallel_layouts.py and tests/test_parallel_*.py.
 """
@@ -32,7 +32,7 @@ from titanrl.trainer.parallel.gather import iter_full_gradients, iter_full_weigh
 from titanrl.trainer.parallel.mesh import build_mesh
 from titanrl.trainer.optimizer import build_optimizers
 from titanrl.trainer.parallel.parallelize import parallelize
-from titanrl.trainer.parallel.step import ParallelGRPOStep
+from titanrl.trainer.step import GRPOStep
 from titanrl.trainer.parallel.tied import tied_copies_equal
 from titanrl.config.parallel import validate_parallel
 from titanrl.trainer.batch import PackedBatch, pack
@@ -207,7 +207,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu") -> dict[str, Any] | None:
-    """Runs one ParallelGRPOStep under LAYOUTS[name] (call on every rank); rank 0 returns the report.
+    """Runs one GRPOStep under LAYOUTS[name] (call on every rank); rank 0 returns the report.
 
     Report: loss_rel_diff = |loss - ref| / |ref|; grad_rel_diff = ||g - g_ref|| / ||g_ref|| over
     all parameters concatenated (relative L2); grad_max_param_rel_diff = the largest per-parameter
@@ -228,7 +228,7 @@ def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu"
                      activation_checkpointing_every=case.train.activation_checkpointing_every,
                      compute_dtype=getattr(torch, compute) if compute else None)
     optimizers = build_optimizers(pm, case.train)
-    step = ParallelGRPOStep(pm, optimizers, case.train, case.temperature, truncation=case.truncation)
+    step = GRPOStep(pm, optimizers, case.train, case.temperature, truncation=case.truncation)
     dist.barrier()
     t0 = time.perf_counter()
     stats = step.accumulate_gradients(case.batch)

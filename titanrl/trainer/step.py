@@ -170,7 +170,7 @@ class _BatchScale(NamedTuple):
     """Rows holding a trained token (the seq-mean aggregations' S)."""
 
 
-class ParallelGRPOStep:
+class GRPOStep:
     """GRPO gradient accumulation and optimizer step over a ParallelModel (call on every rank).
 
     batch_invariant: run the model and the logprobs through `titanrl.kernels`, so they match a
