@@ -69,7 +69,7 @@ $(TRL_STAMP): pyproject.toml
 trl-venv: $(TRL_STAMP)
 
 demo: install $(if $(filter xla,$(DEVICE)),xla-venv)
-	$(VENV)/bin/titanrl train examples/arithmetic/config.py $(if $(filter xla,$(DEVICE)),--train.device=xla)
+	$(VENV)/bin/titanrl train examples/arithmetic/config.py $(if $(filter xla,$(DEVICE)),--train.compute.device=xla)
 
 # GRPO on a real pretrained model: SmolLM2-135M-Instruct (fetched and converted into
 # ~/.cache/titanrl/models on first use, as `titanrl models get` does) learns reasoning-gym's

@@ -17,9 +17,10 @@ Times are the training loop's wall time (first step to last, the final evaluatio
 without actor start-up. Rewards: `final_eval_reward` is the final policy's greedy reward on 32
 held-out prompts (the fair comparison: at equal steps, an asynchronous run's last training
 samples come from an older policy than a synchronous run's); `final_train_reward` is the mean
-`reward/mean` of the last 5 steps. Both runs use train.decoupled_loss.
+`reward/mean` of the last 5 steps. Both runs use train.off_policy.decoupled_loss.
 
     python benchmarks/async_speedup.py [--steps 20] [--turns 3]
+    python benchmarks/async_speedup.py --smoke     # sync and async only, 2 steps, 1 turn, 1 worker: checks it runs
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def make_env(context: EnvContext) -> SlowToolEnv:
     return SlowToolEnv(context)
 
 
-def run_config(root: Path, name: str, steps: int, continuous: bool, max_staleness: int) -> titanrl.RunConfig:
+def run_config(root: Path, name: str, steps: int, continuous: bool, max_staleness: int,
+               workers: int = 2) -> titanrl.RunConfig:
     ckpt = root / "ckpt"
     if not ckpt.exists():
         write_tiny_checkpoint(ckpt, seed=5, std=0.1)
@@ -77,9 +79,20 @@ def run_config(root: Path, name: str, steps: int, continuous: bool, max_stalenes
     return titanrl.RunConfig(
         model=titanrl.ModelConfig(checkpoint=str(ckpt)),
         data=titanrl.DataConfig(train_file=str(root / "train.jsonl"), eval_file=str(root / "eval.jsonl")),
-        rollout=titanrl.RolloutConfig(num_workers=2, prompts_per_step=8, group_size=4, max_new_tokens=8,
-                                      max_model_len=128, continuous=continuous),
-        train=titanrl.TrainConfig(steps=steps, lr=3e-3, max_staleness=max_staleness, decoupled_loss=True),
+        rollout=titanrl.RolloutConfig(
+            num_workers=workers,
+            prompts_per_step=8,
+            group_size=4,
+            sampling=titanrl.SamplingConfig(max_new_tokens=8),
+            engine=titanrl.EngineConfig(max_model_len=128),
+            continuous=continuous,
+        ),
+        train=titanrl.TrainConfig(
+            steps=steps,
+            optimizer=titanrl.OptimizerConfig(lr=3e-3),
+            max_staleness=max_staleness,
+            off_policy=titanrl.OffPolicyConfig(decoupled_loss=True),
+        ),
         eval=titanrl.EvalConfig(every_steps=steps),  # step 0 (before the loop) and the final policy
         env=titanrl.EnvConfig(factory=make_env, max_turns=TURNS, max_total_tokens=96, sandbox_pool_size=0),
         output=titanrl.OutputConfig(dir=str(root / name), progress_bar=False, rollouts_per_step=1),
@@ -106,25 +119,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2, help="rollout workers of every run")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a check that the script runs: --steps 2 --turns 1 --workers 1, and not the "
+                             "lockstep_stale run (each run starts its actors, ~20 s; the sync run's path with "
+                             "another max_staleness); numbers mean nothing")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.turns, args.workers = 2, 1, 1
     TURNS = args.turns
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        sync = measure(run_config(root, "sync", args.steps, continuous=False, max_staleness=0))
+        sync = measure(run_config(root, "sync", args.steps, continuous=False, max_staleness=0, workers=args.workers))
         print(json.dumps({"run": "sync", **sync}), flush=True)
-        async_ = measure(run_config(root, "async", args.steps, continuous=True, max_staleness=2))
+        async_ = measure(run_config(root, "async", args.steps, continuous=True, max_staleness=2, workers=args.workers))
         print(json.dumps({"run": "async", **async_}), flush=True)
-        stale = measure(run_config(root, "lockstep_stale", args.steps, continuous=False, max_staleness=2))
-        print(json.dumps({"run": "lockstep_stale", **stale}), flush=True)
+        stale = None if args.smoke else measure(run_config(root, "lockstep_stale", args.steps, continuous=False,
+                                                           max_staleness=2, workers=args.workers))
+        if stale is not None:
+            print(json.dumps({"run": "lockstep_stale", **stale}), flush=True)
+
+    def of_stale(value):  # the lockstep_stale run's numbers; None where --smoke left it out
+        return None if stale is None else value(stale)
+
     print(json.dumps({
-        "benchmark": "async_speedup", "steps": args.steps, "turns": args.turns, "workers": 2,
+        "benchmark": "async_speedup", "smoke": args.smoke, "steps": args.steps, "turns": args.turns,
+        "workers": args.workers,
         "sync_s": round(sync["loop_s"], 2), "async_s": round(async_["loop_s"], 2),
-        "speedup": round(sync["loop_s"] / async_["loop_s"], 2), "lockstep_stale_s": round(stale["loop_s"], 2),
-        "continuous_over_lockstep_same_staleness": round(stale["loop_s"] / async_["loop_s"], 2),
+        "speedup": round(sync["loop_s"] / async_["loop_s"], 2),
+        "lockstep_stale_s": of_stale(lambda r: round(r["loop_s"], 2)),
+        "continuous_over_lockstep_same_staleness": of_stale(lambda r: round(r["loop_s"] / async_["loop_s"], 2)),
         "sync_final_reward": round(sync["final_eval_reward"], 4), "async_final_reward": round(async_["final_eval_reward"], 4),
         "sync_final_train_reward": round(sync["final_train_reward"], 4),
         "async_final_train_reward": round(async_["final_train_reward"], 4),
-        "lockstep_stale_final_reward": round(stale["final_eval_reward"], 4),
+        "lockstep_stale_final_reward": of_stale(lambda r: round(r["final_eval_reward"], 4)),
     }))
 
 

@@ -1,6 +1,7 @@
 """What batch-invariant mode costs: generator and trainer time with it off and on, side by side.
 
     .venv/bin/python benchmarks/batch_invariance.py [--out benchmarks/results/batch_invariance/batch_invariance.json]
+    .venv/bin/python benchmarks/batch_invariance.py --smoke   # the demo model, 8 prompts x 4 x 8 tokens, 1 repeat
 
 For two models, the demo's warm start (examples/arithmetic/warm_start, 0.5M params) and the
 25M-parameter model of benchmarks/rollout_engine.py (hidden 512, 8 layers, head_dim 64):
@@ -36,6 +37,9 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from titanrl.config import EngineConfig
+from titanrl.trainer.setup import TrainerSetup
+
 ROOT = Path(__file__).resolve().parent.parent
 MEDIUM = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
               intermediate_size=1536)
@@ -66,8 +70,16 @@ def measure_generator(checkpoint: str, repeats: int) -> dict[str, float]:
 
     from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
-    engines = {flag: VllmEngine(VllmEngineConfig(checkpoint=checkpoint, max_model_len=PROMPT_LEN + TOKENS, max_num_seqs=512,
-                                                 batch_invariant=flag)) for flag in (False, True)}
+    engines = {
+        flag: VllmEngine(
+            VllmEngineConfig(
+                checkpoint=checkpoint,
+                settings=EngineConfig(max_model_len=PROMPT_LEN + TOKENS, max_num_seqs=512),
+                batch_invariant=flag,
+            )
+        )
+        for flag in (False, True)
+    }
     prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts()]
     params = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=TOKENS, ignore_eos=True, logprobs=0, seed=0)
 
@@ -84,7 +96,7 @@ def measure_generator(checkpoint: str, repeats: int) -> dict[str, float]:
 
 
 def measure_trainer(checkpoint: str, repeats: int) -> dict[str, float]:
-    from titanrl.config import ModelConfig, TrainConfig
+    from titanrl.config import MemoryConfig, ModelConfig, TrainConfig
     from titanrl.trainer.batch import pack
     from titanrl.trainer.trainer import GRPOTrainer
     from titanrl.types import Group, Sample
@@ -97,8 +109,18 @@ def measure_trainer(checkpoint: str, repeats: int) -> dict[str, float]:
             completion = torch.randint(0, 256, (TOKENS,), generator=g).tolist()
             samples.append(Sample("p", "c", prompt, completion, [-5.0] * TOKENS, float(i % 3), j, 0))
         groups.append(Group(samples))
-    trainers = {flag: GRPOTrainer(ModelConfig(checkpoint=checkpoint), TrainConfig(micro_batch_size=64), 1.0, 0,
-                                  batch_invariant=flag) for flag in (False, True)}
+    trainers = {
+        flag: GRPOTrainer(
+            TrainerSetup(
+                ModelConfig(checkpoint=checkpoint),
+                TrainConfig(memory=MemoryConfig(micro_batch_size=64)),
+                1.0,
+                0,
+                batch_invariant=flag,
+            )
+        )
+        for flag in (False, True)
+    }
     batch = pack(groups, 0)
 
     def run(flag: bool):
@@ -126,20 +148,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", help="also write the JSON line to this file")
+    parser.add_argument("--smoke", action="store_true", help="a check that the script runs: the demo model only, "
+                        "8 prompts x 4 samples x 8 tokens, --repeats 1 (numbers mean nothing)")
     args = parser.parse_args()
+    if args.smoke:
+        if args.out:
+            parser.error("--smoke keeps no results: drop --out")
+        global PROMPTS, SAMPLES, TOKENS
+        PROMPTS, SAMPLES, TOKENS, args.repeats = 8, 4, 8, 1
     from titanrl.kernels.cpu_build import isa_flags
     from titanrl.models.tiny import write_tiny_checkpoint
 
     torch.set_num_threads(1)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        models = {"demo": str(ROOT / "examples" / "arithmetic" / "warm_start"),
-                  "medium_25m": str(write_tiny_checkpoint(Path(tmp) / "medium", seed=0, **MEDIUM))}
+        models = {"demo": str(ROOT / "examples" / "arithmetic" / "warm_start")}
+        if not args.smoke:
+            models["medium_25m"] = str(write_tiny_checkpoint(Path(tmp) / "medium", seed=0, **MEDIUM))
         for name, ckpt in models.items():
             results[name] = {"generator": measure_generator(ckpt, args.repeats),
                              "trainer": measure_trainer(ckpt, args.repeats)}
     line = {
         "benchmark": "batch_invariance",
+        "smoke": args.smoke,
         "gen_ratio": max(r["generator"]["ratio"] for r in results.values()),
         "train_ratio": max(r["trainer"]["ratio"] for r in results.values()),
         "target": 1.5,

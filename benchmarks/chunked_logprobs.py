@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/chunked_logprobs.py [--tokens 2048] [--chunks 1024,256] [--vocab 151936]
         [--truncations top_p=0.9,top_k=20,top_k=20+top_p=0.9]
+    .venv/bin/python benchmarks/chunked_logprobs.py --smoke   # 256 tokens, vocabulary 8192: checks it runs
 
 Forward and backward of log p(target) for `--tokens` final-norm hidden states (hidden 1024,
 Qwen3-0.6B's width) through a `--vocab`-row head, float32, temperature 0.7: the unchunked arm
@@ -10,7 +11,7 @@ is what the trainer did before (full logits, grpo.token_logprobs), the others
 (ru_maxrss, minus the RSS once the inputs exist) is its own; the head weight's gradient counts in
 every arm. Prints one JSON line per arm and a summary with `chunked_logprobs_peak_ratio` per chunk
 size (unchunked peak / chunked peak) and the CPU flags. `--truncations` adds arms at the first
-chunk size that score under top-k / top-p (`truncation=`, rollout.logprobs='sampled'); the summary
+chunk size that score under top-k / top-p (`truncation=`, rollout.sampling.logprobs='sampled'); the summary
 gives their time and peak against the untruncated arm at that chunk size.
 """
 
@@ -75,9 +76,13 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--chunks", default="1024,256")
     parser.add_argument("--truncations", default="", help="comma-separated, e.g. top_p=0.9,top_k=20+top_p=0.9")
+    parser.add_argument("--smoke", action="store_true", help="a check that the script runs: --tokens 256 --vocab "
+                        "8192 --chunks 64 --truncations top_k=20+top_p=0.9 (numbers mean nothing)")
     parser.add_argument("--arm", type=int, default=None, help=argparse.SUPPRESS)  # internal: run one arm
     parser.add_argument("--arm-truncation", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke:
+        args.tokens, args.vocab, args.chunks, args.truncations = 256, 8192, "64", "top_k=20+top_p=0.9"
     if args.arm is not None:
         print(json.dumps(arm(args.tokens, args.vocab, args.arm, args.arm_truncation)))
         return
@@ -94,8 +99,8 @@ def main() -> None:
     results = [r for r in results if not r["truncation"]]
     full = results[0]["peak_rss_above_inputs_mib"]
     print(json.dumps({
-        "summary": True, "tokens": args.tokens, "vocab": args.vocab,
-        "chunked_logprobs_peak_ratio": {r["chunk_tokens"]: round(full / r["peak_rss_above_inputs_mib"], 2)
+        "summary": True, "smoke": args.smoke, "tokens": args.tokens, "vocab": args.vocab,
+        "chunked_logprobs_peak_ratio": {r["chunk_tokens"]: round(full / max(r["peak_rss_above_inputs_mib"], 1), 2)
                                         for r in results[1:]},
         "time_ratio": {r["chunk_tokens"]: round(r["seconds"] / results[0]["seconds"], 2) for r in results[1:]},
         # Truncated arms against the untruncated one at the same chunk size.

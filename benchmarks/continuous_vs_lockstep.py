@@ -14,6 +14,7 @@ the two modes' metric measures different spans. Ratios are continuous over lock-
 is as fast). The CPU flags and the load average at start and end go in every line.
 
     python benchmarks/continuous_vs_lockstep.py [--steps 25] [--repeats 2]
+    python benchmarks/continuous_vs_lockstep.py --smoke   # 2 steps of 8 prompts, 1 repeat: checks it runs
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from titanrl.kernels.cpu_build import isa_flags
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic" / "config.py"
 
 
-def measure(root: Path, name: str, steps: int, continuous: bool) -> dict[str, Any]:
+def measure(root: Path, name: str, steps: int, continuous: bool, extra: list[str] = ()) -> dict[str, Any]:
     config = apply_overrides(load_config_file(str(EXAMPLE)), [
         f"train.steps={steps}", f"rollout.continuous={str(continuous).lower()}", "eval.every_steps=0",
-        f"output.dir={root / name}", "output.progress_bar=false", "output.tensorboard=false",
+        f"output.dir={root / name}", "output.progress_bar=false", "output.tensorboard=false", *extra,
     ])
     rows = [m for m in titanrl.train(config).metrics if m["step"] > 0]
     loop_s = rows[-1]["time/elapsed_s"] - (rows[0]["time/elapsed_s"] - rows[0]["time/step_s"])
@@ -55,7 +56,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="a check that the script runs: --steps 2 --repeats 1, "
+                        "8 prompts per step (numbers mean nothing)")
     args = parser.parse_args()
+    extra = []
+    if args.smoke:
+        args.steps, args.repeats, extra = 2, 1, ["rollout.prompts_per_step=8"]
     flags = isa_flags()
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
@@ -65,11 +71,11 @@ def main() -> None:
             runs = {}
             for continuous in order:
                 name = "continuous" if continuous else "lockstep"
-                runs[name] = measure(Path(tmp), f"{name}{repeat}", args.steps, continuous)
+                runs[name] = measure(Path(tmp), f"{name}{repeat}", args.steps, continuous, extra)
                 print(json.dumps({**runs[name], "repeat": repeat}), flush=True)
             lock, cont = runs["lockstep"], runs["continuous"]
             print(json.dumps({
-                "benchmark": "continuous_vs_lockstep", "repeat": repeat, "steps": args.steps,
+                "benchmark": "continuous_vs_lockstep", "smoke": args.smoke, "repeat": repeat, "steps": args.steps,
                 "lockstep_step_s": lock["step_s"], "continuous_step_s": cont["step_s"],
                 "step_ratio": round(lock["step_s"] / cont["step_s"], 3),
                 "lockstep_gen_tok_s": lock["gen_tok_s"], "continuous_gen_tok_s": cont["gen_tok_s"],

@@ -1,7 +1,7 @@
 """One-shot GPU check of TitanRL's Triton batch-invariant kernels: correctness, invariance, speed.
 
     python benchmarks/gpu_kernels_check.py                   # CUDA + Triton machine, < 4 min
-    python benchmarks/gpu_kernels_check.py --cpu-smoke       # tiny shapes, Triton interpreter on CPU
+    python benchmarks/gpu_kernels_check.py --smoke           # tiny shapes, Triton interpreter on CPU
 
 Needs only torch (with CUDA) and triton; not vLLM or Ray. It loads `titanrl/kernels/` from this
 checkout without running `titanrl/__init__.py`, so nothing else of TitanRL is imported.
@@ -138,21 +138,23 @@ def compare(device: str, name: str, lib: Callable, ours: Callable, repeats: int)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU via TRITON_INTERPRET=1")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU through Triton's interpreter (TRITON_INTERPRET=1): checks "
+                             "the script runs; correctness holds, timings mean nothing")
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting new items after this")
     args = parser.parse_args(argv)
-    if args.cpu_smoke:
+    if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
 
     try:
         import torch
         import triton
 
-        device = "cpu" if args.cpu_smoke else "cuda"
+        device = "cpu" if args.smoke else "cuda"
         env = dict(torch=torch.__version__, triton=triton.__version__, device=device)
         if device == "cuda":
             if not torch.cuda.is_available():
-                emit(name="environment", error="CUDA is not available; use --cpu-smoke on a CPU machine")
+                emit(name="environment", error="CUDA is not available; use --smoke on a CPU machine")
                 return 2
             props = torch.cuda.get_device_properties(0)
             env.update(gpu=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda,
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         emit(name="setup", error=repr(exc), traceback=traceback.format_exc()[-3000:])
         return 2
 
-    smoke = args.cpu_smoke
+    smoke = args.smoke
     f32, bf16 = torch.float32, torch.bfloat16
     chk, run = K.checks, Runner(args.budget_s)
     ops = dict(linear=K.triton_matmul.linear, rms_norm=K.triton_rms_norm.rms_norm,

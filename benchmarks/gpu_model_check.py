@@ -1,6 +1,7 @@
 """One-shot GPU check of batch-invariant mode at the model level: exactness and cost on CUDA.
 
     python benchmarks/gpu_model_check.py [--budget-s 150]
+    python benchmarks/gpu_model_check.py --smoke     # the 0.5M model on the CPU (torch kernels): checks it runs
 
 Needs torch with CUDA and Triton (no vLLM, no Ray). For a few Qwen3 sizes built with random
 weights on the GPU (`titanrl.models.qwen3`, batch-invariant mode routed to the Triton kernels):
@@ -132,11 +133,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget-s", type=float, default=150)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU (torch kernels)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest size on the CPU, batch-invariant mode on torch's kernels instead of "
+                             "Triton's: checks the script runs (timings mean nothing)")
     args = parser.parse_args()
     global DEVICE
-    if args.cpu_smoke:
+    if args.smoke:
         DEVICE = "cpu"
+        emit(device="cpu", smoke=True, torch=torch.__version__)
         plan = [("demo_0.5m", torch.float32, 8, 32)]
     elif not torch.cuda.is_available():
         emit(error="no CUDA device")

@@ -1,4 +1,5 @@
-"""The trainer's glibc mmap threshold (train.heap_mmap_threshold_mib) on issue 21's 19M step, side by side in one process.
+"""The trainer's glibc mmap threshold (train.memory.heap_mmap_threshold_mib) on issue 21's 19M step,
+side by side in one process.
 
 Every host allocation at or above the threshold is a fresh mapping from the kernel, returned
 on free: the trainer pays a page fault (and the kernel's zeroing) for every 4 KiB it writes
@@ -14,9 +15,10 @@ Prints one JSON line per threshold and a summary:
   {"threshold_mib": ..., "step_s": ..., "minor_faults_per_step": ..., "system_cpu_s_per_step": ..., "speedup_vs_first": ...}
 Medians over all rounds' steps (each process takes one warm-up step, then `--repeats`);
 `speedup_vs_first` is the first listed threshold's step time over this one's; 0 is glibc's own
-behaviour (train.heap_mmap_threshold_mib=0).
+behaviour (train.memory.heap_mmap_threshold_mib=0).
 
     python benchmarks/heap_threshold.py [--thresholds 4,16,32,0] [--repeats 4] [--rounds 2] [--threads 2]
+    python benchmarks/heap_threshold.py --smoke    # the tiny model, 8 rows, thresholds 4,0: checks it runs
 """
 
 from __future__ import annotations
@@ -31,24 +33,33 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from titanrl.trainer.setup import TrainerSetup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # trainer_step's workload
 
 
-def child(mib: int, repeats: int, threads: int) -> None:
+def child(mib: int, repeats: int, threads: int, smoke: bool = False) -> None:
     """(In the child process.) `repeats` timed steps at threshold `mib`; prints one JSON line of lists."""
-    from titanrl.config import ModelConfig, TrainConfig
+    from titanrl.config import ComputeConfig, MemoryConfig, ModelConfig, TrainConfig
     from titanrl.models.tiny import write_tiny_checkpoint
     from titanrl.trainer.trainer import GRPOTrainer
     from trainer_step import LAYOUTS, SIZES, _groups
 
-    groups = _groups(64, 30, 64, varied=True)
+    size = "tiny" if smoke else "19m"
+    groups = _groups(8, 8, 8, varied=True) if smoke else _groups(64, 30, 64, varied=True)
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = write_tiny_checkpoint(Path(tmp) / "19m", seed=0, **SIZES["19m"])
-        trainer = GRPOTrainer(ModelConfig(checkpoint=str(checkpoint), dtype="float32"),
-                              TrainConfig(device="cpu", threads=threads, micro_batch_size=64,
-                                          heap_mmap_threshold_mib=mib, **LAYOUTS["shared"]),
-                              temperature=1.0, seed=0)
+        checkpoint = write_tiny_checkpoint(Path(tmp) / size, seed=0, **SIZES[size])
+        trainer = GRPOTrainer(
+            TrainerSetup(
+                ModelConfig(checkpoint=str(checkpoint), dtype="float32"),
+                TrainConfig(
+                    compute=ComputeConfig(device="cpu", threads=threads, **LAYOUTS["shared"]),
+                    memory=MemoryConfig(micro_batch_size=64, heap_mmap_threshold_mib=mib),
+                ),
+                temperature=1.0,
+                seed=0,
+            )
+        )
         trainer.step(groups)  # warm-up: kernels, AdamW's state, the heap
         steps = []
         for _ in range(repeats):
@@ -67,10 +78,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4, help="timed steps per process")
     parser.add_argument("--rounds", type=int, default=2, help="processes per threshold, in alternating order")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="a check that the script runs: the tiny model, 8 "
+                        "rows, --thresholds 4,0 --repeats 1 --rounds 1 --threads 1 (numbers mean nothing)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        return child(args.child, args.repeats, args.threads)
+        return child(args.child, args.repeats, args.threads, args.smoke)
+    if args.smoke:
+        args.thresholds, args.repeats, args.rounds, args.threads = "4,0", 1, 1, 1
     thresholds = [int(v) for v in args.thresholds.split(",")]
     if min(thresholds) < 0:
         parser.error("--thresholds: every value must be >= 0 MiB")
@@ -81,7 +96,10 @@ def main() -> None:
     for r in range(args.rounds):
         for mib in (thresholds if r % 2 == 0 else thresholds[::-1]):
             out = subprocess.run([sys.executable, __file__, "--child", str(mib), "--repeats", str(args.repeats),
-                                  "--threads", str(args.threads)], capture_output=True, text=True, check=True)
+                                  "--threads", str(args.threads), *(["--smoke"] if args.smoke else [])],
+                                 capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"threshold {mib} MiB failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
             samples[mib] += json.loads(out.stdout.strip().splitlines()[-1])
     first = statistics.median(s[0] for s in samples[thresholds[0]])
     for mib in thresholds:
@@ -92,9 +110,23 @@ def main() -> None:
             "system_cpu_s_per_step": round(statistics.median(s[2] for s in samples[mib]), 3),
             "speedup_vs_first": round(first / step_s, 3),
         }), flush=True)
-    print(json.dumps({"benchmark": "heap_threshold", "summary": True, "model": "19m", "rows": 64, "threads": args.threads,
-                      "repeats": args.repeats, "rounds": args.rounds, "cpu_flags": isa_flags(),
-                      "loadavg": [round(x, 2) for x in os.getloadavg()]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "benchmark": "heap_threshold",
+                "summary": True,
+                "smoke": args.smoke,
+                "model": "tiny" if args.smoke else "19m",
+                "rows": 8 if args.smoke else 64,
+                "threads": args.threads,
+                "repeats": args.repeats,
+                "rounds": args.rounds,
+                "cpu_flags": isa_flags(),
+                "loadavg": [round(x, 2) for x in os.getloadavg()],
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/kernels_invariance.py                 # ~1-2 min on 2 cores
     .venv/bin/python benchmarks/kernels_invariance.py --quick         # fewer repeats
+    .venv/bin/python benchmarks/kernels_invariance.py --smoke         # the tiny model, one call per arm: checks it runs
     .venv/bin/python benchmarks/kernels_invariance.py --out benchmarks/results/kernels_invariance/kernels_invariance.json
 
 For each op and shape of the demo models (the tiny Qwen3: hidden 128, intermediate 384, 4/2
@@ -92,7 +93,7 @@ def _fwd_bwd(fn: Callable, *inputs: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def cases(model: str, spec: dict) -> list[tuple[str, str, Callable, Callable]]:
+def cases(model: str, spec: dict, long: list[tuple[int, int]] = LONG) -> list[tuple[str, str, Callable, Callable]]:
     """(op, case, library fn, invariant fn) for one model size."""
     gen = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -127,7 +128,7 @@ def cases(model: str, spec: dict) -> list[tuple[str, str, Callable, Callable]]:
                         lambda q=q, k=k, v=v: attention(q, k, v)))
             out.append(("attention", f"{tag}/fwd+bwd", _fwd_bwd(sdpa, q, k, v), _fwd_bwd(attention, q, k, v)))
             # Long sequences: the fixed-order kernel against SDPA's GEMMs where attention dominates.
-            for Bl, Tl in LONG:
+            for Bl, Tl in long:
                 ql, kl, vl = r(Bl, Tl, H, D), r(Bl, Tl, Hkv, D), r(Bl, Tl, Hkv, D)
                 out.append(("attention", f"{model}/long{Bl}x{Tl}/forward", lambda q=ql, k=kl, v=vl: sdpa(q, k, v),
                             lambda q=ql, k=kl, v=vl: attention(q, k, v)))
@@ -159,11 +160,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--threads", type=int, default=None, help="OpenMP threads (default 1)")
     parser.add_argument("--models", default="tiny,25M", help="comma-separated subset of " + ",".join(MODELS))
     parser.add_argument("--out", type=Path, default=None, help="also write all records as a JSON list")
+    parser.add_argument("--smoke", action="store_true", help="a check that the script runs: the tiny model, one "
+                        "call per arm, long attention at 1 x 128 tokens (numbers mean nothing)")
     args = parser.parse_args(argv)
-    repeats, min_s = (3, 0.01) if args.quick else (7, 0.02)
+    if args.smoke and args.out:
+        parser.error("--smoke keeps no results: drop --out")
+    repeats, min_s = (1, 0.0) if args.smoke else (3, 0.01) if args.quick else (7, 0.02)
+    models, long = ("tiny", [(1, 128)]) if args.smoke else (args.models, LONG)
     records = []
-    for model in args.models.split(","):
-        for op, case, lib, ours in cases(model, MODELS[model]):
+    for model in models.split(","):
+        for op, case, lib, ours in cases(model, MODELS[model], long):
             grad = "fwd+bwd" in case
             with torch.set_grad_enabled(grad):
                 rec = compare(op, case, lib, ours, repeats, min_s)

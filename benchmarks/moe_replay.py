@@ -1,14 +1,15 @@
 """How often the trainer routes a token as the generator did, with and without router replay.
 
     .venv/bin/python benchmarks/moe_replay.py [--out benchmarks/results/moe_replay/moe_replay.jsonl]
+    .venv/bin/python benchmarks/moe_replay.py --smoke     # the same run (it is small), nothing kept
 
-Needs the vLLM MoE generator with routing capture (rollout.record_routed_experts). A tiny
+Needs the vLLM MoE generator with routing capture (rollout.engine.record_routed_experts). A tiny
 Qwen3-MoE (4 experts, top-2, both layers sparse, init std 0.1) generates 3 prompts x 3 samples x
 12 tokens in an in-process vLLM engine that records each token's experts; the trainer then
 runs one gradient pass (`GRPOStep`, library kernels, float32) over those groups with its
 weights equal to the generator's ("same_weights") and with its routers perturbed by
 normal(0, scale) noise (a router that moved since the generator sampled), with and without
-`train.router_replay`. One JSON line per case: moe/route_agreement (the trainer's live top-k
+`train.moe.router_replay`. One JSON line per case: moe/route_agreement (the trainer's live top-k
 set vs the generator's over recorded completion tokens x sparse layers), the agreement of the
 experts the forward used (1.0 when replaying), moe/load_max_over_mean and moe/aux_loss.
 """
@@ -30,6 +31,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from titanrl.config import ParallelConfig, TrainConfig  # noqa: E402
+from titanrl.config import EngineConfig, MemoryConfig, MoeConfig
 from titanrl.models.hf_checkpoint import load_model  # noqa: E402
 from titanrl.models.qwen3.moe import Qwen3MoeConfig  # noqa: E402
 from titanrl.models.tiny import tiny_config, write_checkpoint  # noqa: E402
@@ -43,8 +45,11 @@ from titanrl.types import Group, Sample  # noqa: E402
 def generate(ckpt: Path) -> list[Group]:
     from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
-    engine = VllmEngine(VllmEngineConfig(checkpoint=str(ckpt), max_model_len=512, max_num_seqs=32,
-                                         record_routed_experts=True))
+    engine = VllmEngine(
+        VllmEngineConfig(
+            checkpoint=str(ckpt), settings=EngineConfig(max_model_len=512, max_num_seqs=32, record_routed_experts=True)
+        )
+    )
     try:
         out = engine.generate(["experts: ", "12+34=", "route me"], n=3, temperature=1.0, max_tokens=12, seed=5)
     finally:
@@ -63,7 +68,7 @@ def perturbed(model, scale: float, seed: int = 7):
 
 
 def moe_stats(model, groups: list[Group], replay: bool):
-    cfg = TrainConfig(router_replay=replay, micro_batch_size=4)
+    cfg = TrainConfig(moe=MoeConfig(router_replay=replay), memory=MemoryConfig(micro_batch_size=4))
     pm = parallelize(model, ParallelConfig(), None)
     step = GRPOStep(pm, build_optimizers(pm, cfg), cfg, 1.0)
     return step.accumulate_gradients(pack(groups, model.config.eos_token_id or 0)).moe
@@ -72,7 +77,11 @@ def moe_stats(model, groups: list[Group], replay: bool):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="append the JSON lines here")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a check that the script runs: the same (small) run, refusing --out")
     args = parser.parse_args()
+    if args.smoke and args.out:
+        parser.error("--smoke keeps no results: drop --out")
     config = Qwen3MoeConfig(**{**dataclasses.asdict(tiny_config()), "num_experts": 4, "num_experts_per_tok": 2,
                                "moe_intermediate_size": 64})
     with tempfile.TemporaryDirectory() as tmp:

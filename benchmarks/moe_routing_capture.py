@@ -1,6 +1,7 @@
 """Cost of recording routed experts in vLLM (`VllmEngineConfig.record_routed_experts`).
 
     .venv/bin/python benchmarks/moe_routing_capture.py --out benchmarks/results/moe_routing_capture/moe_routing_capture.jsonl
+    .venv/bin/python benchmarks/moe_routing_capture.py --smoke   # 4 prompts x n=2 x 8 tokens, 1 repeat: checks it runs
 
 One tiny Qwen3-MoE checkpoint (hidden 128, 2 sparse layers, 4 experts, top-2, byte tokenizer,
 float32), two in-process engines on it in the same process, one recording routing and one not;
@@ -26,6 +27,7 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from titanrl.config import EngineConfig
 
 
 def main() -> None:
@@ -41,17 +43,30 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None, help="append the result as one JSON line here")
+    parser.add_argument("--smoke", action="store_true", help="a check that the script runs: --prompts 4 --n 2 "
+                        "--max-tokens 8 --repeats 1 (numbers mean nothing)")
     args = parser.parse_args()
+    if args.smoke:
+        if args.out:
+            parser.error("--smoke keeps no results: drop --out")
+        args.prompts, args.n, args.max_tokens, args.repeats = 4, 2, 8, 1
 
     config = Qwen3MoeConfig(**{**dataclasses.asdict(tiny_config()), "num_experts": 4, "num_experts_per_tok": 2,
                                "moe_intermediate_size": 64})
     prompts = [f"prompt {i}: " + "ab" * (i % 7) for i in range(args.prompts)]
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", config, seed=3, std=0.1)
-        engines = {record: VllmEngine(VllmEngineConfig(checkpoint=str(ckpt), max_model_len=256,
-                                                       max_num_seqs=args.prompts * args.n,
-                                                       record_routed_experts=record))
-                   for record in (False, True)}
+        engines = {
+            record: VllmEngine(
+                VllmEngineConfig(
+                    checkpoint=str(ckpt),
+                    settings=EngineConfig(
+                        max_model_len=256, max_num_seqs=args.prompts * args.n, record_routed_experts=record
+                    ),
+                )
+            )
+            for record in (False, True)
+        }
         times: dict[bool, list[float]] = {False: [], True: []}
         tokens: dict[bool, list[list[int]]] = {}
         for repeat in range(args.repeats + 1):
@@ -69,6 +84,7 @@ def main() -> None:
     rate = {record: num_tokens / statistics.median(times[record]) for record in times}
     result = {
         "benchmark": "moe_routing_capture",
+        "smoke": args.smoke,
         "workload": f"{args.prompts} prompts x n={args.n} x <= {args.max_tokens} tokens",
         "completion_tokens": num_tokens,
         "tok_per_s_off": round(rate[False], 1),

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/moe_step.py [--repeats 5] [--rows 32] [--device cpu|cuda] [--dtype float32]
         [--out FILE]
+    .venv/bin/python benchmarks/moe_step.py --smoke     # 8 rows, 1 repeat, 2 of the arms: checks it runs
 
 The policy: hidden 256, 4 layers, 8 experts per layer routed top-2 (expert width 256), head_dim
 64, the byte tokenizer's vocabulary; one step = `GRPOStep.accumulate_gradients` +
@@ -68,7 +69,7 @@ def _batch(rows: int):
 def time_steps(rank: int, world_size: int, checkpoint: str, rows: int, implementation: str, repeats: int,
                device: str, dtype: str) -> dict | None:
     """Warm-up + `repeats` timed GRPO steps under dp_shard=ep=world_size (call on every rank)."""
-    from titanrl.config import ParallelConfig, TrainConfig
+    from titanrl.config import MemoryConfig, OptimizerConfig, ParallelConfig, TrainConfig
     from titanrl.models.hf_checkpoint import load_model
     from titanrl.models.qwen3.moe import GroupedExperts
     from titanrl.trainer.optimizer import build_optimizers
@@ -84,7 +85,7 @@ def time_steps(rank: int, world_size: int, checkpoint: str, rows: int, implement
         for module in part.modules():
             if isinstance(module, GroupedExperts):
                 module.implementation = implementation
-    train = TrainConfig(micro_batch_size=rows, lr=1e-4)
+    train = TrainConfig(memory=MemoryConfig(micro_batch_size=rows), optimizer=OptimizerConfig(lr=1e-4))
     step = GRPOStep(pm, build_optimizers(pm, train), train, 1.0)
     batch = _batch(rows)
     times = []
@@ -122,23 +123,32 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a check that the script runs: --rows 8 --repeats 1, arms ep1_grouped_mm and ep2_loop "
+                             "(numbers mean nothing)")
     args = parser.parse_args()
+    if args.smoke:
+        if args.out:
+            parser.error("--smoke keeps no results: drop --out")
+        args.rows, args.repeats = 8, 1
     torch.set_num_threads(1)
     worlds = [1] if args.device == "cuda" else [1, 2]
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = str(_write_policy(Path(tmp) / "moe"))
         results = {}
-        for world in worlds:
-            for impl in ("grouped_mm", "loop"):
-                results[(world, impl)] = _run(world, ckpt, args.rows, impl, args.repeats, args.device, args.dtype)
+        arms = [(world, impl) for world in worlds for impl in ("grouped_mm", "loop")]
+        if args.smoke:  # each arm is a world of its own (~7 s to start): one of each size, one of each implementation
+            arms = [arm for arm in arms if arm in {(1, "grouped_mm"), (2, "loop")}]
+        for world, impl in arms:
+            results[(world, impl)] = _run(world, ckpt, args.rows, impl, args.repeats, args.device, args.dtype)
     base = results[(1, "grouped_mm")]["step_s"]
     for (world, impl), r in results.items():
         lines.append({"benchmark": "moe_step", "arm": f"ep{world}_{impl}", "ep": world, "processes": world,
                       "experts": impl, "device": args.device, "dtype": args.dtype, "step_s": round(r["step_s"], 4),
                       "tokens_per_s": round(r["tokens"] / r["step_s"], 1),
                       "vs_ep1_grouped_mm": round(base / r["step_s"], 3), "step_times_s": r["times"]})
-    lines.append({"benchmark": "moe_step", "summary": True, "model": SMALL_MOE, "rows": args.rows,
+    lines.append({"benchmark": "moe_step", "summary": True, "smoke": args.smoke, "model": SMALL_MOE, "rows": args.rows,
                   "seq_len": PROMPT_LEN + COMPLETION_LEN - 1, "repeats": args.repeats, "threads_per_process": 1,
                   "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
                   "grouped_mm_in_torch": hasattr(torch, "_grouped_mm")})

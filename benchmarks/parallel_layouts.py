@@ -1,6 +1,7 @@
 """Parallel layouts benchmark: one GRPO step per layout vs the single-process trainer.
 
     .venv/bin/python benchmarks/parallel_layouts.py [LAYOUT ...] [--tied] [--moe] [--family F] [--out FILE [--append]]
+    .venv/bin/python benchmarks/parallel_layouts.py --smoke    # fsdp and pp (with --moe: ep): checks it runs
 
 For each layout (default: all of `support.layout_check.LAYOUTS`: fsdp, ddp, tp,
 tp_sp, pp (1F1B), pp_gpipe, pp_interleaved, cp with 2 gloo processes; hsdp, fsdp+tp, fsdp+tp_sp,
@@ -75,8 +76,14 @@ def main() -> None:
                         help="dense model family of the policy (default qwen3)")
     parser.add_argument("--out", help="also write the JSON lines here (replacing the file)")
     parser.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
+    parser.add_argument("--smoke", action="store_true", help="a check that the script runs: by default the layouts "
+                        "fsdp and pp (with --moe: fsdp and ep), one world of 2 processes; nothing kept")
     args = parser.parse_args()
+    if args.smoke and args.out:
+        parser.error("--smoke keeps no results: drop --out")
     names = args.layouts or [n for n in LAYOUTS if args.moe or n not in EXPERT_PARALLEL]
+    if args.smoke and not args.layouts:  # ~5 s per layout on 2 cores
+        names = ["fsdp", "ep" if args.moe else "pp"]
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         case = make_case(tmp, tied=args.tied, moe=args.moe, family=args.family)
@@ -91,9 +98,22 @@ def main() -> None:
                 lines.append(line)
     worst = max(max(json.loads(x)[k] for k in ("loss_rel_diff", "grad_rel_diff", "grad_max_param_rel_diff"))
                 for x in lines)
-    print(json.dumps({"summary": f"{len(lines)} layouts", "family": args.family, "max_loss_or_grad_rel_diff": worst,
-                      "target": 1e-5, "ok": worst <= 1e-5, "torch": torch.__version__,
-                      "machine": platform.machine(), "threads_per_process": 1}), flush=True)
+    print(
+        json.dumps(
+            {
+                "summary": f"{len(lines)} layouts",
+                "smoke": args.smoke,
+                "family": args.family,
+                "max_loss_or_grad_rel_diff": worst,
+                "target": 1e-5,
+                "ok": worst <= 1e-5,
+                "torch": torch.__version__,
+                "machine": platform.machine(),
+                "threads_per_process": 1,
+            }
+        ),
+        flush=True,
+    )
     if args.out:
         with Path(args.out).open("a" if args.append else "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -19,6 +19,7 @@ Times are the median per batch over `--batches` of each (the first two of each a
 texts and logprobs.
 
     python benchmarks/request_options.py [--batches 12] [--baseline flat_logprobs detokenize tokenize]
+    python benchmarks/request_options.py --smoke      # 8 prompts, 3 batches each way: checks it runs
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import time
 from pathlib import Path
 from unittest import mock
 
+from titanrl.config import EngineConfig
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic"
 VLLM_DEFAULTS = {"flat_logprobs": False, "detokenize": True}
 """The baseline's value of each request option: vLLM's own default."""
@@ -43,7 +46,11 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--baseline", nargs="+", choices=CHOICES, default=CHOICES,
                         help="options the baseline sets to vLLM's default (default: all)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a check that the script runs: 8 prompts, --batches 3 (numbers mean nothing)")
     args = parser.parse_args()
+    if args.smoke:
+        args.batches = 3  # the first two of each way are warm-up
 
     import torch
     import vllm
@@ -57,9 +64,15 @@ def main() -> None:
     sys.path.insert(0, str(EXAMPLE))  # the config imports its task module
     cfg = load_config_file(str(EXAMPLE / "config.py"))
     rows = read_json_lines(EXAMPLE / "data" / "train.jsonl").values()
-    prompts = [row[cfg.data.prompt_field] for row in rows[: cfg.rollout.prompts_per_step]]
-    engine = VllmEngine(VllmEngineConfig(checkpoint=cfg.model.checkpoint, max_model_len=cfg.rollout.max_model_len,
-                                         max_num_seqs=cfg.rollout.max_num_seqs))
+    prompts = [row[cfg.data.prompt_field] for row in rows[: 8 if args.smoke else cfg.rollout.prompts_per_step]]
+    engine = VllmEngine(
+        VllmEngineConfig(
+            checkpoint=cfg.model.checkpoint,
+            settings=EngineConfig(
+                max_model_len=cfg.rollout.engine.max_model_len, max_num_seqs=cfg.rollout.engine.max_num_seqs
+            ),
+        )
+    )
     real = vllm.SamplingParams
     forced = {option: VLLM_DEFAULTS[option] for option in args.baseline if option in VLLM_DEFAULTS}
     text_prompts = "tokenize" in args.baseline
@@ -68,8 +81,8 @@ def main() -> None:
         return real(*a, **{**kw, **forced})
 
     def generate(seed: int):
-        return engine.generate(prompts, n=cfg.rollout.group_size, temperature=cfg.rollout.temperature,
-                               max_tokens=cfg.rollout.max_new_tokens, seed=seed)
+        return engine.generate(prompts, n=cfg.rollout.group_size, temperature=cfg.rollout.sampling.temperature,
+                               max_tokens=cfg.rollout.sampling.max_new_tokens, seed=seed)
 
     times: dict[str, list[float]] = {"titanrl": [], "baseline": []}
     same_tokens, same_texts, max_diff = True, True, 0.0
@@ -94,14 +107,26 @@ def main() -> None:
                 same_texts &= a.text == c.text
                 max_diff = max([max_diff, *(abs(x - y) for x, y in zip(a.logprobs, c.logprobs))])
     median = {way: statistics.median(t[2:]) for way, t in times.items()}
-    print(json.dumps({
-        "benchmark": "request_options", "baseline": args.baseline, "batches": args.batches, "prompts": len(prompts),
-        "group_size": cfg.rollout.group_size,
-        "titanrl_ms": round(median["titanrl"] * 1e3, 1), "baseline_ms": round(median["baseline"] * 1e3, 1),
-        "titanrl_over_baseline": round(median["titanrl"] / median["baseline"], 3),
-        "identical_tokens": same_tokens, "identical_texts": same_texts, "max_logprob_diff": max_diff,
-        "cpu_flags": isa_flags(),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "benchmark": "request_options",
+                "smoke": args.smoke,
+                "baseline": args.baseline,
+                "batches": args.batches,
+                "prompts": len(prompts),
+                "group_size": cfg.rollout.group_size,
+                "titanrl_ms": round(median["titanrl"] * 1e3, 1),
+                "baseline_ms": round(median["baseline"] * 1e3, 1),
+                "titanrl_over_baseline": round(median["titanrl"] / median["baseline"], 3),
+                "identical_tokens": same_tokens,
+                "identical_texts": same_texts,
+                "max_logprob_diff": max_diff,
+                "cpu_flags": isa_flags(),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/rollout_engine.py --out benchmarks/results/rollout_engine/rollout_engine.json
     .venv/bin/python benchmarks/rollout_engine.py --quick      # tiny model only (~1 min)
+    .venv/bin/python benchmarks/rollout_engine.py --smoke      # tiny model, 4 prompts x n=2 x 8 tokens, 1 repeat
     .venv/bin/python benchmarks/rollout_engine.py --family llama --out benchmarks/results/rollout_engine/rollout_engine_llama_<cpu>.json
 
 `--family` (qwen3, the default; llama; qwen2) picks the checkpoints' architecture: the built-in
@@ -69,6 +70,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from titanrl.config import EngineConfig
 
 SIZES = {
     "tiny": {},
@@ -82,6 +84,8 @@ SIZES = {
     ),
 }
 WORKLOADS = [(16, 4, 32), (64, 8, 32)]  # (prompts, n, completion tokens)
+SMOKE_WORKLOADS = [(4, 2, 8)]
+"""`--smoke`'s one workload (with the tiny size only, one repeat, one push)."""
 PROMPT_LEN = 16
 MAX_MODEL_LEN = 256
 KV_CACHE_GIB = 1.0
@@ -150,13 +154,15 @@ class Ours:
             VllmEngineConfig(
                 checkpoint=ckpt,
                 dtype="float32",
-                max_model_len=MAX_MODEL_LEN,
-                max_num_seqs=max_num_seqs,
-                kv_cache_gib=KV_CACHE_GIB,
+                settings=EngineConfig(
+                    max_model_len=MAX_MODEL_LEN,
+                    max_num_seqs=max_num_seqs,
+                    kv_cache_gib=KV_CACHE_GIB,
+                    vllm_kernels=self.vllm_kernels,
+                ),
                 enforce_eager=True,
                 enable_prefix_caching=True,
                 seed=0,
-                vllm_kernels=self.vllm_kernels,
             )
         )
         self.llm = self.engine.llm
@@ -390,7 +396,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--sequential", action="store_true", help="run builtin fully, close it, then ours (default: interleaved)"
     )
+    parser.add_argument("--smoke", action="store_true", help="a check that the script runs: the tiny size, "
+                        "SMOKE_WORKLOADS, --repeats 1 --push-repeats 1 (numbers mean nothing)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        if args.out:
+            parser.error("--smoke keeps no results: drop --out")
+        global WORKLOADS
+        WORKLOADS = SMOKE_WORKLOADS
+        args.quick, args.repeats, args.push_repeats = True, 1, 1
 
     import torch
     import vllm
@@ -400,6 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = ["tiny"] if args.quick else list(SIZES)
     report: dict = {
         "benchmark": "rollout_engine",
+        "smoke": args.smoke,
         "family": args.family,
         "cpu_flags": isa_flags(),
         "vllm": vllm.__version__,
@@ -421,11 +436,10 @@ def main(argv: list[str] | None = None) -> dict:
     report["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)
 
-    text = json.dumps(report, indent=2)
-    print(text)
+    print(json.dumps(report), flush=True)  # one JSON line; --out keeps it indented
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 

@@ -1,6 +1,7 @@
 """Sandbox benchmark: pre-warmed `SandboxPool.run` vs one-shot `run_python_async`.
 
     .venv/bin/python benchmarks/sandbox_pool.py --out benchmarks/results/sandbox_pool/sandbox_pool.json
+    .venv/bin/python benchmarks/sandbox_pool.py --smoke     # 4 calls per arm, concurrency 2: checks it runs
 
 Both arms run the same trivial program (`print(sum(range(1000)))`) in the same process:
 
@@ -13,6 +14,7 @@ Both arms run the same trivial program (`print(sum(range(1000)))`) in the same p
 
 Ratios are one-shot / pool (latency) and pool / one-shot (throughput): > 1 means the pool wins.
 Pool start-up (all slots, concurrently) is reported separately. Runtime ~10-20 s on 2 cores.
+Prints the report as one JSON line (`--out` keeps it indented).
 """
 
 from __future__ import annotations
@@ -88,19 +90,28 @@ async def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--isolation", choices=["bwrap", "rlimits"], default="bwrap")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a check that the script runs: --calls 4 --concurrency 2 (numbers mean nothing)")
     args = parser.parse_args()
+    if args.smoke:
+        if args.out:
+            parser.error("--smoke keeps no results: drop --out")
+        args.calls, args.concurrency = 4, 2
     config = SandboxConfig(isolation=args.isolation)
     report = {
-        "benchmark": "sandbox_pool", "isolation": args.isolation, "program": PROGRAM, "calls": args.calls,
+        "benchmark": "sandbox_pool",
+        "smoke": args.smoke,
+        "isolation": args.isolation,
+        "program": PROGRAM,
+        "calls": args.calls,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "latency": await latency(config, args.calls),
         "throughput": await throughput(config, args.calls, args.concurrency),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
+    print(json.dumps(report), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/trainer_memory.py [--layers 2] [--rows 16] [--completion 128]
         [--config-json examples/configs/smollm2-135m.json] [--out benchmarks/results/trainer_memory/trainer_memory_cpu.jsonl]
+    .venv/bin/python benchmarks/trainer_memory.py --smoke   # a 1M Qwen3, 4 rows, 3 arms: checks it runs
 
 `--config-json` measures another published architecture of any family instead (its depth cut to
 `--layers` unless that is 0, which keeps the published depth).
@@ -17,7 +18,7 @@ headline ratios compare arms measured by the same script on the same machine:
   chunked_logprobs_peak_ratio: peak with full logits / peak with chunked logprobs;
   activation_checkpointing_peak_ratio: peak with stored activations / with every block checkpointed;
   heap_mmap_threshold_peak_ratio, _step_time_ratio: glibc's default heap / the trainer's 4 MiB
-  mmap threshold (train.heap_mmap_threshold_mib), both with every block checkpointed;
+  mmap threshold (train.memory.heap_mmap_threshold_mib), both with every block checkpointed;
   heap_16mib_peak_ratio, _step_time_ratio: the same for a 16 MiB threshold.
 Each arm's line also carries the `titanrl plan` estimate of the same step (`estimate_gib`) and
 its error against the measurement.
@@ -30,6 +31,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -37,21 +39,33 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from titanrl.config import MemoryConfig  # noqa: E402
+from titanrl.trainer.setup import TrainerSetup  # noqa: E402
+
 QWEN3_0_6B = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960, tie_word_embeddings=True,
                   rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+SMOKE_SHAPE = {**QWEN3_0_6B, **dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=32, max_position_embeddings=512)}
+"""`--smoke`: Qwen3-0.6B's architecture at a size that takes a second a step (the real run's arms)."""
 PROMPT_LEN = 16
 
 ARMS: dict[str, dict] = {
     # name -> TrainConfig overrides. "Full logits" is one chunk holding every token of the step.
-    "full_logits": dict(logprob_chunk_tokens=1 << 30),
-    "chunked": dict(),  # the default chunk (train.logprob_chunk_tokens)
-    "chunked+checkpointing": dict(activation_checkpointing="full"),
-    "full_logits+checkpointing": dict(logprob_chunk_tokens=1 << 30, activation_checkpointing="full"),
-    # glibc's own heap behaviour (train.heap_mmap_threshold_mib=0): freed tensors stay resident.
-    "chunked+checkpointing+glibc_heap": dict(activation_checkpointing="full", heap_mmap_threshold_mib=0),
+    "full_logits": dict(memory=MemoryConfig(logprob_chunk_tokens=1 << 30)),
+    "chunked": dict(),  # the default chunk (train.memory.logprob_chunk_tokens)
+    "chunked+checkpointing": dict(memory=MemoryConfig(activation_checkpointing="full")),
+    "full_logits+checkpointing": dict(
+        memory=MemoryConfig(logprob_chunk_tokens=1 << 30, activation_checkpointing="full")
+    ),
+    # glibc's own heap behaviour (train.memory.heap_mmap_threshold_mib=0): freed tensors stay resident.
+    "chunked+checkpointing+glibc_heap": dict(
+        memory=MemoryConfig(activation_checkpointing="full", heap_mmap_threshold_mib=0)
+    ),
     # A 16 MiB threshold: smaller tensors reuse the heap's pages instead of faulting fresh ones.
-    "chunked+checkpointing+heap_16mib": dict(activation_checkpointing="full", heap_mmap_threshold_mib=16),
+    "chunked+checkpointing+heap_16mib": dict(
+        memory=MemoryConfig(activation_checkpointing="full", heap_mmap_threshold_mib=16)
+    ),
 }
 
 
@@ -78,12 +92,13 @@ def run_arm(ckpt: str, overrides: dict, rows: int, completion: int, threads: int
     """In this (fresh) process: build the trainer, one step, one timed step; peak RSS."""
     import torch
 
-    from titanrl.config import ModelConfig, TrainConfig
+    from titanrl.config import ComputeConfig, MemoryConfig, ModelConfig, TrainConfig
     from titanrl.memory import current_rss_bytes, peak_rss_bytes
     from titanrl.trainer.trainer import GRPOTrainer
 
-    train = TrainConfig(threads=threads, micro_batch_size=rows, device="cpu", **overrides)
-    trainer = GRPOTrainer(ModelConfig(checkpoint=ckpt), train, temperature=1.0, seed=0)
+    memory = dataclasses.replace(overrides.get("memory", MemoryConfig()), micro_batch_size=rows)
+    train = TrainConfig(compute=ComputeConfig(threads=threads, device="cpu"), memory=memory)
+    trainer = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=ckpt), train, temperature=1.0, seed=0))
     after_load = current_rss_bytes()
     groups = _groups(rows, completion, trainer.model_config.vocab_size)
     trainer.step(groups)
@@ -91,8 +106,14 @@ def run_arm(ckpt: str, overrides: dict, rows: int, completion: int, threads: int
     metrics = trainer.step(groups)
     step_s = time.perf_counter() - t0
     tokens = rows * (PROMPT_LEN + completion - 1)
-    return dict(peak_rss_bytes=peak_rss_bytes(), rss_after_load_bytes=after_load, step_s=round(step_s, 3),
-                tokens_per_s=round(tokens / step_s, 1), loss=metrics["loss"], torch=torch.__version__)
+    return dict(
+        peak_rss_bytes=peak_rss_bytes(),
+        rss_after_load_bytes=after_load,
+        step_s=round(step_s, 3),
+        tokens_per_s=round(tokens / step_s, 1),
+        loss=metrics["loss"],
+        torch=torch.__version__,
+    )
 
 
 def estimate(ckpt: str, overrides: dict, rows: int, completion: int) -> int:
@@ -102,8 +123,8 @@ def estimate(ckpt: str, overrides: dict, rows: int, completion: int) -> int:
 
     train = TrainConfig(**overrides)
     work = Workload(seq_len=PROMPT_LEN + completion - 1, batch=rows, micro_batch=rows, dtype="float32",
-                    compute_dtype="float32", activation_checkpointing=train.activation_checkpointing,
-                    logprob_chunk_tokens=train.logprob_chunk_tokens)  # None: the trainer's default rule
+                    compute_dtype="float32", activation_checkpointing=train.memory.activation_checkpointing,
+                    logprob_chunk_tokens=train.memory.logprob_chunk_tokens)  # None: the trainer's default rule
     return estimate_cpu_process(ModelShape.from_config_json(Path(ckpt) / "config.json"), work).peak
 
 
@@ -113,12 +134,29 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="sequences per step (a multiple of 4)")
     parser.add_argument("--completion", type=int, default=128, help="completion tokens per sequence")
     parser.add_argument("--threads", type=int, default=int(os.environ["OMP_NUM_THREADS"]))
-    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of: " + ", ".join(ARMS))
+    parser.add_argument(
+        "--arms",
+        default=None,
+        help="comma-separated subset of: " + ", ".join(ARMS) + " (default: all; "
+        "--smoke: full_logits, chunked and chunked+checkpointing+glibc_heap, every setting an arm changes)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
     parser.add_argument("--config-json", type=Path, default=None,
                         help="an HF config.json of any family (default: Qwen3-0.6B's architecture)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a check that the script runs: SMOKE_SHAPE's "
+        "2 layers, --rows 4 --completion 16, 3 arms (~5 s each: a process of its own; numbers mean nothing)",
+    )
     parser.add_argument("--child", nargs=2, metavar=("CKPT", "ARM"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke and not args.child:
+        if args.out or args.config_json:
+            parser.error("--smoke measures SMOKE_SHAPE and keeps no results: drop --out and --config-json")
+        args.layers, args.rows, args.completion = 2, 4, 16
+        args.arms = args.arms or "full_logits,chunked,chunked+checkpointing+glibc_heap"
+    args.arms = args.arms or ",".join(ARMS)
     if args.child:
         ckpt, arm = args.child
         print(json.dumps(run_arm(ckpt, ARMS[arm], args.rows, args.completion, args.threads)))
@@ -132,7 +170,7 @@ def main() -> None:
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.config_json is None:
-            hf = Qwen3Config(num_hidden_layers=args.layers, **QWEN3_0_6B).to_hf_dict()
+            hf = Qwen3Config(num_hidden_layers=args.layers, **(SMOKE_SHAPE if args.smoke else QWEN3_0_6B)).to_hf_dict()
         else:
             hf = json.loads(args.config_json.read_text())
             if args.layers:
@@ -160,7 +198,8 @@ def main() -> None:
     def ratio(a: str, b: str, of: dict = peak) -> float | None:
         return round(of[a] / of[b], 3) if of.get(a) and of.get(b) else None
 
-    summary = {"benchmark": "trainer_memory", "summary": True, "layers": hf["num_hidden_layers"], "rows": args.rows,
+    summary = {"benchmark": "trainer_memory", "summary": True, "smoke": args.smoke, "layers": hf["num_hidden_layers"],
+               "rows": args.rows,
                "seq_len": PROMPT_LEN + args.completion - 1, "vocab_size": hf["vocab_size"],
                "architecture": hf.get("architectures", ["Qwen3ForCausalLM"])[0],
                "threads": args.threads, "cpu_flags": isa_flags(),

@@ -6,6 +6,9 @@ micro-batches vs packed with shared prompts, float32 vs bfloat16, batch-invarian
         [--dtypes float32,bfloat16] [--batch-invariant off,on] [--layouts padded,packed,shared]
         [--threads 1] [--compile off|on|off,on] [--cpu-matmul auto|mkl|onednn|mkl,onednn]
 
+    # a check that it runs (the tiny model, 8 rows of 8 + 8 tokens, one repeat; the arms as chosen):
+    .venv/bin/python benchmarks/trainer_step.py --smoke
+
     # issue 21's 19M workload (8 prompts x 8 samples, completions of up to 64 tokens):
     .venv/bin/python benchmarks/trainer_step.py --size 19m --rows 64 --prompt-len 30 --completion-len 64 \\
         --lengths varied --dtypes float32 --batch-invariant off
@@ -15,7 +18,8 @@ On a 2-core CPU a bfloat16 step is many times slower than float32 unless the CPU
 
 Models: `medium` is the 25M-parameter model of benchmarks/batch_invariance.py (hidden 512,
 8 layers, head_dim 64, 259-token byte vocabulary); `19m` the same with 6 layers (issue 21's
-TRL comparison); `0.6b` Qwen3-0.6B's shape and 151,936-token vocabulary (for GPUs).
+TRL comparison); `0.6b` Qwen3-0.6B's shape and 151,936-token vocabulary (for GPUs); `tiny` the
+0.4M model of titanrl.models.tiny (`--smoke`).
 One `GRPOTrainer.step` (forward, backward, clip, AdamW) on `--rows` sequences
 in one micro-batch. `--lengths fixed`: every prompt `--prompt-len` and every completion
 `--completion-len` tokens (a random-init policy rarely stops early); `varied`: per group a
@@ -24,7 +28,7 @@ prompt of `prompt-len/2 .. prompt-len` tokens, per sample a completion of `4 .. 
 and is timed in alternating order after one warm-up step, so load from other processes hits
 the arms alike.
 
-Layouts: `padded` (`train.pack_sequences` off) is the trainer before packing (today's settings
+Layouts: `padded` (`train.compute.pack_sequences` off) is the trainer before packing (today's settings
 for pp/cp/XLA layouts): each sample a row, right-padded to the micro-batch's longest; `packed`
 packs the real tokens into one row (`share_prompts` off); `shared` also computes each group's
 prompt once (`share_prompts`, the default). Per arm: step_s (median), tokens_per_s (real
@@ -56,11 +60,14 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from titanrl.trainer.setup import TrainerSetup
+
 SIZES = {
     "medium": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                    head_dim=64, intermediate_size=1536),
     "19m": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
                 head_dim=64, intermediate_size=1536),
+    "tiny": {},  # titanrl.models.tiny's defaults (hidden 128, 2 layers): --smoke
     # Qwen3-0.6B's shape with its real 151,936-row vocabulary (the byte tokenizer's ids are a
     # subset): a GPU size, where the LM head and chunked logprobs carry real weight.
     "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -78,7 +85,7 @@ LAYOUTS = {
     "packed": dict(pack_sequences=True, share_prompts=False),
     "shared": dict(pack_sequences=True, share_prompts=True),
 }
-"""The trainer settings of each `--layouts` arm."""
+"""The `train.compute` settings of each `--layouts` arm."""
 
 
 def _groups(rows: int, prompt_len: int, completion_len: int, varied: bool):
@@ -123,7 +130,7 @@ def _flags(value: str) -> list[bool]:
 
 
 def main() -> None:
-    from titanrl.config import ModelConfig, TrainConfig
+    from titanrl.config import ComputeConfig, MemoryConfig, ModelConfig, TrainConfig
     from titanrl.kernels.cpu_build import isa_flags
     from titanrl.models.tiny import write_tiny_checkpoint
     from titanrl.trainer.moe import real_tokens
@@ -142,14 +149,23 @@ def main() -> None:
     parser.add_argument("--lengths", choices=["fixed", "varied"], default="fixed")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated parameter dtypes")
     parser.add_argument("--batch-invariant", default="off,on", help="off, on or off,on")
-    parser.add_argument("--compile", default="off", help="train.compile: off, on or off,on (batch-invariant arms "
-                        "stay eager: compile refuses them)")
-    parser.add_argument("--cpu-matmul", default="auto", help="train.cpu_matmul arms: auto, mkl, onednn or a "
+    parser.add_argument(
+        "--compile",
+        default="off",
+        help="train.compute.compile: off, on or off,on (batch-invariant arms stay eager: compile refuses them)",
+    )
+    parser.add_argument("--cpu-matmul", default="auto", help="train.compute.cpu_matmul arms: auto, mkl, onednn or a "
                         "comma-separated list (mkl,onednn: side by side)")
     parser.add_argument("--layouts", default="padded,packed,shared",
                         help="comma-separated arms: padded (pack_sequences off), packed (share_prompts off), shared")
     parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
+    parser.add_argument("--smoke", action="store_true", help="a check that the script runs: --size tiny --rows 8 "
+                        "--prompt-len 8 --completion-len 8 --repeats 1, the arms as chosen (numbers mean nothing)")
     args = parser.parse_args()
+    if args.smoke:
+        if args.out:
+            parser.error("--smoke keeps no results: drop --out")
+        args.size, args.rows, args.prompt_len, args.completion_len, args.repeats = "tiny", 8, 8, 8, 1
     if args.rows % 8:
         parser.error(f"--rows must be a multiple of 8 (groups of 8), got {args.rows}")
 
@@ -176,10 +192,21 @@ def main() -> None:
         for arm in arms:
             dtype, bi, layout, compiled, matmul = arm
             try:
-                tr = GRPOTrainer(ModelConfig(checkpoint=str(ckpt), dtype=dtype),
-                                 TrainConfig(device=args.device, threads=args.threads, micro_batch_size=args.rows,
-                                             compile=compiled, cpu_matmul=matmul, **LAYOUTS[layout]),
-                                 temperature=1.0, seed=0, batch_invariant=bi)
+                tr = GRPOTrainer(
+                    TrainerSetup(
+                        ModelConfig(checkpoint=str(ckpt), dtype=dtype),
+                        TrainConfig(
+                            compute=ComputeConfig(
+                                device=args.device, threads=args.threads, compile=compiled, cpu_matmul=matmul,
+                                **LAYOUTS[layout],
+                            ),
+                            memory=MemoryConfig(micro_batch_size=args.rows),
+                        ),
+                        temperature=1.0,
+                        seed=0,
+                        batch_invariant=bi,
+                    )
+                )
                 t0 = time.perf_counter()
                 tr.step(groups)  # warm-up (kernel builds, allocator, autotuning, torch.compile)
                 warmup_s[arm] = time.perf_counter() - t0
@@ -232,7 +259,8 @@ def main() -> None:
                             mfu=round(flops / step_s / peak, 4) if peak else None,
                             vs_float32_off=round(step_s / base, 3) if base else None)
             lines.append(line)
-    host = {"benchmark": "trainer_step", "summary": True, "device": args.device, "threads": args.threads,
+    host = {"benchmark": "trainer_step", "summary": True, "smoke": args.smoke, "device": args.device,
+            "threads": args.threads,
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "cpu_flags": isa_flags(),
             "size": args.size, "rows": args.rows, "lengths": args.lengths, "prompt_len": args.prompt_len,

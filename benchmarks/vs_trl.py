@@ -7,10 +7,10 @@ prompts of examples/arithmetic/data/train.jsonl and the reward of examples/arith
 8 prompts x 8 samples per step, completions of up to 64 new tokens at temperature 1, float32,
 lr 1e-3, no KL term. The two arms:
   titanrl  examples/arithmetic/config.py with overrides (rollout.prompts_per_step=8,
-           rollout.max_new_tokens=64, rollout.max_model_len=128, train.max_staleness=1,
-           train.threads=--threads, eval off, plus --titanrl-overrides), run by
+           rollout.sampling.max_new_tokens=64, rollout.engine.max_model_len=128, train.max_staleness=1,
+           train.compute.threads=--threads, eval off, plus --titanrl-overrides), run by
            `titanrl.train(config)`: vLLM rollouts overlapped with training, one step behind;
-           its rollout worker keeps rollout.threads_per_worker (1 unless overridden).
+           its rollout worker keeps rollout.engine.threads (1 unless overridden).
   trl      TRL's GRPOTrainer with HF generate (no vLLM): per_device_train_batch_size=64,
            num_generations=8, max_completion_length=64, one optimizer step per generation
            batch, torch.set_num_threads(--threads), in .venv-trl (`make trl-venv`).
@@ -39,9 +39,10 @@ asks for >= 1.5). Every line carries the CPU flags and the load average.
 
     make trl-venv                                   # once: .venv-trl with TRL
     .venv/bin/python benchmarks/vs_trl.py [--steps 10] [--repeats 2] [--threads 2] \\
-        [--size 19m|small] [--titanrl-overrides train.share_prompts=false ...] [--out FILE.jsonl]
+        [--size 19m|small] [--titanrl-overrides train.compute.share_prompts=false ...] [--out FILE.jsonl]
 
     .venv/bin/python benchmarks/vs_trl.py --steps 3 --repeats 1 --size small   # a quick check
+    .venv/bin/python benchmarks/vs_trl.py --smoke    # small and short (see --help); TRL's arm if .venv-trl exists
 
 `--workload reasoning` (issue 47): the real model on the real task. SmolLM2-135M-Instruct
 converted by `titanrl models get smollm2-135m-instruct` (cached), the chain_sum rows of
@@ -185,8 +186,8 @@ def titanrl_overrides(checkpoint: str, steps: int, threads: int, out_dir: str, e
     return [
         f"model.checkpoint={checkpoint}",
         f"rollout.prompts_per_step={PROMPTS_PER_STEP}", f"rollout.group_size={GROUP_SIZE}",
-        f"rollout.max_new_tokens={MAX_NEW_TOKENS}", f"rollout.max_model_len={MAX_MODEL_LEN}",
-        f"train.lr={LR}", "train.max_staleness=1", f"train.steps={steps}", f"train.threads={threads}",
+        f"rollout.sampling.max_new_tokens={MAX_NEW_TOKENS}", f"rollout.engine.max_model_len={MAX_MODEL_LEN}",
+        f"train.optimizer.lr={LR}", "train.max_staleness=1", f"train.steps={steps}", f"train.compute.threads={threads}",
         "eval.every_steps=0", f"output.dir={out_dir}", "output.progress_bar=false", "output.tensorboard=false",
         *extra,
     ]
@@ -216,8 +217,8 @@ def run_titanrl_arm(args: argparse.Namespace) -> dict[str, Any]:
     config = apply_overrides(load_config_file(str(EXAMPLE_CONFIG)), titanrl_overrides(
         args.checkpoint, args.steps, args.threads, str(out_dir), args.titanrl_overrides))
     stats = titanrl_step_stats(titanrl.train(config).metrics)
-    stats["torch_threads"] = {"trainer": config.train.threads,
-                              "rollout_worker": config.rollout.threads_per_worker,
+    stats["torch_threads"] = {"trainer": config.train.compute.threads,
+                              "rollout_worker": config.rollout.engine.threads,
                               "rollout_workers": config.rollout.num_workers}
     stats["overrides"] = args.titanrl_overrides
     return stats
@@ -306,10 +307,16 @@ def reasoning_task() -> Any:
 
 def check_reasoning_recipe(config: Any) -> None:
     """Refuses to run when examples/reasoning/config.py no longer matches REASONING (what TRL gets)."""
-    found = dict(prompts_per_step=config.rollout.prompts_per_step, group_size=config.rollout.group_size,
-                 max_new_tokens=config.rollout.max_new_tokens, lr=config.train.lr,
-                 warmup_steps=config.train.warmup_steps, micro_batch_size=config.train.micro_batch_size,
-                 temperature=config.rollout.temperature, reward_weights=list(config.reward_weights))
+    found = dict(
+        prompts_per_step=config.rollout.prompts_per_step,
+        group_size=config.rollout.group_size,
+        max_new_tokens=config.rollout.sampling.max_new_tokens,
+        lr=config.train.optimizer.lr,
+        warmup_steps=config.train.lr_schedule.warmup_steps,
+        micro_batch_size=config.train.memory.micro_batch_size,
+        temperature=config.rollout.sampling.temperature,
+        reward_weights=list(config.reward_weights),
+    )
     differ = {k: (v, REASONING[k]) for k, v in found.items() if v != REASONING[k]}
     if differ:
         raise SystemExit(f"examples/reasoning/config.py differs from vs_trl's REASONING (config, here): {differ}; "
@@ -330,9 +337,9 @@ def run_titanrl_reasoning_arm(args: argparse.Namespace) -> dict[str, Any]:
     check_reasoning_recipe(config)
     stats = titanrl_step_stats(titanrl.train(config).metrics)
     stats["final"] = str(out_dir)  # `titanrl eval` takes a run directory (its newest policy)
-    stats["torch_threads"] = {"trainer": config.train.threads, "trainer_when_rollouts_idle":
-                              config.train.threads_when_rollouts_idle,
-                              "rollout_worker": config.rollout.threads_per_worker}
+    stats["torch_threads"] = {"trainer": config.train.compute.threads, "trainer_when_rollouts_idle":
+                              config.train.compute.threads_when_rollouts_idle,
+                              "rollout_worker": config.rollout.engine.threads}
     stats["overrides"] = args.titanrl_overrides
     return stats
 
@@ -443,7 +450,8 @@ def run_arm(arm: str, python: str, args: argparse.Namespace, checkpoint: Path, w
     cmd = [python, str(Path(__file__).resolve()), "--arm", arm, "--checkpoint", str(checkpoint),
            "--workload", args.workload,
            "--work-dir", str(work_dir), "--result", str(result), "--steps", str(args.steps),
-           "--threads", str(args.threads), "--titanrl-overrides", *args.titanrl_overrides]
+           "--threads", str(args.threads), *(["--smoke"] if args.smoke else []),
+           "--titanrl-overrides", *args.titanrl_overrides]
     started = time.perf_counter()
     proc = subprocess.run(cmd, env=child_env(args.threads), stdout=sys.stderr, cwd=ROOT)
     if proc.returncode != 0 or not result.is_file():
@@ -503,13 +511,17 @@ def drive_reasoning(args: argparse.Namespace, out: Path | None, pythons: dict[st
 def drive(args: argparse.Namespace) -> None:
     """Writes the checkpoint, alternates the arms `--repeats` times, prints each run and the summary."""
     trl_python = Path(args.trl_python)
+    if args.smoke and "trl" in args.arms and not trl_python.is_file():  # a smoke run checks what it can
+        args.arms = [arm for arm in args.arms if arm != "trl"]
+        emit({"benchmark": "vs_trl", "smoke": True,
+              "trl_arm": f"not run: {trl_python} does not exist (`make trl-venv` builds it)"}, None)
     if "trl" in args.arms and not trl_python.is_file():
         raise SystemExit(f"{trl_python} does not exist: run `make trl-venv` first")
     out = Path(args.out) if args.out else None
     if args.workload == "reasoning":
         drive_reasoning(args, out, {"titanrl": sys.executable, "trl": str(trl_python)})
         return
-    base = {"benchmark": "vs_trl", "size": args.size, "steps": args.steps, "threads": args.threads,
+    base = {"benchmark": "vs_trl", "smoke": args.smoke, "size": args.size, "steps": args.steps, "threads": args.threads,
             "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE, "max_new_tokens": MAX_NEW_TOKENS}
     pythons = {"titanrl": sys.executable, "trl": str(trl_python)}
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
@@ -529,7 +541,8 @@ def drive(args: argparse.Namespace) -> None:
                 results.append(record)
                 emit(record, out)
         if set(args.arms) == {"titanrl", "trl"}:
-            emit({**base, "summary": True, "repeats": args.repeats, **summarize(results), **machine_fields()}, out)
+            emit({**base, "summary": True, "repeats": args.repeats,
+                  **summarize(results, samples_per_step=PROMPTS_PER_STEP * GROUP_SIZE), **machine_fields()}, out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -540,21 +553,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="optimizer steps per run, the first is warm-up (default 10; 20 for reasoning)")
     parser.add_argument("--repeats", type=int, default=2, help="times each arm runs, alternating")
     parser.add_argument("--threads", type=int, default=2,
-                        help="TRL's torch threads; TitanRL's train.threads (its rollout worker keeps "
-                             "rollout.threads_per_worker, 1 unless overridden)")
+                        help="TRL's torch threads; TitanRL's train.compute.threads (its rollout worker keeps "
+                             "rollout.engine.threads, 1 unless overridden)")
     parser.add_argument("--size", choices=sorted(SIZES), default="19m")
     parser.add_argument("--titanrl-overrides", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="extra TitanRL config overrides, e.g. train.share_prompts=false")
+                        help="extra TitanRL config overrides, e.g. train.compute.share_prompts=false")
     parser.add_argument("--out", default="", help="also append every JSON line to this file")
     parser.add_argument("--arms", nargs="+", choices=["titanrl", "trl"], default=["titanrl", "trl"],
                         help="which arms to run, in this order each repeat")
     parser.add_argument("--trl-python", default=str(TRL_PYTHON), help="the interpreter of TRL's venv")
+    parser.add_argument("--smoke", action="store_true", help="a check that the script runs: the arithmetic workload "
+                        "with --size small --steps 2 --repeats 1, 4 prompts x 8 samples of up to 16 tokens; TRL's arm "
+                        "only where --trl-python exists (numbers mean nothing)")
     # One arm in this process (what the driver starts): --arm, --checkpoint, --work-dir, --result.
     parser.add_argument("--arm", choices=["titanrl", "trl", "eval"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", default="", help=argparse.SUPPRESS)
     parser.add_argument("--work-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.smoke:  # the driver and the arms it starts (which get --smoke too)
+        if args.out or args.workload != "arithmetic":
+            parser.error("--smoke runs the arithmetic workload and keeps no results: drop --out and --workload")
+        global PROMPTS_PER_STEP, MAX_NEW_TOKENS
+        PROMPTS_PER_STEP, MAX_NEW_TOKENS = 4, 16
+        args.size, args.steps, args.repeats = "small", 2, 1
     if args.steps is None:
         args.steps = 20 if args.workload == "reasoning" else 10
     if args.steps <= WARMUP_STEPS:

@@ -2,12 +2,13 @@
 
     .venv/bin/python benchmarks/weight_sync.py [--out benchmarks/results/weight_sync/weight_sync.jsonl]
     .venv/bin/python benchmarks/weight_sync.py --no-multiprocess     # in-process engines only
+    .venv/bin/python benchmarks/weight_sync.py --smoke    # tiny model, 1 worker, in-process, 1 push each: checks it runs
 
 Model: the 25M-parameter `medium` Qwen3 of benchmarks/rollout_engine.py (hidden 512, 8 layers,
 8 heads / 4 KV heads, head_dim 64, intermediate 1536, tied embeddings), float32, random init.
 Actors: one GRPOTrainer and two RolloutWorkers (real Ray actors, each worker with its own vLLM
 engine, in-process; then the same with the multiprocess engine, engine core in its own process).
-Each engine runs with `rollout.vllm_kernels` off (`engine`: in_process, multiprocess: torch's
+Each engine runs with `rollout.engine.vllm_kernels` off (`engine`: in_process, multiprocess: torch's
 kernels read the Parameters) and on (`...+vllm_kernels`: vLLM's oneDNN kernels on prepacked
 copies, rebuilt after every push); `--vllm-kernels` picks.
 
@@ -53,6 +54,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
+from titanrl.trainer.setup import TrainerSetup
 
 MEDIUM = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
               intermediate_size=1536)
@@ -154,13 +156,16 @@ def timed_against_bound(run: Callable[[int], object], repeats: int, bound: CopyB
 
 
 def start_workers(ray, ckpt: str, n: int, multiprocess: bool, vllm_kernels: bool) -> list:
-    from titanrl.config import ModelConfig, RolloutConfig
+    from titanrl.config import EngineConfig, ModelConfig, RolloutConfig, RunConfig
+    from titanrl.config.resolve import resolve
     from titanrl.rollout.worker import RolloutWorker
 
-    rc = RolloutConfig(num_workers=n, max_model_len=256, max_num_seqs=8, kv_cache_gib=0.25,
-                       vllm_multiprocess=multiprocess, vllm_kernels=vllm_kernels)
-    workers = [ray.remote(RolloutWorker).options(num_cpus=0).remote(i, ModelConfig(checkpoint=ckpt), rc, [zero_reward],
-                                                                      "prompt", 0) for i in range(n)]
+    engine = EngineConfig(max_model_len=256, max_num_seqs=8, kv_cache_gib=0.25, multiprocess=multiprocess,
+                          vllm_kernels=vllm_kernels)
+    config = RunConfig(model=ModelConfig(checkpoint=ckpt), rollout=RolloutConfig(num_workers=n, engine=engine),
+                       rewards=[zero_reward])
+    resolved = resolve(config)
+    workers = [ray.remote(RolloutWorker).options(num_cpus=0).remote(i, resolved) for i in range(n)]
     ray.get([w.ready.remote() for w in workers])
     return workers
 
@@ -215,9 +220,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--bucket-mib", type=int, default=32, help="broadcast bucket size")
     parser.add_argument("--no-multiprocess", action="store_true", help="skip the multiprocess-engine runs")
     parser.add_argument("--vllm-kernels", default="off,on",
-                        help="rollout.vllm_kernels values to run the engines with: 'on' repacks vLLM's "
+                        help="rollout.engine.vllm_kernels values to run the engines with: 'on' repacks vLLM's "
                              "prepacked weights after every push, 'off' reads the Parameters (comma list)")
+    parser.add_argument("--smoke", action="store_true", help="a check that the script runs: the tiny model, "
+                        "--workers 1 --repeats 1 --no-multiprocess --vllm-kernels on (numbers mean nothing)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        if args.out:
+            parser.error("--smoke keeps no results: drop --out")
+        args.workers, args.repeats, args.no_multiprocess, args.vllm_kernels = 1, 1, True, "on"
 
     import ray
 
@@ -235,10 +246,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         lines.append(line)
 
     with tempfile.TemporaryDirectory(prefix="titanrl_ws_bench_") as tmp:
-        ckpt = str(write_tiny_checkpoint(Path(tmp) / "medium", seed=0, **MEDIUM))
+        ckpt = str(write_tiny_checkpoint(Path(tmp) / "model", seed=0, **({} if args.smoke else MEDIUM)))
         init_ray(num_cpus=2)
-        trainer = ray.remote(GRPOTrainer).options(num_cpus=0).remote(ModelConfig(checkpoint=ckpt), TrainConfig(),
-                                                                      1.0, 0)
+        trainer = (
+            ray.remote(GRPOTrainer)
+            .options(num_cpus=0)
+            .remote(TrainerSetup(ModelConfig(checkpoint=ckpt), TrainConfig(), 1.0, 0))
+        )
         layout = ray.get(trainer.publish_weights.remote(0)).layout  # object_store by default: tensors + layout
         model_bytes = sum(t.nbytes for t in layout.tensors)
         bound = CopyBound(model_bytes)
@@ -277,7 +291,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     best = min((ln for ln in lines if ln["transport"] in TRANSPORTS), key=lambda ln: ln["ratio"])
     targets = {f"{ln['transport']}/{ln['engine']}": TARGET_RATIOS[ln["transport"]] for ln in lines
                if ln["transport"] in TARGET_RATIOS}
-    emit({"summary": "weight_sync", "model_bytes": model_bytes,
+    emit({"summary": "weight_sync", "smoke": args.smoke, "model_bytes": model_bytes,
           "bound_seconds": {f"{ln['transport']}/{ln['engine']}": ln["bound_seconds"] for ln in lines},
           "ratios": ratios, "fastest": f"{best['transport']}/{best['engine']}", "fastest_ratio": best["ratio"],
           "target_ratios": targets, "meets_target": {k: ratios[k] <= v for k, v in targets.items()},

@@ -16,6 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The batch-invariant kernels run in this process and in processes it starts (gloo worlds, vLLM
 # engines, Ray actors): on AVX-512 CPUs MKL must take its strict AVX2 mode before any test's
 # first matmul, and children read it from the environment (see titanrl.kernels.mkl_mode).
+from titanrl.config import EngineConfig
 from titanrl.kernels.mkl_mode import actor_env, ensure_strict_mkl  # noqa: E402
 
 os.environ.update(actor_env())
@@ -47,7 +48,11 @@ def vllm_engine(vllm_tiny_checkpoint):
     """
     from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
-    engine = VllmEngine(VllmEngineConfig(checkpoint=str(vllm_tiny_checkpoint), max_model_len=256, max_num_seqs=32))
+    engine = VllmEngine(
+        VllmEngineConfig(
+            checkpoint=str(vllm_tiny_checkpoint), settings=EngineConfig(max_model_len=256, max_num_seqs=32)
+        )
+    )
     yield engine
     engine.close()
 
@@ -76,8 +81,12 @@ def vllm_moe_engine(vllm_moe_checkpoint):
     test that asks for it. Tests that push weights must push the checkpoint's weights back."""
     from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
-    engine = VllmEngine(VllmEngineConfig(checkpoint=str(vllm_moe_checkpoint), max_model_len=512, max_num_seqs=32,
-                                         record_routed_experts=True))
+    engine = VllmEngine(
+        VllmEngineConfig(
+            checkpoint=str(vllm_moe_checkpoint),
+            settings=EngineConfig(max_model_len=512, max_num_seqs=32, record_routed_experts=True),
+        )
+    )
     yield engine
     engine.close()
 

@@ -7,6 +7,7 @@ from typing import Any
 import torch.distributed as dist
 
 from titanrl.config import ModelConfig, ParallelConfig, TrainConfig
+from titanrl.trainer.setup import TrainerSetup
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.types import Group
 
@@ -23,7 +24,11 @@ def reference_in_layout(rank: int, world_size: int, runs: dict[str, tuple[str, d
         train = dict(train)  # runs may share one dict
         batch_invariant = train.pop("batch_invariant", False)
         config = TrainConfig(**train, parallel=ParallelConfig(**layout))
-        tr = GRPOTrainer(ModelConfig(checkpoint=checkpoint), config, temperature, seed=0, batch_invariant=batch_invariant)
+        tr = GRPOTrainer(
+            TrainerSetup(
+                ModelConfig(checkpoint=checkpoint), config, temperature, seed=0, batch_invariant=batch_invariant
+            )
+        )
         version = tr.load_state(checkpoint) if is_training_checkpoint(checkpoint) else 0
         out[name] = {"reference_BT": tr.prepare_batch(groups).reference_BT, "version": version,
                      "metrics": tr.step(groups) if step else None}

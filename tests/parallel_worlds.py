@@ -18,10 +18,12 @@ from titanrl.models.hf_checkpoint import load_model
 from titanrl.models.qwen3 import CausalSDPA
 from titanrl.trainer.parallel import build_mesh, iter_full_weights, load_model_optim, parallelize
 from titanrl.trainer.step import GRPOStep
+from support.sections import merged
 from titanrl.trainer.optimizer import build_optimizers
 from titanrl.trainer.parallel.checkpoint import save_training_checkpoint
 from support.layout_check import Case, check_layout
 from titanrl.trainer.parallel.ring_attention import ContextLayout, RingAttention
+from titanrl.trainer.setup import TrainerSetup
 
 
 def with_invariant_logprobs(case: Case) -> Case:
@@ -78,8 +80,8 @@ def _setup(case: Case, layout: dict):
     parallel = ParallelConfig(**layout)
     model, _ = load_model(case.checkpoint)
     pm = parallelize(model, parallel, build_mesh(parallel, "cpu"),
-                     activation_checkpointing=case.train.activation_checkpointing,
-                     activation_checkpointing_every=case.train.activation_checkpointing_every)
+                     activation_checkpointing=case.train.memory.activation_checkpointing,
+                     activation_checkpointing_every=case.train.memory.activation_checkpointing_every)
     optimizers = build_optimizers(pm, case.train)
     return pm, optimizers, GRPOStep(pm, optimizers, case.train, case.temperature)
 
@@ -282,7 +284,7 @@ def activation_checkpointing_grads(case: Case, layouts: dict[str, dict], modes: 
     for name, layout in layouts.items():
         runs = {}
         for mode, overrides in {"none": {}, **modes}.items():
-            mode_case = dataclasses.replace(case, train=dataclasses.replace(case.train, **overrides))
+            mode_case = dataclasses.replace(case, train=merged(case.train, **overrides))
             pm, _, step = _setup(mode_case, layout)
             step.accumulate_gradients(case.batch)
             runs[mode] = _local_grads(pm)
@@ -309,7 +311,7 @@ def optimizer_groups_resume(case: Case, workdir: str, layout: dict) -> dict[str,
     from titanrl.trainer.trainer import GRPOTrainer
 
     train = dataclasses.replace(case.train, parallel=ParallelConfig(**layout))
-    trainer = GRPOTrainer(ModelConfig(checkpoint=case.checkpoint), train, case.temperature, seed=0)
+    trainer = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=case.checkpoint), train, case.temperature, seed=0))
     trainer.optimizer_step(trainer.accumulate_gradients(case.batch))
     ckpt = str(Path(workdir) / "ckpt")
     trainer.save_state(ckpt)

@@ -1,20 +1,21 @@
-"""Activation checkpointing per decoder block (`train.activation_checkpointing`): same gradients,
+"""Activation checkpointing per decoder block (`train.memory.activation_checkpointing`): same gradients,
 fewer stored activations, HF parameter names, and the same in a 2-process FSDP / TP / PP / CP world."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
-from titanrl.config import ModelConfig
+from titanrl.config import MemoryConfig, ModelConfig
 from titanrl.trainer.parallel.activation_checkpoint import checkpointed_layers
 from support.layout_check import make_case
 from titanrl.trainer.trainer import GRPOTrainer
+from titanrl.trainer.setup import TrainerSetup
+from support.sections import merged
 
-MODES = {"full": dict(activation_checkpointing="full"),
-         "every_2nd": dict(activation_checkpointing="every_nth", activation_checkpointing_every=2)}
+MODES = {"full": dict(memory=MemoryConfig(activation_checkpointing="full")),
+         "every_2nd": dict(memory=MemoryConfig(activation_checkpointing="every_nth", activation_checkpointing_every=2))}
 WORLD_LAYOUTS = {"fsdp": dict(dp_shard=2), "tp_sp": dict(tp=2, sequence_parallel=True), "pp": dict(pp=2),
                  "cp": dict(cp=2)}
 
@@ -26,9 +27,12 @@ def case(tmp_path_factory):
 
 
 def _trainer(case, batch_invariant: bool = False, **ac) -> GRPOTrainer:
-    train = dataclasses.replace(case.train, **ac)
-    return GRPOTrainer(ModelConfig(checkpoint=case.checkpoint), train, case.temperature, seed=0,
-                       batch_invariant=batch_invariant)
+    train = merged(case.train, **ac)
+    return GRPOTrainer(
+        TrainerSetup(
+            ModelConfig(checkpoint=case.checkpoint), train, case.temperature, seed=0, batch_invariant=batch_invariant
+        )
+    )
 
 
 def _grads(case, batch_invariant: bool = False, **ac) -> dict[str, torch.Tensor]:

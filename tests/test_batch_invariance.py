@@ -10,13 +10,14 @@ import dataclasses
 import pytest
 import torch
 
-from titanrl.config import ModelConfig, TrainConfig
+from titanrl.config import EngineConfig, MemoryConfig, ModelConfig, OptimizerConfig, SamplingConfig, TrainConfig
 from titanrl.models.hf_checkpoint import load_model
 from titanrl.models.tiny import write_tiny_checkpoint
 from titanrl.trainer.batch import pack
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.trainer.truncation import Truncation
 from titanrl.types import Group, Sample
+from titanrl.trainer.setup import TrainerSetup
 
 from support.logprobs import padded_forward_logprobs
 
@@ -49,11 +50,11 @@ def test_trainer_logprobs_do_not_depend_on_the_batch(bi_checkpoint):
     assert all((a - b).abs().max() < 1e-4 for a, b in zip(plain_alone, plain_batch))
 
 
-def _engine(checkpoint, **kwargs):
+def _engine(checkpoint, max_num_seqs: int = 64, **kwargs):
     from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
-    kwargs = {"max_model_len": 512, "max_num_seqs": 64, **kwargs}
-    return VllmEngine(VllmEngineConfig(checkpoint=str(checkpoint), batch_invariant=True, **kwargs))
+    settings = EngineConfig(max_model_len=512, max_num_seqs=max_num_seqs)
+    return VllmEngine(VllmEngineConfig(checkpoint=str(checkpoint), batch_invariant=True, settings=settings, **kwargs))
 
 
 def _prompt_logprobs(engine, seq: list[int]) -> torch.Tensor:
@@ -124,7 +125,7 @@ def test_trainer_parity_metrics_are_exactly_zero(bi_checkpoint):
     """GRPOTrainer(batch_invariant=True) recomputes every token vLLM sampled with the current
     weights to the bit: parity/logprob_diff_max is 0.0 over all tokens; stale rows are not counted.
     The same holds for top_p 0.9 and top_k 20 sampling (T=1, and both at T=0.7) scored under the
-    truncated distribution (rollout.logprobs='sampled'): vLLM's CPU top-k / top-p is per row."""
+    truncated distribution (rollout.sampling.logprobs='sampled'): vLLM's CPU top-k / top-p is per row."""
     engine = _engine(bi_checkpoint)
     truncated = [(1.0, Truncation(top_p=0.9)), (1.0, Truncation(top_k=20)), (0.7, Truncation(top_k=20, top_p=0.9))]
     try:
@@ -137,8 +138,16 @@ def test_trainer_parity_metrics_are_exactly_zero(bi_checkpoint):
     for (temperature, truncation), outputs in zip(truncated, truncated_groups):
         rows = [Group([Sample(text, c.text, c.prompt_token_ids, c.token_ids, c.logprobs, float(i % 2), j, 0)
                        for i, c in enumerate(grp)]) for j, (text, grp) in enumerate(zip(prompts, outputs))]
-        trainer = GRPOTrainer(ModelConfig(checkpoint=str(bi_checkpoint)), TrainConfig(micro_batch_size=5), temperature,
-                              0, batch_invariant=True, truncation=truncation)
+        trainer = GRPOTrainer(
+            TrainerSetup(
+                ModelConfig(checkpoint=str(bi_checkpoint)),
+                TrainConfig(memory=MemoryConfig(micro_batch_size=5)),
+                temperature,
+                0,
+                batch_invariant=True,
+                truncation=truncation,
+            )
+        )
         parity = trainer.measure_parity(pack(rows, trainer.pad_id, current_version=trainer.version))
         assert parity.checked == sum(len(c.token_ids) for grp in outputs for c in grp)
         assert parity.diff_max == 0.0 and parity.different == 0, (temperature, truncation)
@@ -148,13 +157,13 @@ def test_trainer_parity_metrics_are_exactly_zero(bi_checkpoint):
                    for i, c in enumerate(grp)]
         batch.append(Group(samples))
     stale = Group([dataclasses.replace(s, policy_version=-1) for s in batch[0].samples])
-    tc = TrainConfig(micro_batch_size=3, minibatches=2)
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(bi_checkpoint)), tc, 1.0, 0, batch_invariant=True)
+    tc = TrainConfig(memory=MemoryConfig(micro_batch_size=3), minibatches=2)
+    trainer = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(bi_checkpoint)), tc, 1.0, 0, batch_invariant=True))
     metrics = trainer.step(batch + [stale])
     generated = sum(len(c.token_ids) for grp in groups for c in grp)
     assert metrics["parity/tokens_checked"] == generated
     assert metrics["parity/logprob_diff_max"] == 0.0 and metrics["parity/tokens_different_frac"] == 0.0
-    plain = GRPOTrainer(ModelConfig(checkpoint=str(bi_checkpoint)), tc, 1.0, 0, batch_invariant=False)
+    plain = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(bi_checkpoint)), tc, 1.0, 0, batch_invariant=False))
     assert plain.step(batch)["parity/logprob_diff_max"] > 0.0  # library kernels: a real mismatch
 
 
@@ -172,7 +181,9 @@ def test_batch_invariant_gradients_match_the_library_model(bi_checkpoint):
         groups.append(Group(samples))
     grads = {}
     for flag in (False, True):
-        trainer = GRPOTrainer(ModelConfig(checkpoint=str(bi_checkpoint)), TrainConfig(), 1.0, 0, batch_invariant=flag)
+        trainer = GRPOTrainer(
+            TrainerSetup(ModelConfig(checkpoint=str(bi_checkpoint)), TrainConfig(), 1.0, 0, batch_invariant=flag)
+        )
         trainer.accumulate_gradients(pack(groups, trainer.pad_id))
         grads[flag] = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
     for name, grad in grads[False].items():
@@ -182,7 +193,7 @@ def test_batch_invariant_gradients_match_the_library_model(bi_checkpoint):
 @pytest.mark.slow
 def test_runs_have_zero_mismatch_and_repeat_to_the_bit(tmp_path, ray_session, tiny_run):
     """Two seeded `batch_invariant=True` continuous-mode runs (Ray actors, vLLM worker) whose
-    engine batches the sequences differently (rollout.max_num_seqs 16: all of a step's
+    engine batches the sequences differently (rollout.engine.max_num_seqs 16: all of a step's
     sequences in one forward pass; 2: two at a time) write identical loss, reward/mean and
     grad_norm columns, and every step's parity/logprob_diff_max is exactly 0.0 over all
     generated tokens.
@@ -200,9 +211,14 @@ def test_runs_have_zero_mismatch_and_repeat_to_the_bit(tmp_path, ray_session, ti
         config = titanrl.RunConfig(
             model=titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)),
             data=titanrl.DataConfig(train_file=str(tiny_run.train_file)),
-            rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=8, max_model_len=64,
-                                          continuous=True, max_num_seqs=max_num_seqs),
-            train=titanrl.TrainConfig(steps=4, lr=3e-3, minibatches=2, max_staleness=0),
+            rollout=titanrl.RolloutConfig(
+                prompts_per_step=4,
+                group_size=4,
+                sampling=SamplingConfig(max_new_tokens=8),
+                engine=EngineConfig(max_model_len=64, max_num_seqs=max_num_seqs),
+                continuous=True,
+            ),
+            train=titanrl.TrainConfig(steps=4, optimizer=OptimizerConfig(lr=3e-3), minibatches=2, max_staleness=0),
             output=titanrl.OutputConfig(dir=str(tmp_path / name), progress_bar=False),
             rewards=[tiny_run.reward],
             batch_invariant=True,

@@ -15,6 +15,7 @@ from titanrl.trainer.grpo import clipped_surrogate_loss, token_logprobs
 from support.layout_check import make_case
 from titanrl.trainer.step import trimmed_len
 from titanrl.trainer.trainer import GRPOTrainer
+from titanrl.trainer.setup import TrainerSetup
 
 N, D, V = 30, 16, 50
 
@@ -120,8 +121,11 @@ def case(tmp_path_factory):
 
 
 def _trainer(case, chunk: int, micro_batch_size: int = 3, temperature: float = 0.8) -> GRPOTrainer:
-    train = dataclasses.replace(case.train, logprob_chunk_tokens=chunk, micro_batch_size=micro_batch_size)
-    return GRPOTrainer(ModelConfig(checkpoint=case.checkpoint), train, temperature, seed=0)
+    train = dataclasses.replace(
+        case.train,
+        memory=dataclasses.replace(case.train.memory, logprob_chunk_tokens=chunk, micro_batch_size=micro_batch_size),
+    )
+    return GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=case.checkpoint), train, temperature, seed=0))
 
 
 def _step_grads(trainer: GRPOTrainer, batch):
@@ -147,7 +151,7 @@ def test_trainer_gradients_do_not_depend_on_chunk_size(case):
     logits = trainer.model(b.input_ids_BT[:, :T])
     lp = token_logprobs(logits, b.targets_BT[:, :T], trainer.temperature)
     loss_sum, _ = clipped_surrogate_loss(lp, b.old_logprobs_BT[:, :T], b.advantages_B, b.loss_mask_BT[:, :T],
-                                         case.train.clip_eps)
+                                         case.train.loss.clip_eps)
     (loss_sum / b.loss_mask_BT.sum()).backward()
     for n, p in trainer.model.named_parameters():
         assert (small_grads[n] - p.grad).abs().max().item() <= 1e-6, n

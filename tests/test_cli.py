@@ -20,6 +20,7 @@ from titanrl.config import ConfigError, RunConfig, apply_overrides
 from titanrl.config.values import show
 from titanrl.models.hf_checkpoint import hf_state_dict, read_state_dict
 from titanrl.rundir.checkpoints import writing_checkpoint
+from titanrl.trainer.setup import TrainerSetup
 
 # ----------------------------------------------------------------------------- overrides
 
@@ -29,28 +30,36 @@ def test_override_parses_every_field_type():
     cfg = apply_overrides(
         RunConfig(),
         [
-            "--rollout.group_size=16", "--train.lr=3e-4", "--model.dtype=bfloat16", "--output.progress_bar=off",
-            "--train.clip_eps_high=null", "--reward_timeout_s=none", "--train.betas=0.9,0.95",
-            "--rewards=pkg.mod:fn,pkg.mod:fn2", "--env.factory=pkg.mod:make_env", "--seed=7",
-            "--data.eval_file=", "--train.grad_clip=2",
+            "--rollout.group_size=16",
+            "--train.optimizer.lr=3e-4",
+            "--model.dtype=bfloat16",
+            "--output.progress_bar=off",
+            "--train.loss.clip_eps_high=null",
+            "--scoring.timeout_s=none",
+            "--train.optimizer.betas=0.9,0.95",
+            "--rewards=pkg.mod:fn,pkg.mod:fn2",
+            "--env.factory=pkg.mod:make_env",
+            "--seed=7",
+            "--data.eval_file=",
+            "--train.optimizer.grad_clip=2",
         ],
     )
     assert cfg.rollout.group_size == 16 and type(cfg.rollout.group_size) is int
-    assert cfg.train.lr == 3e-4 and type(cfg.train.lr) is float
+    assert cfg.train.optimizer.lr == 3e-4 and type(cfg.train.optimizer.lr) is float
     assert cfg.model.dtype == "bfloat16"
     assert cfg.output.progress_bar is False
-    assert cfg.train.clip_eps_high is None and cfg.reward_timeout_s is None
-    assert cfg.train.betas == (0.9, 0.95) and type(cfg.train.betas) is tuple
-    assert all(type(b) is float for b in cfg.train.betas)
+    assert cfg.train.loss.clip_eps_high is None and cfg.scoring.timeout_s is None
+    assert cfg.train.optimizer.betas == (0.9, 0.95) and type(cfg.train.optimizer.betas) is tuple
+    assert all(type(b) is float for b in cfg.train.optimizer.betas)
     assert cfg.rewards == ["pkg.mod:fn", "pkg.mod:fn2"]
     assert cfg.env.factory == "pkg.mod:make_env"
     assert cfg.seed == 7 and cfg.data.eval_file == ""
-    assert cfg.train.grad_clip == 2.0 and type(cfg.train.grad_clip) is float
+    assert cfg.train.optimizer.grad_clip == 2.0 and type(cfg.train.optimizer.grad_clip) is float
     again = apply_overrides(
-        cfg, ["env.factory=none", "reward_timeout_s=12.5", "train.betas=[0.8, 0.9]", "rewards=", "seed=-1"]
+        cfg, ["env.factory=none", "scoring.timeout_s=12.5", "train.optimizer.betas=[0.8, 0.9]", "rewards=", "seed=-1"]
     )
-    assert again.env.factory is None and again.reward_timeout_s == 12.5
-    assert again.train.betas == (0.8, 0.9) and again.rewards == [] and again.seed == -1
+    assert again.env.factory is None and again.scoring.timeout_s == 12.5
+    assert again.train.optimizer.betas == (0.8, 0.9) and again.rewards == [] and again.seed == -1
 
 
 def _leaves(obj, prefix=""):
@@ -92,16 +101,27 @@ def test_string_choices_are_literal_types():
     """The string settings with a fixed set of values are Literal types (tyro turns them into choices)."""
     keys = {key for key, _ in _literal_fields()}
     assert keys == {
-        "model.dtype", "data.on_overlong", "rollout.on_weight_update", "rollout.weight_transport", "rollout.logprobs",
-        "train.lr_decay", "train.device", "train.parallel.pp_schedule", "train.activation_checkpointing",
-        "train.moe_load_balance", "output.wandb_mode", "train.kl_estimator", "train.loss",
-        "train.off_policy_correction", "train.cpu_matmul",
+        "model.dtype",
+        "data.on_overlong",
+        "rollout.on_weight_update",
+        "rollout.weight_transport",
+        "rollout.sampling.logprobs",
+        "train.lr_schedule.decay",
+        "train.compute.device",
+        "train.parallel.pp_schedule",
+        "train.memory.activation_checkpointing",
+        "train.moe.load_balance",
+        "output.wandb_mode",
+        "train.kl.estimator",
+        "train.loss.objective",
+        "train.off_policy.correction",
+        "train.compute.cpu_matmul",
     }
 
 
 @pytest.mark.parametrize("key, allowed", _literal_fields())
 def test_literal_override_outside_its_choices_names_field_and_choices(key, allowed):
-    """`--train.device=tpu` (and a bad value for every other Literal field) is a ConfigError naming
+    """`--train.compute.device=tpu` (and a bad value for every other Literal field) is a ConfigError naming
     the field, the value and every allowed value; each allowed value is accepted."""
     with pytest.raises(ConfigError) as info:
         apply_overrides(RunConfig(), [f"--{key}=tpu"])
@@ -135,13 +155,13 @@ def test_literal_field_set_in_python_is_refused_by_validate(key, allowed):
     "override, needles",
     [
         ("--rollout.group_size=1.5", ["rollout.group_size='1.5'", "int"]),
-        ("--train.lr=fast", ["train.lr='fast'", "float"]),
+        ("--train.optimizer.lr=fast", ["train.optimizer.lr='fast'", "float"]),
         ("--output.tensorboard=maybe", ["output.tensorboard='maybe'", "bool", "true/false"]),
-        ("--train.betas=0.9", ["train.betas='0.9'", "tuple of 2", "float"]),
-        ("--train.betas=0.9,0.95,0.99", ["train.betas=", "tuple of 2"]),
-        ("--train.betas=0.9,x", ["train.betas='0.9,x'", "tuple of 2"]),
-        ("--train.clip_eps_high=high", ["train.clip_eps_high='high'", "float", "or none"]),
-        ("--reward_timeout_s=soon", ["reward_timeout_s='soon'", "float", "or none"]),
+        ("--train.optimizer.betas=0.9", ["train.optimizer.betas='0.9'", "tuple of 2", "float"]),
+        ("--train.optimizer.betas=0.9,0.95,0.99", ["train.optimizer.betas=", "tuple of 2"]),
+        ("--train.optimizer.betas=0.9,x", ["train.optimizer.betas='0.9,x'", "tuple of 2"]),
+        ("--train.loss.clip_eps_high=high", ["train.loss.clip_eps_high='high'", "float", "or none"]),
+        ("--scoring.timeout_s=soon", ["scoring.timeout_s='soon'", "float", "or none"]),
         ("--seed=none", ["seed='none'", "int"]),
     ],
 )
@@ -163,12 +183,12 @@ def test_split_overrides_takes_both_forms():
     """`--k=v` and `--k v` become overrides; the command's own options and positionals stay, in order,
     so a value like 3e-4 is never taken for the config path."""
     own, overrides = split_overrides(
-        ["train", "--train.lr", "3e-4", "cfg.py", "--out", "runs/x", "--seed=3", "--resume",
-         "--train.betas", "0.9,0.95"],
+        ["train", "--train.optimizer.lr", "3e-4", "cfg.py", "--out", "runs/x", "--seed=3", "--resume",
+         "--train.optimizer.betas", "0.9,0.95"],
         {"--out", "--resume", "-h", "--help"},
     )
     assert own == ["train", "cfg.py", "--out", "runs/x", "--resume"]
-    assert overrides == ["--train.lr=3e-4", "--seed=3", "--train.betas=0.9,0.95"]
+    assert overrides == ["--train.optimizer.lr=3e-4", "--seed=3", "--train.optimizer.betas=0.9,0.95"]
 
 
 # ----------------------------------------------------------------------------- train --help
@@ -192,12 +212,12 @@ def test_train_help_lists_every_field_with_type_default_and_docstring(capsys):
         assert f"--{key}" in blocks, key
         assert " ".join(doc.split()[:6]) in blocks[f"--{key}"], key
         assert "(default: " in blocks[f"--{key}"], key
-    assert "  --train.lr FLOAT\n        AdamW learning rate. (default: 0.0001)" in out
-    assert "  --train.betas FLOAT,FLOAT\n        AdamW betas. (default: 0.9,0.99)" in out
-    assert "  --reward_timeout_s FLOAT|none\n" in out
+    assert "  --train.optimizer.lr FLOAT\n        AdamW learning rate. (default: 0.0001)" in out
+    assert "  --train.optimizer.betas FLOAT,FLOAT\n        AdamW betas. (default: 0.9,0.99)" in out
+    assert "  --scoring.timeout_s FLOAT|none\n" in out
     assert "  --env.factory MODULE:FUNCTION|none\n" in out
     assert "  --output.tensorboard {true,false}\n" in out
-    assert "  --train.device {auto,cpu,cuda,xla}\n" in out
+    assert "  --train.compute.device {auto,cpu,cuda,xla}\n" in out
     assert "--resume" in out and "--out RUN_DIR" in out
     assert max(len(line) for line in out.splitlines()) <= 100
 
@@ -205,12 +225,13 @@ def test_train_help_lists_every_field_with_type_default_and_docstring(capsys):
 def test_train_help_shows_the_config_files_values_as_defaults(tmp_path, capsys):
     """`titanrl train CONFIG.py --help` shows CONFIG.py's values as the defaults the overrides apply to."""
     cfg = _write_config(tmp_path, """
-        from titanrl import TrainConfig
+        from titanrl import ComputeConfig, OptimizerConfig, TrainConfig
 
         def my_reward(prompt, completion, **fields):
             return 0.0
 
-        config = RunConfig(train=TrainConfig(lr=0.123, device="cpu"), rewards=[my_reward])
+        config = RunConfig(train=TrainConfig(optimizer=OptimizerConfig(lr=0.123), compute=ComputeConfig(device="cpu")),
+                           rewards=[my_reward])
     """)
     assert main(["train", str(cfg), "--help"]) == 0
     out = capsys.readouterr().out
@@ -324,11 +345,14 @@ def test_unknown_argument_and_missing_config(tmp_path, capsys):
 
 
 def test_train_refuses_a_bad_choice_before_the_driver(tmp_path, driver_calls, capsys):
-    """`titanrl train CFG --train.device tpu` exits 2 naming the field and the allowed devices; the
+    """`titanrl train CFG --train.compute.device tpu` exits 2 naming the field and the allowed devices; the
     driver is never called."""
     calls, _ = driver_calls
-    assert main(["train", str(_write_config(tmp_path)), "--train.device", "tpu"]) == 2
-    assert "titanrl: config error: train.device='tpu' is not one of 'auto', 'cpu', 'cuda'" in capsys.readouterr().err
+    assert main(["train", str(_write_config(tmp_path)), "--train.compute.device", "tpu"]) == 2
+    assert (
+        "titanrl: config error: train.compute.device='tpu' is not one of 'auto', 'cpu', 'cuda'"
+        in capsys.readouterr().err
+    )
     assert calls == []
 
 
@@ -349,7 +373,7 @@ def trained_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("trained_run")
     initial = write_tiny_checkpoint(root / "initial", seed=3, std=0.1)
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(initial)), TrainConfig(), temperature=1.0, seed=0)
+    trainer = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(initial)), TrainConfig(), temperature=1.0, seed=0))
     run_dir = root / "run"
     states = {}
     gen = torch.Generator().manual_seed(0)
@@ -510,7 +534,7 @@ def test_eval_checkpoint_argument_forms(trained_run, tmp_path):
 def _eval_config(tmp_path: Path, checkpoint: Path, eval_file: str, log: Path) -> Path:
     return _write_config(tmp_path, f"""
         import json
-        from titanrl import DataConfig, EvalConfig, ModelConfig, RolloutConfig
+        from titanrl import DataConfig, EngineConfig, EvalConfig, ModelConfig, RolloutConfig, SamplingConfig
 
         def reward(prompt, completion, label, **fields):
             with open({str(log)!r}, "a") as f:
@@ -520,7 +544,8 @@ def _eval_config(tmp_path: Path, checkpoint: Path, eval_file: str, log: Path) ->
         config = RunConfig(
             model=ModelConfig(checkpoint={str(checkpoint)!r}),
             data=DataConfig(eval_file={eval_file!r}),
-            rollout=RolloutConfig(max_new_tokens=6, max_model_len=64, max_num_seqs=32, temperature=1.0),
+            rollout=RolloutConfig(sampling=SamplingConfig(max_new_tokens=6, temperature=1.0),
+                                  engine=EngineConfig(max_model_len=64, max_num_seqs=32)),
             eval=EvalConfig(max_prompts=100, correct_threshold=1.0),
             rewards=[reward],
         )

@@ -1,4 +1,4 @@
-"""train.compile: decoder blocks through torch.compile give the eager trainer's gradients.
+"""train.compute.compile: decoder blocks through torch.compile give the eager trainer's gradients.
 
 Inductor fuses the elementwise chains and reorders their float32 arithmetic, so the comparison
 is to 1e-5, not bitwise (batch-invariant mode, the bitwise path, refuses compile).
@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from support.packing_cases import accumulated_gradients, assert_same_gradients, varied_groups
-from titanrl.config import ModelConfig, TrainConfig
+from support.sections import merged
+from titanrl.config import ComputeConfig, ModelConfig, TrainConfig
 from titanrl.config.parallel import check_compile
 from titanrl.config.schema import ParallelConfig
 from titanrl.errors import ConfigError
 from titanrl.models.tiny import write_tiny_checkpoint, write_tiny_moe_checkpoint
 from titanrl.trainer.trainer import GRPOTrainer
+from titanrl.trainer.setup import TrainerSetup
 
 
 def _compiled_graphs() -> int:
@@ -33,8 +35,8 @@ def test_compiled_blocks_give_eager_gradients(tmp_path, moe):
     torch._dynamo.utils.counters.clear()
     eager, eager_stats, eager_lp, _, _ = accumulated_gradients(ckpt, groups, pack=True)
     assert _compiled_graphs() == 0
-    compiled, stats, lp, _, _ = accumulated_gradients(ckpt, groups, pack=True, compile=True)
-    assert _compiled_graphs() > 0, "train.compile=True compiled nothing"
+    compiled, stats, lp, _, _ = accumulated_gradients(ckpt, groups, pack=True, compute=ComputeConfig(compile=True))
+    assert _compiled_graphs() > 0, "train.compute.compile=True compiled nothing"
     assert_same_gradients(compiled, eager, atol=1e-5)
     torch.testing.assert_close(lp, eager_lp, rtol=0, atol=1e-5)
     assert stats.loss_sum == pytest.approx(eager_stats.loss_sum, abs=1e-5)
@@ -45,8 +47,14 @@ def test_compiled_trainer_reuses_one_graph_across_lengths(tmp_path):
     ckpt = write_tiny_checkpoint(tmp_path / "tiny", seed=1)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), TrainConfig(device="cpu", compile=True),
-                          temperature=1.0, seed=0)
+    trainer = GRPOTrainer(
+        TrainerSetup(
+            ModelConfig(checkpoint=str(ckpt)),
+            TrainConfig(compute=ComputeConfig(device="cpu", compile=True)),
+            temperature=1.0,
+            seed=0,
+        )
+    )
     trainer.step(varied_groups(seed=0))
     after_first = _compiled_graphs()
     for seed in (1, 2):
@@ -57,28 +65,35 @@ def test_compiled_trainer_reuses_one_graph_across_lengths(tmp_path):
 
 @pytest.mark.parametrize("settings, batch_invariant, device, needle", [
     (dict(), True, None, "batch_invariant"),
-    (dict(device="xla"), False, None, "train.device='xla'"),
-    (dict(), False, "xla", "train.device='xla'"),
+    (dict(compute=ComputeConfig(device="xla")), False, None, "train.compute.device='xla'"),
+    (dict(), False, "xla", "train.compute.device='xla'"),
     (dict(parallel=ParallelConfig(dp_shard=2)), False, None, "dp_shard=2"),
     (dict(parallel=ParallelConfig(tp=2, pp=2)), False, None, "tp=2, pp=2"),
 ])
 def test_compile_refuses_what_it_cannot_honour(settings, batch_invariant, device, needle):
-    with pytest.raises(ConfigError, match="train.compile=True") as e:
-        check_compile(TrainConfig(compile=True, **settings), batch_invariant, device)
+    with pytest.raises(ConfigError, match="train.compute.compile=True") as e:
+        check_compile(merged(TrainConfig(compute=ComputeConfig(compile=True)), **settings), batch_invariant, device)
     assert needle in str(e.value)
-    check_compile(TrainConfig(compile=False, **settings), batch_invariant, device)  # off: nothing to refuse
+    check_compile(TrainConfig(**settings), batch_invariant, device)  # compile off (default): nothing to refuse
 
 
 def test_trainer_refuses_compile_with_batch_invariance(tmp_path):
     ckpt = write_tiny_checkpoint(tmp_path / "tiny", seed=1)
     with pytest.raises(ConfigError, match="batch_invariant"):
-        GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), TrainConfig(device="cpu", compile=True),
-                    temperature=1.0, seed=0, batch_invariant=True)
+        GRPOTrainer(
+            TrainerSetup(
+                ModelConfig(checkpoint=str(ckpt)),
+                TrainConfig(compute=ComputeConfig(device="cpu", compile=True)),
+                temperature=1.0,
+                seed=0,
+                batch_invariant=True,
+            )
+        )
 
 
 def test_compiled_blocks_take_the_thread_count_at_run_time(tmp_path, monkeypatch):
     """A block compiled while the trainer runs 1 thread still gets OpenMP regions, sized when they
-    run (train.threads_when_rollouts_idle raises the count later); Inductor's default would emit
+    run (train.compute.threads_when_rollouts_idle raises the count later); Inductor's default would emit
     none and stay single-threaded."""
     from torch._inductor.utils import run_and_get_code
 
@@ -92,9 +107,14 @@ def test_compiled_blocks_take_the_thread_count_at_run_time(tmp_path, monkeypatch
         for dynamic in (True, False):  # False: the negative control, Inductor's default
             monkeypatch.setattr(compile_module, "INDUCTOR_OPTIONS", {"cpp.dynamic_threads": dynamic})
             torch._dynamo.reset()
-            trainer = GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), TrainConfig(device="cpu", compile=True,
-                                                                                 threads=1),
-                                  temperature=1.0, seed=0)
+            trainer = GRPOTrainer(
+                TrainerSetup(
+                    ModelConfig(checkpoint=str(ckpt)),
+                    TrainConfig(compute=ComputeConfig(device="cpu", compile=True, threads=1)),
+                    temperature=1.0,
+                    seed=0,
+                )
+            )
             batch = trainer.prepare_batch(varied_groups(seed=0))
             _, code = run_and_get_code(trainer.accumulate_gradients, batch)
             counts[dynamic] = "\n".join(code).count("#pragma omp parallel")

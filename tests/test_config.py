@@ -4,6 +4,7 @@ naming the field and the fix, before any Ray actor starts; the CLI turns those i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import textwrap
 
@@ -11,7 +12,9 @@ import pytest
 
 from titanrl.config import (
     ConfigError,
+    RolloutConfig,
     RunConfig,
+    TrainConfig,
     apply_overrides,
     resolve_reward,
     validate,
@@ -45,30 +48,30 @@ def test_overrides_parse_each_type():
         base,
         [
             "--train.steps=7",
-            "train.lr=3e-5",
-            "train.betas=(0.8,0.95)",
-            "train.clip_eps_high=0.28",
+            "train.optimizer.lr=3e-5",
+            "train.optimizer.betas=(0.8,0.95)",
+            "train.loss.clip_eps_high=0.28",
             "output.tensorboard=false",
-            "rollout.vllm_multiprocess=yes",
+            "rollout.engine.multiprocess=yes",
             "model.dtype=bfloat16",
             "rewards=pkg.mod:a,pkg.mod:b",
-            "train.grad_clip=2",
+            "train.optimizer.grad_clip=2",
         ],
     )
     assert cfg.train.steps == 7 and type(cfg.train.steps) is int
-    assert cfg.train.lr == 3e-5 and type(cfg.train.lr) is float
-    assert cfg.train.betas == (0.8, 0.95) and isinstance(cfg.train.betas, tuple)
-    assert cfg.train.clip_eps_high == 0.28
+    assert cfg.train.optimizer.lr == 3e-5 and type(cfg.train.optimizer.lr) is float
+    assert cfg.train.optimizer.betas == (0.8, 0.95) and isinstance(cfg.train.optimizer.betas, tuple)
+    assert cfg.train.loss.clip_eps_high == 0.28
     assert cfg.output.tensorboard is False
-    assert cfg.rollout.vllm_multiprocess is True
+    assert cfg.rollout.engine.multiprocess is True
     assert cfg.model.dtype == "bfloat16"
     assert cfg.rewards == ["pkg.mod:a", "pkg.mod:b"]
-    assert cfg.train.grad_clip == 2.0 and type(cfg.train.grad_clip) is float
-    again = apply_overrides(cfg, ["train.clip_eps_high=None"])
-    assert again.train.clip_eps_high is None
+    assert cfg.train.optimizer.grad_clip == 2.0 and type(cfg.train.optimizer.grad_clip) is float
+    again = apply_overrides(cfg, ["train.loss.clip_eps_high=None"])
+    assert again.train.loss.clip_eps_high is None
     # Overrides work on a copy: the input config is untouched.
     assert base.train.steps == 100 and base.output.tensorboard is True
-    assert cfg.train.clip_eps_high == 0.28
+    assert cfg.train.loss.clip_eps_high == 0.28
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -79,35 +82,57 @@ def test_unknown_override_key_suggests_close_match():
     with pytest.raises(ConfigError) as info:
         apply_overrides(RunConfig(), ["train.lrr=1e-3"])
     msg = str(info.value)
-    assert "'train.lrr'" in msg and "did you mean 'train.lr'" in msg
+    assert "'train.lrr'" in msg and "did you mean 'train.optimizer.lr'" in msg
 
 
 def test_unknown_section_suggests_close_match():
-    """A misspelled section is reported with the right section name."""
-    with pytest.raises(ConfigError, match=r"did you mean 'train'"):
+    """A misspelled section is reported with the key it most likely meant (an old name's new one)."""
+    with pytest.raises(ConfigError, match=r"did you mean 'train.optimizer.lr'"):
         apply_overrides(RunConfig(), ["trian.lr=1e-3"])
 
 
 def test_override_into_non_section_fails():
-    """`train.lr.x=1` names lr as not being a section."""
-    with pytest.raises(ConfigError, match=r"train\.lr is not a section"):
-        apply_overrides(RunConfig(), ["train.lr.x=1"])
+    """`train.optimizer.lr.x=1` names lr as not being a section."""
+    with pytest.raises(ConfigError, match=r"train\.optimizer\.lr is not a section"):
+        apply_overrides(RunConfig(), ["train.optimizer.lr.x=1"])
+
+
+@pytest.mark.parametrize("old, new, value", [("train.lr", "train.optimizer.lr", "0.5"),
+                                             ("train.loss", "train.loss.objective", "dapo"),
+                                             ("rollout.max_new_tokens", "rollout.sampling.max_new_tokens", "7"),
+                                             ("reward_timeout_s", "scoring.timeout_s", "5")])
+def test_old_flat_names_are_refused_with_their_new_name(old, new, value):
+    """A name from before the sections, on the command line, as a constructor keyword or set on a
+    config, is refused with its new key instead of being ignored."""
+    renamed = f"{old} was renamed to {new}"
+    with pytest.raises(ConfigError, match=renamed):
+        apply_overrides(RunConfig(), [f"--{old}=1"])
+    section, _, name = old.rpartition(".")
+    cls = {"train": TrainConfig, "rollout": RolloutConfig, "": RunConfig}[section]
+    with pytest.raises(ConfigError, match=renamed):
+        cls(**{name: 1})
+    with pytest.raises(ConfigError, match=renamed):
+        setattr(cls(), name, 1)
+    if name not in {f.name for f in dataclasses.fields(cls)}:  # 'train.loss' is now the loss section
+        with pytest.raises(AttributeError, match=renamed):
+            getattr(cls(), name)
+    assert apply_overrides(RunConfig(), [f"--{new}={value}"]) != RunConfig()  # the new key is settable
 
 
 def test_override_without_equals_fails():
     """An override that is not key=value says what shape it needs."""
     with pytest.raises(ConfigError, match=r"--section\.key=value"):
-        apply_overrides(RunConfig(), ["--train.lr"])
+        apply_overrides(RunConfig(), ["--train.optimizer.lr"])
 
 
 @pytest.mark.parametrize(
     "override, needle",
     [
-        ("train.lr=abc", "train.lr='abc' is not a valid float"),
+        ("train.optimizer.lr=abc", "train.optimizer.lr='abc' is not a valid float"),
         ("train.steps=1.5", "train.steps='1.5' is not a valid int"),
         ("output.tensorboard=maybe", "output.tensorboard='maybe' is not a valid bool"),
-        ("train.betas=(0.9)", "train.betas='(0.9)' is not a valid"),
-        ("train.clip_eps_high=high", "train.clip_eps_high='high' is not a valid float"),
+        ("train.optimizer.betas=(0.9)", "train.optimizer.betas='(0.9)' is not a valid"),
+        ("train.loss.clip_eps_high=high", "train.loss.clip_eps_high='high' is not a valid float"),
     ],
 )
 def test_override_wrong_type(override, needle):
@@ -134,14 +159,14 @@ def test_bool_is_not_an_int(good_config):
 
 def test_str_assigned_to_float_field(good_config):
     """A str in a float field is caught by validate."""
-    good_config.train.lr = "abc"
-    fails_validation(good_config, "train.lr must be float")
+    good_config.train.optimizer.lr = "abc"
+    fails_validation(good_config, "train.optimizer.lr must be float")
 
 
 def test_wrong_tuple_length(good_config):
     """betas with three elements is rejected."""
-    good_config.train.betas = (0.9, 0.99, 0.1)
-    fails_validation(good_config, "train.betas must be")
+    good_config.train.optimizer.betas = (0.9, 0.99, 0.1)
+    fails_validation(good_config, "train.optimizer.betas must be")
 
 
 def test_group_size_below_two(good_config):
@@ -155,35 +180,45 @@ def test_group_size_below_two(good_config):
     [
         ("rollout", "num_workers", 0),
         ("rollout", "prompts_per_step", 0),
-        ("rollout", "max_new_tokens", -1),
+        ("rollout.sampling", "max_new_tokens", -1),
         ("train", "steps", 0),
-        ("train", "lr", 0.0),
-        ("train", "micro_batch_size", 0),
-        ("train", "logprob_chunk_tokens", 0),
+        ("train.optimizer", "lr", 0.0),
+        ("train.memory", "micro_batch_size", 0),
+        ("train.memory", "logprob_chunk_tokens", 0),
     ],
 )
 def test_non_positive_fields(good_config, section, name, value):
     """Counts and the learning rate must be > 0; the message names the field."""
-    setattr(getattr(good_config, section), name, value)
+    setattr(functools.reduce(getattr, section.split("."), good_config), name, value)
     fails_validation(good_config, f"{section}.{name} must be > 0")
 
 
 @pytest.mark.parametrize(
     "section, name, value, needle",
     [
-        ("rollout", "temperature", 0.0, "rollout.temperature must be > 0"),
-        ("rollout", "top_p", 1.5, "rollout.top_p must be in (0, 1]"),
-        ("rollout", "top_p", 0.0, "rollout.top_p must be in (0, 1]"),
+        ("rollout.sampling", "temperature", 0.0, "rollout.sampling.temperature must be > 0"),
+        ("rollout.sampling", "top_p", 1.5, "rollout.sampling.top_p must be in (0, 1]"),
+        ("rollout.sampling", "top_p", 0.0, "rollout.sampling.top_p must be in (0, 1]"),
         ("train", "max_staleness", -1, "train.max_staleness must be >= 0"),
-        ("train", "heap_mmap_threshold_mib", -1, "train.heap_mmap_threshold_mib must be >= 0"),
-        ("train", "activation_checkpointing_every", 0, "train.activation_checkpointing_every must be >= 1"),
-        ("train", "activation_checkpointing", "some", "train.activation_checkpointing must be 'none', 'full' or"),
+        ("train.memory", "heap_mmap_threshold_mib", -1, "train.memory.heap_mmap_threshold_mib must be >= 0"),
+        (
+            "train.memory",
+            "activation_checkpointing_every",
+            0,
+            "train.memory.activation_checkpointing_every must be >= 1",
+        ),
+        (
+            "train.memory",
+            "activation_checkpointing",
+            "some",
+            "train.memory.activation_checkpointing must be 'none', 'full' or",
+        ),
         ("model", "dtype", "float16", "model.dtype must be 'float32' or 'bfloat16'"),
     ],
 )
 def test_out_of_range_values(good_config, section, name, value, needle):
     """Values of the right type but outside their range are rejected by name."""
-    setattr(getattr(good_config, section), name, value)
+    setattr(functools.reduce(getattr, section.split("."), good_config), name, value)
     fails_validation(good_config, needle)
 
 
@@ -356,7 +391,7 @@ def test_cli_unknown_override_exits_2(tmp_path, checkpoint_dir, capsys, no_ray):
     code = main(["train", str(cfg), "--out", str(tmp_path / "run"), "--train.lrr=1e-3"])
     err = capsys.readouterr().err
     assert code == 2
-    assert "config error" in err and "train.lrr" in err and "did you mean 'train.lr'" in err
+    assert "config error" in err and "train.lrr" in err and "did you mean 'train.optimizer.lr'" in err
 
 
 def test_cli_validate_error_exits_2(tmp_path, checkpoint_dir, capsys, no_ray):
@@ -425,11 +460,11 @@ def test_checkpoint_without_weights_or_tokenizer(good_config, tmp_path, checkpoi
 
 def test_clip_range_and_token_budget(good_config):
     """clip_eps outside (0, 1) and completions that cannot fit max_model_len are rejected."""
-    good_config.train.clip_eps = 1.5
-    fails_validation(good_config, "train.clip_eps")
-    good_config.train.clip_eps = 0.2
-    good_config.rollout.max_new_tokens = good_config.rollout.max_model_len
-    fails_validation(good_config, "rollout.max_new_tokens", "max_model_len")
+    good_config.train.loss.clip_eps = 1.5
+    fails_validation(good_config, "train.loss.clip_eps")
+    good_config.train.loss.clip_eps = 0.2
+    good_config.rollout.sampling.max_new_tokens = good_config.rollout.engine.max_model_len
+    fails_validation(good_config, "rollout.sampling.max_new_tokens", "max_model_len")
 
 
 def test_env_factory_is_validated(good_config):

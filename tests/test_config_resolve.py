@@ -26,13 +26,14 @@ def moe(tmp_path_factory):
     return write_tiny_moe_checkpoint(tmp_path_factory.mktemp("moe") / "ckpt")
 
 
-def _config(checkpoint, tmp_path, **rollout) -> titanrl.RunConfig:
+def _config(checkpoint, tmp_path, **sampling) -> titanrl.RunConfig:
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(8)))
     return titanrl.RunConfig(
         model=titanrl.ModelConfig(checkpoint=str(checkpoint)),
         data=titanrl.DataConfig(train_file=str(rows)),
-        rollout=titanrl.RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=12, **rollout),
+        rollout=titanrl.RolloutConfig(prompts_per_step=2, group_size=2,
+                                      sampling=titanrl.SamplingConfig(max_new_tokens=12, **sampling)),
         rewards=["titanrl.rewards:exact_match"],
     )
 
@@ -43,22 +44,27 @@ def test_derived_values_are_filled_from_the_checkpoint(dense, moe, tmp_path):
     config = _config(dense, tmp_path, logprobs="raw")
     validate(config)
     resolved = resolve(config)
-    assert resolved.config.train.loss_length_norm == 12
-    assert resolved.config.rollout.record_routed_experts is False
-    assert resolved.config.rollout.logprobs == "sampled"
-    assert config.train.loss_length_norm is None  # the user's config is left as given
+    assert resolved.config.train.loss.length_norm == 12
+    assert resolved.config.rollout.engine.record_routed_experts is False
+    assert resolved.config.rollout.sampling.logprobs == "sampled"
+    assert resolved.config.train.memory.heap_mmap_threshold_mib == 32  # a tiny policy: the fast threshold
+    assert config.train.loss.length_norm is None  # the user's config is left as given
+    assert resolved.trainer_device is None  # placed once Ray is up
+    placed = resolved.placed("cpu", "object_store")
+    assert (placed.trainer_device, placed.config.rollout.weight_transport) == ("cpu", "object_store")
+    assert placed.record()["resolved"]["trainer_device"] == "cpu"
 
     with torch.device("meta"):
         params = sum(p.numel() for p in build_model(read_config(dense)).parameters())
     assert resolved.model.family == "qwen3" and not resolved.model.is_moe and resolved.model.parameters == params
 
     moe_resolved = resolve(_config(moe, tmp_path, top_p=0.9, logprobs="raw"))
-    assert moe_resolved.model.is_moe and moe_resolved.config.rollout.record_routed_experts is True
-    assert moe_resolved.config.rollout.logprobs == "raw"  # truncated: the setting matters, kept
+    assert moe_resolved.model.is_moe and moe_resolved.config.rollout.engine.record_routed_experts is True
+    assert moe_resolved.config.rollout.sampling.logprobs == "raw"  # truncated: the setting matters, kept
 
     explicit = _config(dense, tmp_path)
-    explicit.train.loss_length_norm = 5
-    assert resolve(explicit).config.train.loss_length_norm == 5
+    explicit.train.loss.length_norm = 5
+    assert resolve(explicit).config.train.loss.length_norm == 5
 
     with pytest.raises(dataclasses.FrozenInstanceError):
         resolved.config = config  # type: ignore[misc]
@@ -84,9 +90,9 @@ def test_print_config_prints_the_resolved_config_without_ray(dense, tmp_path, ca
         f"    data=titanrl.DataConfig(train_file={str(tmp_path / 'rows.jsonl')!r}),\n"
         "    rollout=titanrl.RolloutConfig(prompts_per_step=2, group_size=2), rewards=['titanrl.rewards:exact_match'])\n"
     )
-    assert main(["train", str(config_file), "--print-config", "--rollout.max_new_tokens=9",
+    assert main(["train", str(config_file), "--print-config", "--rollout.sampling.max_new_tokens=9",
                  f"--output.dir={tmp_path / 'run'}"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert printed["train"]["loss_length_norm"] == 9 and printed["rollout"]["max_new_tokens"] == 9
+    assert printed["train"]["loss"]["length_norm"] == 9 and printed["rollout"]["sampling"]["max_new_tokens"] == 9
     assert printed["resolved"]["model"]["architecture"] == "Qwen3ForCausalLM"
     assert not (tmp_path / "run").exists()

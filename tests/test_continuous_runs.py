@@ -43,7 +43,7 @@ def killed_worker_run(tmp_path_factory, ray_session, tiny_run) -> dict:
 def test_killed_worker_is_replaced_and_every_group_is_trained_exactly_once(killed_worker_run):
     """Worker 0 or 1 is SIGKILLed mid-run (reward call 24 of 64, inside step 2's or 3's groups) of a run
     pushing weights through shared memory, its trainer taking idle workers' cores
-    (train.threads_when_rollouts_idle). The run finishes: a replacement joined the re-formed
+    (train.compute.threads_when_rollouts_idle). The run finishes: a replacement joined the re-formed
     transport, took the newest weights and regenerated the lost groups; every step trained exactly
     its own 4 groups (no group lost, none twice); staleness stayed <= 1; the buffer and idle metrics
     are logged; every step's push reached the workers (eval after the last step reports its

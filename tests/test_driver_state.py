@@ -109,7 +109,12 @@ def test_resuming_a_run_of_the_old_format_is_refused_before_start_up(tmp_path, m
     config = titanrl.RunConfig(
         model=titanrl.ModelConfig(checkpoint=str(write_tiny_checkpoint(tmp_path / "ckpt"))),
         data=titanrl.DataConfig(train_file=str(tmp_path / "train.jsonl")),
-        rollout=titanrl.RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=4, max_model_len=64),
+        rollout=titanrl.RolloutConfig(
+            prompts_per_step=2,
+            group_size=2,
+            sampling=titanrl.SamplingConfig(max_new_tokens=4),
+            engine=titanrl.EngineConfig(max_model_len=64),
+        ),
         output=titanrl.OutputConfig(dir=str(tmp_path / "run"), progress_bar=False),
         rewards=[_zero],
     )

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from support.sections import merged
 
 import titanrl
 from titanrl.models.hf_checkpoint import read_state_dict
@@ -16,8 +17,13 @@ def _config(tmp_path, tiny_run, **train_overrides) -> titanrl.RunConfig:
     return titanrl.RunConfig(
         model=titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)),
         data=titanrl.DataConfig(train_file=str(tiny_run.train_file), eval_file=str(tiny_run.eval_file(10))),
-        rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=6, max_model_len=64),
-        train=titanrl.TrainConfig(steps=3, lr=3e-3, **train_overrides),
+        rollout=titanrl.RolloutConfig(
+            prompts_per_step=4,
+            group_size=4,
+            sampling=titanrl.SamplingConfig(max_new_tokens=6),
+            engine=titanrl.EngineConfig(max_model_len=64),
+        ),
+        train=merged(titanrl.TrainConfig(steps=3, optimizer=titanrl.OptimizerConfig(lr=3e-3)), **train_overrides),
         eval=titanrl.EvalConfig(every_steps=2, correct_threshold=0.5),
         output=titanrl.OutputConfig(dir=str(tmp_path / "run"), progress_bar=False),
         rewards=[tiny_run.reward],
@@ -56,8 +62,12 @@ def test_grpo_run_writes_metrics_changes_weights_and_syncs_versions(tmp_path, ra
     ]
     # The resolved config: what the actors ran with (length norm filled from max_new_tokens).
     resolved = json.loads((result.run_dir / "config.resolved.json").read_text())
-    assert resolved["train"]["loss_length_norm"] == config.rollout.max_new_tokens
-    assert resolved["resolved"]["model"]["family"] == "qwen3" and resolved["rollout"]["record_routed_experts"] is False
+    assert resolved["train"]["loss"]["length_norm"] == config.rollout.sampling.max_new_tokens
+    assert resolved["resolved"]["model"]["family"] == "qwen3"
+    assert resolved["rollout"]["engine"]["record_routed_experts"] is False
+    # Placed once Ray was up: the device and the transport the run used.
+    assert resolved["resolved"]["trainer_device"] == "cpu"
+    assert resolved["rollout"]["weight_transport"] in ("object_store", "shared_memory")
 
 
 @pytest.mark.slow
@@ -74,7 +84,7 @@ def test_code_exec_episodes_run_through_the_driver(tmp_path, ray_session, contin
     config = apply_overrides(
         load_config_file(str(example)),
         [
-            "train.steps=1", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=48",
+            "train.steps=1", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.sampling.max_new_tokens=48",
             "eval.every_steps=1", "env.sandbox_pool_size=2", f"output.dir={tmp_path / 'run'}",
             "output.progress_bar=false", "output.tensorboard=false", f"rollout.continuous={str(continuous).lower()}",
         ],

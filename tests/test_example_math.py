@@ -73,7 +73,7 @@ def test_the_example_trains_on_gsm8k_style_parquet_shards(tmp_path, ray_session)
         datasets.Dataset.from_list(rows[k::2]).to_parquet(str(tmp_path / f"train-0000{k}-of-00002.parquet"))
     config = apply_overrides(load_config_file(str(EXAMPLE / "config.py")), [
         f"data.train_file={tmp_path / 'train-*.parquet'}", "data.eval_file=",
-        "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16",
+        "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.sampling.max_new_tokens=16",
         f"output.dir={tmp_path / 'run'}", "output.progress_bar=false", "output.tensorboard=false",
     ])
     import titanrl

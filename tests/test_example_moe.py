@@ -19,7 +19,7 @@ def test_config_validates_and_replays_routing_on_the_shipped_moe_warm_start():
     validate(config)
     assert Path(config.model.checkpoint) == EXAMPLE / "warm_start"
     assert Path(config.data.train_file).parent == EXAMPLES / "arithmetic" / "data"
-    assert config.train.router_replay
+    assert config.train.moe.router_replay
 
 
 def test_warm_start_is_the_small_moe_the_builder_describes():

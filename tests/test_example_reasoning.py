@@ -16,7 +16,7 @@ from titanrl.data_sources.reasoning_gym import LAST_LINE_INSTRUCTION
 from titanrl.rewards.reasoning_gym import reasoning_gym_answer, reasoning_gym_format
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "reasoning"
-BYTE_TOKENS = ["rollout.max_model_len=2048"]
+BYTE_TOKENS = ["rollout.engine.max_model_len=2048"]
 """The stand-in's byte tokenizer makes a token of every byte (a chain_sum prompt is ~240 tokens of it,
 ~85 of SmolLM2's), so its prompts need a longer context than the example's."""
 
@@ -47,13 +47,17 @@ def test_config_validates_on_a_stand_in_checkpoint(tiny_llama, monkeypatch, no_f
     monkeypatch.setenv("REASONING_CHECKPOINT", str(tiny_llama))
     with pytest.warns(UserWarning, match="held-out rows whose question is also a training question"):
         config = load_config_file(str(EXAMPLE / "config.py"))
-    assert config.rollout.max_model_len == 256  # SmolLM2: ~85 prompt tokens + 64
+    assert config.rollout.engine.max_model_len == 256  # SmolLM2: ~85 prompt tokens + 64
     config = apply_overrides(config, BYTE_TOKENS)
     validate(config)
     assert config.model.checkpoint == str(tiny_llama)
     assert config.rewards == [reasoning_gym_answer, reasoning_gym_format] and config.reward_weights == [1.0, 0.1]
     assert config.eval.correct_threshold == 1.0 and max(config.reward_weights[1:]) < config.eval.correct_threshold
-    assert (config.rollout.prompts_per_step, config.rollout.group_size, config.rollout.max_new_tokens) == (16, 8, 64)
+    assert (config.rollout.prompts_per_step, config.rollout.group_size, config.rollout.sampling.max_new_tokens) == (
+        16,
+        8,
+        64,
+    )
     train, held_out = load_run_rows(config)
     assert len(train) == 2000 and len(held_out) == config.eval.max_prompts == 200  # nothing dropped as overlong
     assert not {r["question"] for r in train} & {r["question"] for r in held_out}
@@ -94,15 +98,18 @@ def test_eval_gsm_scores_its_eval_rows_with_the_reward_weights(tiny_llama, monke
     monkeypatch.setenv("REASONING_CHECKPOINT", str(tiny_llama))
     config = load_config_file(str(EXAMPLE / "eval_gsm.py"))
     assert config.data.eval_file == "" and len(config.data.eval_rows) == 200
-    assert config.eval.max_new_tokens == 256 and config.rollout.max_model_len >= 256 + 215  # SmolLM2's longest: 215
+    assert (
+        config.eval.max_new_tokens == 256 and config.rollout.engine.max_model_len >= 256 + 215
+    )  # SmolLM2's longest: 215
     config = apply_overrides(config, BYTE_TOKENS)
     built = {}
 
     class StandInWorker:
-        def __init__(self, worker_id, model, rollout, rewards, prompt_field, seed, env, **kwargs):
-            built.update(kwargs, checkpoint=model.checkpoint)
-            self.scorer = RewardScorer(rewards, timeout_s=None, error_value=0.0, weights=kwargs.get("reward_weights"))
-            self.prompt_field = prompt_field
+        def __init__(self, worker_id, resolved, **kwargs):
+            config = resolved.config
+            built.update(reward_weights=config.reward_weights, checkpoint=config.model.checkpoint)
+            self.scorer = RewardScorer(config.rewards, timeout_s=None, error_value=0.0, weights=config.reward_weights)
+            self.prompt_field = config.data.prompt_field
 
         def evaluate(self, rows, max_new_tokens, correct_threshold):
             built.update(rows=rows, max_new_tokens=max_new_tokens)

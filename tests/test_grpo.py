@@ -8,12 +8,13 @@ import statistics
 import pytest
 import torch
 
-from titanrl.config import ModelConfig, TrainConfig
+from titanrl.config import LrScheduleConfig, MemoryConfig, ModelConfig, OffPolicyConfig, OptimizerConfig, TrainConfig
 from titanrl.models.hf_checkpoint import load_model
 from titanrl.trainer.grpo import clipped_surrogate_loss, group_advantages, token_logprobs
 from titanrl.trainer.batch import pack
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.types import Group, Sample
+from titanrl.trainer.setup import TrainerSetup
 
 # ----------------------------------------------------------------------------- group_advantages
 
@@ -200,7 +201,9 @@ def ckpt(tmp_path_factory):
 
 
 def _trainer(ckpt, **train_kwargs) -> GRPOTrainer:
-    return GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), TrainConfig(**train_kwargs), temperature=0.8, seed=0)
+    return GRPOTrainer(
+        TrainerSetup(ModelConfig(checkpoint=str(ckpt)), TrainConfig(**train_kwargs), temperature=0.8, seed=0)
+    )
 
 
 def _own_logprobs(model, prompt_ids, completion_ids, temperature):
@@ -252,9 +255,9 @@ def _hand_loss(model, groups, temperature, eps):
 @pytest.mark.parametrize("offset_scale", [0.0, 0.4])
 def test_step_loss_matches_hand_computation(ckpt, micro_batch_size, offset_scale):
     """One step on two padded groups reports the same loss as the per-sequence unpadded formula (1e-6)."""
-    tr = _trainer(ckpt, micro_batch_size=micro_batch_size)
+    tr = _trainer(ckpt, memory=MemoryConfig(micro_batch_size=micro_batch_size))
     groups = _groups(tr.model, [[1.0, 0.0, 0.5], [0.0, 0.0, 1.0, 0.25]], tr.temperature, offset_scale)
-    expected = _hand_loss(tr.model, groups, tr.temperature, tr.cfg.clip_eps)
+    expected = _hand_loss(tr.model, groups, tr.temperature, tr.cfg.loss.clip_eps)
     metrics = tr.step(groups)
     assert metrics["loss"] == pytest.approx(expected, abs=1e-6)
     assert metrics["train/tokens"] == sum(len(s.completion_ids) for g in groups for s in g.samples)
@@ -281,7 +284,7 @@ def test_step_changes_weights_and_increments_version(ckpt):
 
 def test_step_positive_advantage_raises_logprob(ckpt):
     """After a step, the positive-advantage completion is more likely and the negative one less."""
-    tr = _trainer(ckpt, lr=1e-3)
+    tr = _trainer(ckpt, optimizer=OptimizerConfig(lr=1e-3))
     groups = _groups(tr.model, [[1.0, 0.0]], tr.temperature, seed=3)
     good, bad = groups[0].samples
     lp = lambda s: sum(_own_logprobs(tr.model, s.prompt_ids, s.completion_ids, tr.temperature))  # noqa: E731
@@ -358,8 +361,8 @@ def test_minibatches_and_epochs_equal_separate_steps(ckpt):
     """ppo_epochs=2, minibatches=2 on groups [g0, g1, g2] is exactly four plain steps on [g0, g1], [g2],
     [g0, g1], [g2] (old logprobs stay the generator's): bitwise-equal weights, loss and grad_norm are
     the means of theirs, the version moves by one and the metrics count 4 optimizer steps."""
-    a = _trainer(ckpt, ppo_epochs=2, minibatches=2, lr=1e-3)
-    b = _trainer(ckpt, lr=1e-3)
+    a = _trainer(ckpt, ppo_epochs=2, minibatches=2, optimizer=OptimizerConfig(lr=1e-3))
+    b = _trainer(ckpt, optimizer=OptimizerConfig(lr=1e-3))
     groups = _groups(a.model, [[1.0, 0.0], [0.0, 0.5, 1.0], [0.2, 0.9]], a.temperature, offset_scale=0.3)
     m = a.step(groups)
     parts = [b.step(groups[:2]), b.step(groups[2:]), b.step(groups[:2]), b.step(groups[2:])]
@@ -377,7 +380,7 @@ def test_minibatches_and_epochs_equal_separate_steps(ckpt):
 def test_mismatch_measured_before_any_update(ckpt):
     """With 3 epochs at a large lr the later passes are off the generator's weights (ratios get
     clipped), yet the mismatch metric, taken on the first forward, stays at the on-policy ~0."""
-    tr = _trainer(ckpt, ppo_epochs=3, lr=3e-2)
+    tr = _trainer(ckpt, ppo_epochs=3, optimizer=OptimizerConfig(lr=3e-2))
     groups = _groups(tr.model, [[1.0, 0.0, 0.0], [0.0, 1.0]], tr.temperature)
     m = tr.step(groups)
     assert m["train/mismatch_max_abs"] < 1e-5
@@ -387,7 +390,10 @@ def test_mismatch_measured_before_any_update(ckpt):
 def test_micro_batch_size_does_not_change_gradients(ckpt):
     """The accumulated gradient of every parameter is the same (max abs diff <= 1e-6) whether the batch
     runs as 1-row or 64-row micro-batches, and it is not trivially zero."""
-    small, big = _trainer(ckpt, micro_batch_size=1), _trainer(ckpt, micro_batch_size=64)
+    small, big = (
+        _trainer(ckpt, memory=MemoryConfig(micro_batch_size=1)),
+        _trainer(ckpt, memory=MemoryConfig(micro_batch_size=64)),
+    )
     groups = _groups(small.model, [[1.0, 0.0, 0.5], [0.0, 0.0, 1.0, 0.25]], small.temperature, offset_scale=0.4)
     batch = pack(groups, small.pad_id)
     s1, s64 = small.accumulate_gradients(batch), big.accumulate_gradients(batch)
@@ -403,7 +409,14 @@ def test_micro_batch_size_does_not_change_gradients(ckpt):
 def test_lr_reaches_min_at_the_last_optimizer_step(ckpt):
     """A cosine run of steps=2 with 2 epochs x 2 minibatches: the last optimizer step (the 8th) uses
     min_lr_ratio * lr, and the schedule spans all 8."""
-    tr = _trainer(ckpt, steps=2, ppo_epochs=2, minibatches=2, lr=1e-3, lr_decay="cosine", min_lr_ratio=0.1)
+    tr = _trainer(
+        ckpt,
+        steps=2,
+        ppo_epochs=2,
+        minibatches=2,
+        optimizer=OptimizerConfig(lr=1e-3),
+        lr_schedule=LrScheduleConfig(decay="cosine", min_lr_ratio=0.1),
+    )
     groups = _groups(tr.model, [[1.0, 0.0], [0.0, 1.0]], tr.temperature)
     first = tr.step(groups)
     last = tr.step(groups)
@@ -439,7 +452,7 @@ def test_non_finite_step_is_skipped(ckpt, poison):
     """A call whose loss is not finite (NaN generator logprob, or an inf reward making NaN advantages)
     takes no optimizer step: weights, optimizer state and schedule bitwise unchanged, version kept,
     skip counters count it, and the next good call updates and resets the consecutive count."""
-    tr = _trainer(ckpt, lr=1e-3)
+    tr = _trainer(ckpt, optimizer=OptimizerConfig(lr=1e-3))
     good = _groups(tr.model, [[1.0, 0.0], [0.0, 1.0, 0.5]], tr.temperature)
     tr.step(good)  # the optimizer now has state to protect
     params, opt_state, sched = _params(tr), _optimizer_state(tr), tr.scheduler.state_dict()
@@ -467,7 +480,10 @@ def test_non_finite_step_is_skipped(ckpt, poison):
 def test_non_finite_minibatch_skips_only_its_step(ckpt):
     """With 2 minibatches and a NaN only in the second, the first optimizer step is taken and the
     second skipped: weights equal a trainer that stepped on the first minibatch alone, version + 1."""
-    a, b = _trainer(ckpt, minibatches=2, lr=1e-3), _trainer(ckpt, lr=1e-3)
+    a, b = (
+        _trainer(ckpt, minibatches=2, optimizer=OptimizerConfig(lr=1e-3)),
+        _trainer(ckpt, optimizer=OptimizerConfig(lr=1e-3)),
+    )
     good = _groups(a.model, [[1.0, 0.0], [0.0, 1.0, 0.5]], a.temperature)
     m = a.step([good[0], _with_nan_logprob(good[1])])
     ref = b.step([good[0]])
@@ -519,12 +535,12 @@ def test_trainer_decoupled_loss_on_policy_matches_plain_step(ckpt):
     """A GRPOTrainer step with decoupled_loss on groups whose generator logprobs are the trainer's own gives
     the same loss and weights as the plain step (to float rounding); with two minibatches the proximal
     logprobs are measured once up front and the step still trains."""
-    plain, decoupled = _trainer(ckpt), _trainer(ckpt, decoupled_loss=True)
+    plain, decoupled = _trainer(ckpt), _trainer(ckpt, off_policy=OffPolicyConfig(decoupled_loss=True))
     groups = _groups(plain.model, [[1.0, 0.0, 0.5], [0.0, 0.0, 1.0, 0.25]], plain.temperature)
     m_plain, m_dec = plain.step(groups), decoupled.step(groups)
     assert m_dec["loss"] == pytest.approx(m_plain["loss"], abs=1e-6)
     for (name, p), q in zip(plain.model.named_parameters(), decoupled.model.parameters()):
         assert torch.allclose(p, q, atol=1e-6), name
-    two = _trainer(ckpt, decoupled_loss=True, minibatches=2)
+    two = _trainer(ckpt, off_policy=OffPolicyConfig(decoupled_loss=True), minibatches=2)
     metrics = two.step(groups)
     assert metrics["train/optimizer_steps"] == 2.0 and math.isfinite(metrics["loss"])

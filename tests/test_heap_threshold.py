@@ -1,4 +1,4 @@
-"""`train.heap_mmap_threshold_mib`: freed large tensors go back to the kernel instead of staying
+"""`train.memory.heap_mmap_threshold_mib`: freed large tensors go back to the kernel instead of staying
 in glibc's heap as resident memory no tensor uses (titanrl.memory.set_heap_mmap_threshold)."""
 
 import subprocess
@@ -6,6 +6,8 @@ import sys
 import textwrap
 
 import pytest
+
+from titanrl.trainer.setup import TrainerSetup
 
 FRAGMENT = textwrap.dedent("""
     import sys, torch
@@ -41,12 +43,12 @@ def test_freed_tensors_leave_resident_memory_with_the_threshold_set():
 
 
 def test_auto_threshold_follows_the_policys_parameter_count(tmp_path, monkeypatch):
-    """train.heap_mmap_threshold_mib=None: 32 MiB for a small policy (its few-MiB activations stay
+    """train.memory.heap_mmap_threshold_mib=None: 32 MiB for a small policy (its few-MiB activations stay
     in the heap), 4 MiB from LARGE_MODEL_PARAMS parameters on; an explicit value, 0 included, wins.
     A trainer built with the default settles on the small model's value."""
     import torch
 
-    from titanrl.config import ModelConfig, TrainConfig
+    from titanrl.config import MemoryConfig, ModelConfig, TrainConfig
     from titanrl.memory import LARGE_MODEL_PARAMS, auto_heap_mmap_threshold_mib
     from titanrl.models.tiny import write_tiny_checkpoint
     from titanrl.trainer.trainer import GRPOTrainer, heap_mmap_threshold_mib
@@ -54,17 +56,20 @@ def test_auto_threshold_follows_the_policys_parameter_count(tmp_path, monkeypatc
     assert auto_heap_mmap_threshold_mib(LARGE_MODEL_PARAMS - 1) == 32
     assert auto_heap_mmap_threshold_mib(LARGE_MODEL_PARAMS) == 4  # Qwen3-0.6B has ~600M
     auto = TrainConfig()
-    assert auto.heap_mmap_threshold_mib is None
+    assert auto.memory.heap_mmap_threshold_mib is None
     large = [torch.nn.Linear(10_000, 10_000, device="meta")]  # 100M parameters, never allocated
     assert heap_mmap_threshold_mib(auto, large) == 4
     for explicit in (0, 4, 16):
-        assert heap_mmap_threshold_mib(TrainConfig(heap_mmap_threshold_mib=explicit), large) == explicit
+        assert (
+            heap_mmap_threshold_mib(TrainConfig(memory=MemoryConfig(heap_mmap_threshold_mib=explicit)), large)
+            == explicit
+        )
 
     import titanrl.trainer.trainer as trainer_module
 
     applied: list[int] = []
     monkeypatch.setattr(trainer_module, "set_heap_mmap_threshold", applied.append)
     small = write_tiny_checkpoint(tmp_path / "small", seed=0)
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(small)), auto, temperature=1.0, seed=0)
+    trainer = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(small)), auto, temperature=1.0, seed=0))
     # 4 MiB while the weights load, then the small policy's 32 for its steps.
     assert applied == [4, 32] and heap_mmap_threshold_mib(auto, trainer.pm.parts) == 32

@@ -1,4 +1,4 @@
-"""train.threads_when_rollouts_idle: the trainer's thread count follows the rollout workers' busy bytes.
+"""train.compute.threads_when_rollouts_idle: the trainer's thread count follows the rollout workers' busy bytes.
 
 The trainer reads the bytes before each decoder layer's attention, forward and backward; these
 tests read the thread count torch reports inside the layers the check precedes.
@@ -14,13 +14,15 @@ import torch
 
 from support.packing_cases import varied_groups
 from titanrl.busy_flags import BusyFlags, BusySlot
-from titanrl.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+from titanrl.config import ComputeConfig, DataConfig, MemoryConfig, ModelConfig, RunConfig, TrainConfig
 from titanrl.config.parallel import check_idle_threads
 from titanrl.config.schema import ParallelConfig
 from titanrl.config.validation import validate
 from titanrl.errors import ConfigError
 from titanrl.models.tiny import write_tiny_checkpoint
 from titanrl.trainer.trainer import GRPOTrainer
+from titanrl.trainer.setup import TrainerSetup
+from support.sections import merged
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +50,9 @@ def _real_thread_setter(monkeypatch):
 
 
 def _trainer(checkpoint, flags: BusyFlags | None, **train) -> GRPOTrainer:
-    settings = dict(device="cpu", threads=1, threads_when_rollouts_idle=2) | train
-    return GRPOTrainer(ModelConfig(checkpoint=str(checkpoint)), TrainConfig(**settings), temperature=1.0, seed=0,
+    train_config = merged(TrainConfig(compute=ComputeConfig(device="cpu", threads=1, threads_when_rollouts_idle=2)),
+                          **train)
+    return GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(checkpoint)), train_config, temperature=1.0, seed=0),
                        busy_flags=None if flags is None else flags.path)
 
 
@@ -91,7 +94,7 @@ def test_trainer_takes_idle_cores_and_gives_them_back(checkpoint, flags):
     forward, backward = _record_threads(trainer)
     layers = len(trainer.model.model.layers)
 
-    flags.slot(1).set(True)  # a worker samples: the trainer keeps train.threads
+    flags.slot(1).set(True)  # a worker samples: the trainer keeps train.compute.threads
     trainer.accumulate_gradients(trainer.prepare_batch(varied_groups(seed=0)))
     assert forward and set(forward) == {1} and set(backward) == {1}
 
@@ -131,7 +134,7 @@ def test_checks_run_inside_compiled_blocks(checkpoint, flags):
     """Compiled decoder blocks break the graph at the check: it runs (and counts) every layer,
     forward and backward, instead of being traced once into a constant."""
     torch._dynamo.reset()
-    trainer = _trainer(checkpoint, flags, compile=True, micro_batch_size=64)
+    trainer = _trainer(checkpoint, flags, compute=ComputeConfig(compile=True), memory=MemoryConfig(micro_batch_size=64))
     layers = len(trainer.model.model.layers)
     for busy in (False, True, False):
         flags.slot(0).set(busy)
@@ -142,26 +145,48 @@ def test_checks_run_inside_compiled_blocks(checkpoint, flags):
         assert torch.get_num_threads() == (1 if busy else 2)
 
 
-@pytest.mark.parametrize("settings, batch_invariant, device, needle", [
-    (dict(threads=2, threads_when_rollouts_idle=1), False, None, "below train.threads=2"),
-    (dict(threads_when_rollouts_idle=2), True, None, "batch_invariant"),
-    (dict(threads_when_rollouts_idle=2, device="cuda"), False, None, "train.device='cuda'"),
-    (dict(threads_when_rollouts_idle=2), False, "xla", "train.device='xla'"),
-    (dict(threads_when_rollouts_idle=2, parallel=ParallelConfig(dp_shard=2)), False, None, "single-process"),
-])
+@pytest.mark.parametrize(
+    "settings, batch_invariant, device, needle",
+    [
+        (
+            dict(compute=ComputeConfig(threads=2, threads_when_rollouts_idle=1)),
+            False,
+            None,
+            "below train.compute.threads=2",
+        ),
+        (dict(compute=ComputeConfig(threads_when_rollouts_idle=2)), True, None, "batch_invariant"),
+        (
+            dict(compute=ComputeConfig(threads_when_rollouts_idle=2, device="cuda")),
+            False,
+            None,
+            "train.compute.device='cuda'",
+        ),
+        (dict(compute=ComputeConfig(threads_when_rollouts_idle=2)), False, "xla", "train.compute.device='xla'"),
+        (
+            dict(compute=ComputeConfig(threads_when_rollouts_idle=2), parallel=ParallelConfig(dp_shard=2)),
+            False,
+            None,
+            "single-process",
+        ),
+    ],
+)
 def test_idle_threads_refuse_what_they_cannot_honour(settings, batch_invariant, device, needle):
     with pytest.raises(ConfigError, match="threads_when_rollouts_idle") as e:
         check_idle_threads(TrainConfig(**settings), batch_invariant, device)
     assert needle in str(e.value)
-    settings.pop("threads_when_rollouts_idle")
-    check_idle_threads(TrainConfig(**settings), batch_invariant, device)  # unset: nothing to refuse
+    unset = dataclasses.replace(settings["compute"], threads_when_rollouts_idle=None)
+    check_idle_threads(TrainConfig(**{**settings, "compute": unset}), batch_invariant, device)  # nothing to refuse
 
 
 def test_run_config_refuses_idle_threads_across_a_cluster(checkpoint, tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    config = RunConfig(model=ModelConfig(checkpoint=str(checkpoint)), data=DataConfig(train_file=str(train)),
-                       rewards=[lambda prompt, completion, **kw: 0.0], train=TrainConfig(threads_when_rollouts_idle=2))
+    config = RunConfig(
+        model=ModelConfig(checkpoint=str(checkpoint)),
+        data=DataConfig(train_file=str(train)),
+        rewards=[lambda prompt, completion, **kw: 0.0],
+        train=TrainConfig(compute=ComputeConfig(threads_when_rollouts_idle=2)),
+    )
     validate(config)  # the workers on this machine: fine
     with pytest.raises(ConfigError, match="ray_address='127.0.0.1:6379' joins a cluster"):
         validate(dataclasses.replace(config, ray_address="127.0.0.1:6379"))

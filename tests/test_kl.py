@@ -1,4 +1,4 @@
-"""KL to the frozen reference policy (train.kl_coef, kl_estimator, kl_in_reward): the estimators
+"""KL to the frozen reference policy (train.kl.coef, kl_estimator, kl_in_reward): the estimators
 against hand-computed values, the loss term's gradient against autograd on the formula, the
 reward penalty's advantages against a hand computation, the reference held only when used,
 equal under a sharded layout, and kept across resumes."""
@@ -13,7 +13,18 @@ import statistics
 import pytest
 import torch
 
-from titanrl.config import ConfigError, DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig, validate
+from titanrl.config import (
+    ConfigError,
+    DataConfig,
+    MemoryConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+    validate,
+)
+from titanrl.config import KlConfig
 from titanrl.models.hf_checkpoint import CheckpointError, load_model
 from titanrl.models.qwen3 import Qwen3ForCausalLM
 from titanrl.trainer.batch import PackedBatch
@@ -22,6 +33,8 @@ from titanrl.trainer.kl import kl_loss_sum, token_kl
 from titanrl.trainer.reference import REFERENCE_STATE_KEY
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.types import Group, Sample
+from titanrl.trainer.setup import TrainerSetup
+from support.sections import merged
 
 TEMPERATURE = 0.9
 
@@ -34,8 +47,8 @@ def ckpt(tmp_path_factory):
 
 
 def _trainer(path, **train) -> GRPOTrainer:
-    return GRPOTrainer(ModelConfig(checkpoint=str(path)), TrainConfig(**{"micro_batch_size": 3, **train}),
-                       temperature=TEMPERATURE, seed=0)
+    train_config = merged(TrainConfig(memory=MemoryConfig(micro_batch_size=3)), **train)
+    return GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(path)), train_config, temperature=TEMPERATURE, seed=0))
 
 
 def _groups(seed: int = 0, equal_rewards: bool = False) -> list[Group]:
@@ -86,7 +99,7 @@ def test_estimators_match_hand_computed_values():
     for name, values in want.items():
         got = token_kl(logp, ref, mask, name)
         torch.testing.assert_close(got, torch.tensor([values]), rtol=0, atol=1e-7, msg=name)
-    with pytest.raises(ValueError, match="kl_estimator 'k4'"):
+    with pytest.raises(ValueError, match="train.kl.estimator 'k4'"):
         token_kl(logp, ref, mask, "k4")
 
 
@@ -101,9 +114,9 @@ def test_loss_term_gradient_per_token_by_hand():
         logp = logp0.clone().requires_grad_()
         sub = PackedBatch(logp0.long(), logp0.long(), mask, logp0, torch.zeros(1), torch.ones(1, dtype=torch.bool),
                           reference_BT=ref)
-        kl_loss_sum(logp, sub, TrainConfig(kl_coef=0.3, kl_estimator=name)).backward()
+        kl_loss_sum(logp, sub, TrainConfig(kl=KlConfig(coef=0.3, estimator=name))).backward()
         torch.testing.assert_close(logp.grad, 0.3 * grad * mask, rtol=1e-6, atol=1e-7, msg=name)
-    assert kl_loss_sum(logp0, sub, TrainConfig(kl_coef=0.3, kl_in_reward=True)) == 0.0
+    assert kl_loss_sum(logp0, sub, TrainConfig(kl=KlConfig(coef=0.3, in_reward=True))) == 0.0
     assert kl_loss_sum(logp0, sub, TrainConfig()) == 0.0
 
 
@@ -116,7 +129,7 @@ def test_in_loss_gradient_matches_autograd_on_the_formula(ckpt, estimator):
     autograd through the estimator written out on the policy's full-logit logprobs, the reference
     logprobs being a fresh model's of the initial checkpoint."""
     coef = 0.7
-    tr = _trainer(ckpt, kl_coef=coef, kl_estimator=estimator)
+    tr = _trainer(ckpt, kl=KlConfig(coef=coef, estimator=estimator))
     _perturb(tr.model)
     batch = tr.prepare_batch(_groups(equal_rewards=True))
     assert not batch.advantages_B.any()
@@ -157,7 +170,7 @@ def test_reference_held_only_with_kl(ckpt):
     assert not [k for k in off.step(_groups()) if k.startswith("kl/")]
     del off, batch
 
-    on = _trainer(ckpt, kl_coef=0.1)
+    on = _trainer(ckpt, kl=KlConfig(coef=0.1))
     assert models() == before + 2
     ref_params = list(on.reference.pm.parts[0].parameters())
     assert ref_params and not any(p.requires_grad for p in ref_params)
@@ -179,7 +192,7 @@ def test_in_reward_advantages_and_metrics_by_hand(ckpt):
     fresh reference model; kl/mean, kl/max and kl/reward_penalty are the same numbers' summaries."""
     coef = 0.05
     groups = _groups(seed=3)
-    tr = _trainer(ckpt, kl_coef=coef, kl_estimator="k1", kl_in_reward=True)
+    tr = _trainer(ckpt, kl=KlConfig(coef=coef, estimator="k1", in_reward=True))
     _perturb(tr.model)  # the penalty reads the generator's logprobs, not the policy's
     batch = tr.prepare_batch(groups)
     reference, _ = load_model(ckpt)
@@ -217,7 +230,7 @@ def test_resume_keeps_the_reference(ckpt, tmp_path):
     weights as reference and continue bit for bit; a recorded reference that is gone fails naming it."""
     initial = tmp_path / "initial"
     shutil.copytree(ckpt, initial)
-    a = _trainer(initial, kl_coef=0.2, lr=1e-2)
+    a = _trainer(initial, kl=KlConfig(coef=0.2), optimizer=OptimizerConfig(lr=1e-2))
     for seed in (0, 1):
         a.step(_groups(seed))
     a.save_state(str(tmp_path / "s"))
@@ -226,8 +239,8 @@ def test_resume_keeps_the_reference(ckpt, tmp_path):
     batch = a.prepare_batch(_groups(2))
     assert not torch.equal(batch.reference_BT, a.proximal_logprobs(batch))  # the policy moved
 
-    from_state = _trainer(tmp_path / "s", kl_coef=0.2, lr=1e-2)
-    loaded = _trainer(tmp_path / "s", kl_coef=0.2, lr=1e-2)
+    from_state = _trainer(tmp_path / "s", kl=KlConfig(coef=0.2), optimizer=OptimizerConfig(lr=1e-2))
+    loaded = _trainer(tmp_path / "s", kl=KlConfig(coef=0.2), optimizer=OptimizerConfig(lr=1e-2))
     assert loaded.load_state(str(tmp_path / "s")) == 2
     for b in (from_state, loaded):
         assert b.reference.checkpoint == str(initial.absolute())
@@ -239,9 +252,9 @@ def test_resume_keeps_the_reference(ckpt, tmp_path):
     shutil.rmtree(initial)
     gone = rf"reference policy's checkpoint '{initial}' \(recorded in {tmp_path / 's'}/trainer_state.pt\) does not exist"
     with pytest.raises(CheckpointError, match=gone):
-        _trainer(ckpt, kl_coef=0.2).load_state(str(tmp_path / "s"))
+        _trainer(ckpt, kl=KlConfig(coef=0.2)).load_state(str(tmp_path / "s"))
     with pytest.raises(CheckpointError, match=gone):
-        _trainer(tmp_path / "s", kl_coef=0.2)
+        _trainer(tmp_path / "s", kl=KlConfig(coef=0.2))
 
 
 def test_sharded_reference_equals_one_process(ckpt, tmp_path, gloo_world):
@@ -251,9 +264,9 @@ def test_sharded_reference_equals_one_process(ckpt, tmp_path, gloo_world):
     (each rank half of every sequence) and tp=2 give them to float error."""
     from kl_worlds import reference_in_layout
 
-    inv = dict(kl_coef=0.2, micro_batch_size=2, batch_invariant=True)
-    plain = dict(kl_coef=0.2, micro_batch_size=2)
-    one = GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), TrainConfig(**plain), TEMPERATURE, seed=0)
+    inv = dict(kl=KlConfig(coef=0.2), memory=MemoryConfig(micro_batch_size=2), batch_invariant=True)
+    plain = dict(kl=KlConfig(coef=0.2), memory=MemoryConfig(micro_batch_size=2))
+    one = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(ckpt)), TrainConfig(**plain), TEMPERATURE, seed=0))
     for seed in (0, 1):
         one.step(_groups(seed))
     one.save_state(str(tmp_path / "s"))
@@ -263,8 +276,9 @@ def test_sharded_reference_equals_one_process(ckpt, tmp_path, gloo_world):
             "cp": (str(ckpt), dict(cp=2), plain, False),
             "tp": (str(ckpt), dict(tp=2), plain, False)}
     got = gloo_world.run(reference_in_layout, runs, groups, TEMPERATURE, timeout_s=300)[0]
-    single = GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), TrainConfig(**plain), TEMPERATURE, seed=0,
-                         batch_invariant=True)
+    single = GRPOTrainer(
+        TrainerSetup(ModelConfig(checkpoint=str(ckpt)), TrainConfig(**plain), TEMPERATURE, seed=0, batch_invariant=True)
+    )
     want_ref = single.prepare_batch(groups).reference_BT
     assert want_ref.abs().sum() > 0
     want = single.step(groups)
@@ -289,14 +303,14 @@ def _run_config(tmp_path, checkpoint, **train) -> RunConfig:
 
 
 def test_validation_names_the_field(ckpt, tmp_path):
-    validate(_run_config(tmp_path, ckpt, kl_coef=0.1, kl_estimator="k2", kl_in_reward=True))
-    validate(_run_config(tmp_path, ckpt, kl_coef=0.1, parallel=ParallelConfig(dp_shard=2)))
+    validate(_run_config(tmp_path, ckpt, kl=KlConfig(coef=0.1, estimator="k2", in_reward=True)))
+    validate(_run_config(tmp_path, ckpt, kl=KlConfig(coef=0.1), parallel=ParallelConfig(dp_shard=2)))
     for bad in (-0.1, float("nan"), float("inf")):
-        with pytest.raises(ConfigError, match=r"train\.kl_coef must be a finite number >= 0"):
-            validate(_run_config(tmp_path, ckpt, kl_coef=bad))
-    with pytest.raises(ConfigError, match=r"train\.kl_estimator must be 'k1', 'k2' or 'k3', got str 'k4'"):
-        validate(_run_config(tmp_path, ckpt, kl_coef=0.1, kl_estimator="k4"))
-    with pytest.raises(ConfigError, match=r"train\.kl_coef > 0 is not implemented for the pipelined trainer "
+        with pytest.raises(ConfigError, match=r"train\.kl\.coef must be a finite number >= 0"):
+            validate(_run_config(tmp_path, ckpt, kl=KlConfig(coef=bad)))
+    with pytest.raises(ConfigError, match=r"train\.kl\.estimator must be 'k1', 'k2' or 'k3', got str 'k4'"):
+        validate(_run_config(tmp_path, ckpt, kl=KlConfig(coef=0.1, estimator="k4")))
+    with pytest.raises(ConfigError, match=r"train\.kl\.coef > 0 is not implemented for the pipelined trainer "
                                           r"\(train\.parallel\.pp=2\)"):
-        validate(_run_config(tmp_path, ckpt, kl_coef=0.1, parallel=ParallelConfig(pp=2)))
+        validate(_run_config(tmp_path, ckpt, kl=KlConfig(coef=0.1), parallel=ParallelConfig(pp=2)))
     validate(_run_config(tmp_path, ckpt, parallel=ParallelConfig(pp=2)))  # no KL: pipelines are fine

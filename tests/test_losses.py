@@ -1,4 +1,4 @@
-"""train.loss variants, aggregation modes, entropy bonus and off-policy corrections: values worked
+"""train.loss.objective variants, aggregation modes, entropy bonus and off-policy corrections: values worked
 by hand on small tensors, and each variant's gradient through the trainer against a direct
 per-row formula differentiated by torch.autograd."""
 
@@ -11,6 +11,12 @@ import pytest
 import torch
 
 from titanrl.config import ModelConfig, TrainConfig
+from titanrl.config.schema import (
+    LossConfig,
+    MemoryConfig,
+    OffPolicyConfig,
+    OptimizerConfig,
+)
 from titanrl.trainer.batch import pack
 from titanrl.trainer.grpo import group_advantages
 from titanrl.trainer.losses.aggregation import batch_sequences, row_weights
@@ -18,6 +24,7 @@ from titanrl.trainer.losses.measures import combine_passes, loss_metrics
 from titanrl.trainer.losses.off_policy import correction_weights
 from titanrl.trainer.losses.policy import policy_loss
 from titanrl.trainer.losses.settings import loss_settings
+from titanrl.trainer.setup import TrainerSetup
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.types import Group, Sample
 
@@ -42,9 +49,9 @@ def _ratios(rows: list[list[float]], width: int) -> tuple[torch.Tensor, torch.Te
     return log_r, mask
 
 
-def _policy(loss: str, log_r, mask, adv, weights=None, **train):
+def _policy(loss: str, log_r, mask, adv, weights=None, **loss_fields):
     """policy_loss of `loss` with logprobs = anchor + log_r (anchor 0), returning (sum, stats, logprobs)."""
-    s = loss_settings(TrainConfig(loss=loss, **train))
+    s = loss_settings(TrainConfig(loss=LossConfig(objective=loss, **loss_fields)))
     logprobs = log_r.clone().requires_grad_()
     out, stats = policy_loss(s, logprobs, torch.zeros_like(log_r), torch.tensor(adv, dtype=torch.float64), mask,
                              weights, _row_sum, mask.sum(1))
@@ -78,13 +85,13 @@ def test_dapo_clips_higher_at_0_28_by_default():
     dapo.backward()
     assert _close(lp.grad, [[-1.25], [0.0]])
     assert (stats["clip_low_tokens"].item(), stats["clip_high_tokens"].item()) == (1, 0)
-    assert loss_settings(TrainConfig(loss="dapo", clip_eps_high=0.3)).clip_high == 0.3
+    assert loss_settings(TrainConfig(loss=LossConfig(objective="dapo", clip_eps_high=0.3))).clip_high == 0.3
 
 
 def test_dr_grpo_settings_and_advantages_by_hand():
     """dr_grpo: advantages only centred (rewards 1, 0, 0, 1 -> +-0.5, not +-1), the constant
     normaliser aggregation, and grpo's clip."""
-    s = loss_settings(TrainConfig(loss="dr_grpo", loss_length_norm=16))
+    s = loss_settings(TrainConfig(loss=LossConfig(objective="dr_grpo", length_norm=16)))
     assert (s.scale_by_std, s.aggregation, s.clip_low, s.clip_high) == (False, "seq-mean-token-sum-norm", 0.2, 0.2)
     assert loss_settings(TrainConfig()).scale_by_std is True
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
@@ -102,7 +109,7 @@ def test_gspo_sequence_ratio_by_hand():
     loss.backward()
     assert _close(lp.grad, [[0.0, 0.0], [s1, 0.0]])
     assert (stats["clipped_sequences"].item(), stats["sequences"].item(), stats["clip_high_tokens"].item()) == (1, 2, 2)
-    s = loss_settings(TrainConfig(loss="gspo"))
+    s = loss_settings(TrainConfig(loss=LossConfig(objective="gspo")))
     assert (s.clip_low, s.clip_high, s.aggregation) == (3e-4, 4e-4, "seq-mean-token-mean")
 
 
@@ -125,7 +132,7 @@ def test_cispo_by_hand():
     logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
     old = logp.detach() - torch.tensor([[LOG(2.0), LOG(0.5)]], dtype=torch.float64)
     mask = torch.ones_like(old)
-    s = loss_settings(TrainConfig(loss="cispo"))
+    s = loss_settings(TrainConfig(loss=LossConfig(objective="cispo")))
     loss, stats = policy_loss(s, logp, old, torch.tensor([1.0], dtype=torch.float64), mask, None, _row_sum,
                               mask.sum(1))
     assert loss.item() == pytest.approx(2.28, abs=1e-12)
@@ -183,16 +190,18 @@ def test_off_policy_weights_by_hand(mode, weights, clipped, masked):
 
 def test_off_policy_settings():
     """decoupled_loss is token TIS at behaviour_weight_cap; off_policy_low defaults to 1 / cap."""
-    s = loss_settings(TrainConfig(decoupled_loss=True, behaviour_weight_cap=3.0))
+    s = loss_settings(TrainConfig(off_policy=OffPolicyConfig(decoupled_loss=True, behaviour_weight_cap=3.0)))
     assert (s.correction, s.cap, s.at_proximal) == ("tis_token", 3.0, True)
-    s = loss_settings(TrainConfig(off_policy_correction="mis_token", off_policy_cap=4.0))
+    s = loss_settings(TrainConfig(off_policy=OffPolicyConfig(correction="mis_token", cap=4.0)))
     assert (s.correction, s.cap, s.low) == ("mis_token", 4.0, 0.25)
     assert not loss_settings(TrainConfig()).at_proximal
 
 
 def test_loss_metrics_from_measures():
     """Fractions over the trained tokens of two passes (sums add, maxima max)."""
-    s = loss_settings(TrainConfig(loss="gspo", off_policy_correction="tis_token"))
+    s = loss_settings(
+        TrainConfig(loss=LossConfig(objective="gspo"), off_policy=OffPolicyConfig(correction="tis_token"))
+    )
     one = {"clip_low_tokens": 1.0, "clip_high_tokens": 2.0, "clipped_sequences": 1.0, "sequences": 2.0,
            "offpolicy_ratio_sum": 4.0, "offpolicy_weight_sum": 3.0, "offpolicy_clipped_tokens": 1.0,
            "offpolicy_masked_tokens": 0.0, "offpolicy_ratio_max": 3.0, "offpolicy_ratio_neg_min": -0.5}
@@ -280,18 +289,25 @@ def _reference_loss(model, batch, cfg: TrainConfig) -> torch.Tensor:
 
 CASES = {
     "grpo": dict(),
-    "grpo_seq_mean_entropy": dict(loss_aggregation="seq-mean-token-mean", entropy_coef=0.05),
-    "grpo_sum_norm": dict(loss_aggregation="seq-mean-token-sum-norm", loss_length_norm=8),
-    "dr_grpo": dict(loss="dr_grpo", loss_length_norm=8),
-    "dapo": dict(loss="dapo"),
-    "gspo": dict(loss="gspo", gspo_clip_eps=(0.02, 0.03)),
-    "gspo_paper_clip": dict(loss="gspo"),
-    "cispo": dict(loss="cispo", entropy_coef=0.02, clip_eps_high=0.1),
-    "decoupled_seq_mean": dict(decoupled_loss=True, loss_aggregation="seq-mean-token-mean", behaviour_weight_cap=1.1),
-    **{f"grpo_{m}": dict(off_policy_correction=m, off_policy_cap=1.1) for m in
-       ("tis_token", "tis_sequence", "mis_token", "mis_sequence", "mis_geometric")},
-    "gspo_tis_sequence": dict(loss="gspo", gspo_clip_eps=(0.02, 0.03), off_policy_correction="tis_sequence",
-                              off_policy_cap=1.1),
+    "grpo_seq_mean_entropy": dict(loss=LossConfig(aggregation="seq-mean-token-mean", entropy_coef=0.05)),
+    "grpo_sum_norm": dict(loss=LossConfig(aggregation="seq-mean-token-sum-norm", length_norm=8)),
+    "dr_grpo": dict(loss=LossConfig(objective="dr_grpo", length_norm=8)),
+    "dapo": dict(loss=LossConfig(objective="dapo")),
+    "gspo": dict(loss=LossConfig(objective="gspo", gspo_clip_eps=(0.02, 0.03))),
+    "gspo_paper_clip": dict(loss=LossConfig(objective="gspo")),
+    "cispo": dict(loss=LossConfig(objective="cispo", entropy_coef=0.02, clip_eps_high=0.1)),
+    "decoupled_seq_mean": dict(
+        off_policy=OffPolicyConfig(decoupled_loss=True, behaviour_weight_cap=1.1),
+        loss=LossConfig(aggregation="seq-mean-token-mean"),
+    ),
+    **{
+        f"grpo_{m}": dict(off_policy=OffPolicyConfig(correction=m, cap=1.1))
+        for m in ("tis_token", "tis_sequence", "mis_token", "mis_sequence", "mis_geometric")
+    },
+    "gspo_tis_sequence": dict(
+        loss=LossConfig(objective="gspo", gspo_clip_eps=(0.02, 0.03)),
+        off_policy=OffPolicyConfig(correction="tis_sequence", cap=1.1),
+    ),
 }
 """Bounds are set so that every case clips, truncates or masks some of the batch's tokens (the
 ratios to the generator lie in ~[0.7, 1.25])."""
@@ -302,8 +318,8 @@ def test_trainer_gradient_matches_direct_formula(ckpt, name):
     """GRPOTrainer.accumulate_gradients (micro-batches of 2 rows, padded and trimmed) gives the
     loss and the gradient of every parameter that autograd gives through the per-row formula
     on one forward of the whole batch (float64), for each variant, aggregation and correction."""
-    cfg = TrainConfig(micro_batch_size=2, **CASES[name])
-    tr = GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), cfg, temperature=TEMPERATURE, seed=0)
+    cfg = TrainConfig(memory=MemoryConfig(micro_batch_size=2), **CASES[name])
+    tr = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(ckpt)), cfg, temperature=TEMPERATURE, seed=0))
     s = tr.grpo.loss
     batch = pack(_batch_groups(tr.model), pad_id=0, scale_by_std=s.scale_by_std, current_version=0)
     stats = tr.accumulate_gradients(batch)
@@ -325,7 +341,7 @@ def test_default_loss_is_todays_grpo(ckpt):
     clipped_surrogate_loss on the trainer's own logprobs, divided by the token count, bit for bit."""
     from titanrl.trainer.grpo import clipped_surrogate_loss
 
-    tr = GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), TrainConfig(), temperature=TEMPERATURE, seed=0)
+    tr = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(ckpt)), TrainConfig(), temperature=TEMPERATURE, seed=0))
     batch = pack(_batch_groups(tr.model), pad_id=0, current_version=0)
     stats = tr.accumulate_gradients(batch)
     with torch.no_grad():
@@ -339,8 +355,13 @@ def test_step_metrics_and_batch_start_ratio_with_minibatches(ckpt):
     """A step with off_policy_correction and two minibatches: the ratio pi_trainer / pi_generator
     is at the batch-start weights in both minibatches (the mean of exp(own - generator) measured
     before the step), and the clip fractions low + high add up to train/clip_fraction."""
-    cfg = TrainConfig(off_policy_correction="tis_token", minibatches=2, lr=1e-2, micro_batch_size=2)
-    tr = GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), cfg, temperature=TEMPERATURE, seed=0)
+    cfg = TrainConfig(
+        off_policy=OffPolicyConfig(correction="tis_token"),
+        minibatches=2,
+        optimizer=OptimizerConfig(lr=1e-2),
+        memory=MemoryConfig(micro_batch_size=2),
+    )
+    tr = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(ckpt)), cfg, temperature=TEMPERATURE, seed=0))
     groups = _batch_groups(tr.model, seed=1)
     batch = pack(groups, pad_id=0, current_version=0)
     with torch.no_grad():
@@ -370,21 +391,40 @@ def run_config(tmp_path, ckpt):
                      rewards=[lambda prompt, completion, **_: 0.0])
 
 
-@pytest.mark.parametrize("train, parallel, field", [
-    (dict(loss="dr_grpo", scale_advantages_by_std=True), {}, "train.scale_advantages_by_std"),
-    (dict(loss="dr_grpo", loss_aggregation="token-mean"), {}, "train.loss_aggregation"),
-    (dict(loss="gspo", clip_eps_high=0.3), {}, "train.gspo_clip_eps"),
-    (dict(gspo_clip_eps=(0.0, 0.1)), {}, "train.gspo_clip_eps"),
-    (dict(loss="cispo", clip_eps_high=-1.0), {}, "train.clip_eps_high"),
-    (dict(entropy_coef=math.inf), {}, "train.entropy_coef"),
-    (dict(loss_length_norm=0), {}, "train.loss_length_norm"),
-    (dict(off_policy_cap=0.0), {}, "train.off_policy_cap"),
-    (dict(off_policy_low=3.0), {}, "train.off_policy_low"),
-    (dict(off_policy_correction="tis_token", decoupled_loss=True), {}, "train.decoupled_loss=false"),
-    (dict(off_policy_correction="mis_token", minibatches=2), dict(dp_shard=2), "train.minibatches=1"),
-    (dict(loss="gspo"), dict(pp=2, cp=2), "train.loss='gspo'"),
-    (dict(off_policy_correction="mis_geometric"), dict(pp=2, cp=2), "train.off_policy_correction='mis_geometric'"),
-])
+@pytest.mark.parametrize(
+    "train, parallel, field",
+    [
+        (
+            dict(loss=LossConfig(objective="dr_grpo", scale_advantages_by_std=True)),
+            {},
+            "train.loss.scale_advantages_by_std",
+        ),
+        (dict(loss=LossConfig(objective="dr_grpo", aggregation="token-mean")), {}, "train.loss.aggregation"),
+        (dict(loss=LossConfig(objective="gspo", clip_eps_high=0.3)), {}, "train.loss.gspo_clip_eps"),
+        (dict(loss=LossConfig(gspo_clip_eps=(0.0, 0.1))), {}, "train.loss.gspo_clip_eps"),
+        (dict(loss=LossConfig(objective="cispo", clip_eps_high=-1.0)), {}, "train.loss.clip_eps_high"),
+        (dict(loss=LossConfig(entropy_coef=math.inf)), {}, "train.loss.entropy_coef"),
+        (dict(loss=LossConfig(length_norm=0)), {}, "train.loss.length_norm"),
+        (dict(off_policy=OffPolicyConfig(cap=0.0)), {}, "train.off_policy.cap"),
+        (dict(off_policy=OffPolicyConfig(low=3.0)), {}, "train.off_policy.low"),
+        (
+            dict(off_policy=OffPolicyConfig(correction="tis_token", decoupled_loss=True)),
+            {},
+            "train.off_policy.decoupled_loss=false",
+        ),
+        (
+            dict(off_policy=OffPolicyConfig(correction="mis_token"), minibatches=2),
+            dict(dp_shard=2),
+            "train.minibatches=1",
+        ),
+        (dict(loss=LossConfig(objective="gspo")), dict(pp=2, cp=2), "train.loss.objective='gspo'"),
+        (
+            dict(off_policy=OffPolicyConfig(correction="mis_geometric")),
+            dict(pp=2, cp=2),
+            "train.off_policy.correction='mis_geometric'",
+        ),
+    ],
+)
 def test_validation_names_the_field(run_config, train, parallel, field):
     """Inconsistent loss settings fail validation with an error naming the field to change."""
     from titanrl.config import ParallelConfig
@@ -402,23 +442,28 @@ def test_validation_accepts_the_variants(run_config):
     """Each loss, aggregation and correction on its own validates (with one trainer process)."""
     from titanrl.config.validation import validate
 
-    for kw in [dict(loss="dr_grpo"), dict(loss="dapo"), dict(loss="gspo"), dict(loss="cispo", clip_eps_high=3.0),
-               dict(loss_aggregation="seq-mean-token-mean", entropy_coef=0.01),
-               dict(off_policy_correction="mis_sequence", off_policy_low=0.1, ppo_epochs=2)]:
+    for kw in [
+        dict(loss=LossConfig(objective="dr_grpo")),
+        dict(loss=LossConfig(objective="dapo")),
+        dict(loss=LossConfig(objective="gspo")),
+        dict(loss=LossConfig(objective="cispo", clip_eps_high=3.0)),
+        dict(loss=LossConfig(aggregation="seq-mean-token-mean", entropy_coef=0.01)),
+        dict(off_policy=OffPolicyConfig(correction="mis_sequence", low=0.1), ppo_epochs=2),
+    ]:
         run_config.train = TrainConfig(**kw)
         validate(run_config)  # raises ConfigError on refusal
         resolved = loss_settings(run_config.train)
-        assert resolved.loss == kw.get("loss", "grpo")
-        assert resolved.correction == kw.get("off_policy_correction", "none")
-        if "loss_aggregation" in kw:
-            assert resolved.aggregation == kw["loss_aggregation"]
+        assert resolved.loss == run_config.train.loss.objective
+        assert resolved.correction == run_config.train.off_policy.correction
+        if run_config.train.loss.aggregation is not None:
+            assert resolved.aggregation == run_config.train.loss.aggregation
 
 
 def test_driver_resolves_the_length_norm(run_config):
-    """loss_length_norm None becomes rollout.max_new_tokens in the resolved config the trainer gets."""
+    """train.loss.length_norm None becomes rollout.sampling.max_new_tokens in the resolved config the trainer gets."""
     from titanrl.config.resolve import resolve
 
-    run_config.rollout.max_new_tokens = 24
-    assert resolve(run_config).config.train.loss_length_norm == 24
-    run_config.train.loss_length_norm = 7
-    assert resolve(run_config).config.train.loss_length_norm == 7
+    run_config.rollout.sampling.max_new_tokens = 24
+    assert resolve(run_config).config.train.loss.length_norm == 24
+    run_config.train.loss.length_norm = 7
+    assert resolve(run_config).config.train.loss.length_norm == 7

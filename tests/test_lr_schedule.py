@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from titanrl.config import TrainConfig
+from titanrl.config import LrScheduleConfig, OptimizerConfig, TrainConfig
 from titanrl.trainer.lr_schedule import build_scheduler, lr_multiplier, total_optimizer_steps
 
 
@@ -34,7 +34,7 @@ def test_single_step_after_warmup_is_the_last():
 def _lrs_used(cfg: TrainConfig) -> list[float]:
     """The lr each optimizer step of a run uses, read from a real AdamW driven by build_scheduler."""
     p = torch.nn.Parameter(torch.zeros(2))
-    opt = torch.optim.AdamW([p], lr=cfg.lr)
+    opt = torch.optim.AdamW([p], lr=cfg.optimizer.lr)
     sched = build_scheduler(opt, cfg)
     used = []
     for _ in range(total_optimizer_steps(cfg)):
@@ -47,7 +47,9 @@ def _lrs_used(cfg: TrainConfig) -> list[float]:
 
 def test_scheduler_ends_exactly_at_min_lr():
     """steps=10, min_lr_ratio=0.1: the 10th optimizer step uses exactly 0.1 * lr (it used to use 0.122 * lr)."""
-    cfg = TrainConfig(steps=10, lr=3e-4, lr_decay="cosine", min_lr_ratio=0.1)
+    cfg = TrainConfig(
+        steps=10, optimizer=OptimizerConfig(lr=3e-4), lr_schedule=LrScheduleConfig(decay="cosine", min_lr_ratio=0.1)
+    )
     used = _lrs_used(cfg)
     assert len(used) == 10
     assert used[0] == pytest.approx(3e-4, rel=1e-12)
@@ -59,7 +61,11 @@ def test_scheduler_spans_every_optimizer_step_with_warmup():
     """With ppo_epochs and minibatches the schedule spans steps * epochs * minibatches optimizer steps;
     warm-up is unchanged ((s+1)/(w+1) * lr) and the last of them uses min_lr_ratio * lr."""
     cfg = TrainConfig(
-        steps=3, ppo_epochs=2, minibatches=2, lr=1e-3, warmup_steps=2, lr_decay="cosine", min_lr_ratio=0.3
+        steps=3,
+        ppo_epochs=2,
+        minibatches=2,
+        optimizer=OptimizerConfig(lr=1e-3),
+        lr_schedule=LrScheduleConfig(warmup_steps=2, decay="cosine", min_lr_ratio=0.3),
     )
     assert total_optimizer_steps(cfg) == 12
     used = _lrs_used(cfg)

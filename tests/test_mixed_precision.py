@@ -1,4 +1,4 @@
-"""Mixed precision: float32 master weights (model.dtype) with bfloat16 compute (train.compute_dtype).
+"""Mixed precision: float32 master weights (model.dtype) with bfloat16 compute (train.compute.dtype).
 
 One process: the matmuls see bf16 weights, parameters, gradients and AdamW state stay float32,
 and the gradient is bitwise a bf16 model's gradient upcast. Two processes (gloo): FSDP2's
@@ -18,14 +18,17 @@ from titanrl.config import ConfigError, DataConfig, ModelConfig, RunConfig, appl
 from titanrl.models.hf_checkpoint import load_model
 from support.layout_check import check_layouts, make_case, reference
 from titanrl.trainer.trainer import GRPOTrainer
+from titanrl.trainer.setup import TrainerSetup
+from titanrl.config import ComputeConfig, EngineConfig, MemoryConfig
+from support.sections import merged
 
 BF16 = torch.bfloat16
 
 
 def _mixed(case, **train):
     """GRPOTrainer on `case` with float32 storage and bf16 compute."""
-    cfg = dataclasses.replace(case.train, compute_dtype="bfloat16", **train)
-    return GRPOTrainer(ModelConfig(checkpoint=case.checkpoint), cfg, case.temperature, seed=0)
+    cfg = merged(case.train, compute=ComputeConfig(dtype="bfloat16"), **train)
+    return GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=case.checkpoint), cfg, case.temperature, seed=0))
 
 
 def _record_weight_dtypes(model: nn.Module) -> list[torch.dtype]:
@@ -50,7 +53,7 @@ def test_one_process_float32_masters_bf16_compute(tied_case):
     gradient of a bf16 copy of the model (model.dtype=bfloat16) upcast to float32 (one micro-batch:
     the bf16 copy accumulates nothing in bf16). After the step, AdamW's moments are float32 and
     the masters hold updates a bf16 weight could not."""
-    case = dataclasses.replace(tied_case, train=dataclasses.replace(tied_case.train, micro_batch_size=16))
+    case = dataclasses.replace(tied_case, train=merged(tied_case.train, memory=MemoryConfig(micro_batch_size=16)))
     mp = _mixed(case)
     seen = _record_weight_dtypes(mp.model)
     stats = mp.accumulate_gradients(case.batch)
@@ -60,7 +63,9 @@ def test_one_process_float32_masters_bf16_compute(tied_case):
     assert {p.dtype for p in mp.model.parameters()} == {torch.float32}
     assert {p.grad.dtype for p in mp.model.parameters()} == {torch.float32}
 
-    ref = GRPOTrainer(ModelConfig(checkpoint=case.checkpoint, dtype="bfloat16"), case.train, case.temperature, seed=0)
+    ref = GRPOTrainer(
+        TrainerSetup(ModelConfig(checkpoint=case.checkpoint, dtype="bfloat16"), case.train, case.temperature, seed=0)
+    )
     ref_stats = ref.accumulate_gradients(case.batch)
     assert ref_stats.loss_sum == stats.loss_sum
     ref_grads = dict(ref.model.named_parameters())
@@ -81,10 +86,18 @@ def test_gradients_accumulate_in_float32(tied_case):
     sum is closer to the float32-compute gradient than a bf16 model's bf16-accumulated one."""
     mp = _mixed(tied_case)
     mp.accumulate_gradients(tied_case.batch)
-    bf = GRPOTrainer(ModelConfig(checkpoint=tied_case.checkpoint, dtype="bfloat16"), tied_case.train,
-                     tied_case.temperature, seed=0)
+    bf = GRPOTrainer(
+        TrainerSetup(
+            ModelConfig(checkpoint=tied_case.checkpoint, dtype="bfloat16"),
+            tied_case.train,
+            tied_case.temperature,
+            seed=0,
+        )
+    )
     bf.accumulate_gradients(tied_case.batch)
-    fp = GRPOTrainer(ModelConfig(checkpoint=tied_case.checkpoint), tied_case.train, tied_case.temperature, seed=0)
+    fp = GRPOTrainer(
+        TrainerSetup(ModelConfig(checkpoint=tied_case.checkpoint), tied_case.train, tied_case.temperature, seed=0)
+    )
     fp.accumulate_gradients(tied_case.batch)
 
     def flat(tr):
@@ -197,9 +210,8 @@ def world(tmp_path_factory, tied_case, gloo_world):
     # Prompts unshared: pp runs right-padded rows, and in bf16 compute a shared prompt's other GEMM
     # shapes move float32 sums by ulps that round to other bf16 values (5e-3 here, a clip flip);
     # shared prompts are compared against the padded step in float32 (test_trainer_packing).
-    cases = {k: dataclasses.replace(c, train=dataclasses.replace(c.train, compute_dtype="bfloat16",
-                                                                 share_prompts=False))
-             for k, c in fp32_cases.items()}
+    bf16_unshared = ComputeConfig(dtype="bfloat16", share_prompts=False)
+    cases = {k: dataclasses.replace(c, train=merged(c.train, compute=bf16_unshared)) for k, c in fp32_cases.items()}
     refs = {k: reference(c) for k, c in cases.items()}
     fp32_refs = {k: reference(c) for k, c in fp32_cases.items()}
     return gloo_world.run(_world, cases, refs, timeout_s=600)[0], refs, fp32_refs
@@ -287,10 +299,17 @@ def test_bf16_generator_holds_the_cast_and_matches_the_mixed_trainer(tmp_path):
 
     engine_ckpt = write_tiny_checkpoint(tmp_path / "engine", seed=3, std=0.1)
     trainer_ckpt = write_tiny_checkpoint(tmp_path / "trainer", seed=7, std=0.1)
-    engine = VllmEngine(VllmEngineConfig(checkpoint=str(engine_ckpt), dtype="bfloat16", max_model_len=128,
-                                         max_num_seqs=8))
+    engine = VllmEngine(
+        VllmEngineConfig(
+            checkpoint=str(engine_ckpt), dtype="bfloat16", settings=EngineConfig(max_model_len=128, max_num_seqs=8)
+        )
+    )
     try:
-        mixed = GRPOTrainer(ModelConfig(checkpoint=str(trainer_ckpt)), TrainConfig(compute_dtype="bfloat16"), 1.0, 0)
+        mixed = GRPOTrainer(
+            TrainerSetup(
+                ModelConfig(checkpoint=str(trainer_ckpt)), TrainConfig(compute=ComputeConfig(dtype="bfloat16")), 1.0, 0
+            )
+        )
         announcement = mixed.publish_weights(1)
         assert {s.dtype for s in announcement.layout.tensors} == {"bfloat16"}
         mixed.send_weights(1)
@@ -326,20 +345,30 @@ def test_config_fields_and_generator_dtype(good_config):
     generators' dtype too; the CLI override parses."""
     validate(good_config)
     assert good_config.generator_dtype == "float32"
-    cfg = apply_overrides(good_config, ["train.compute_dtype=bfloat16"])
+    cfg = apply_overrides(good_config, ["train.compute.dtype=bfloat16"])
     validate(cfg)
-    assert cfg.train.compute_dtype == "bfloat16" and cfg.generator_dtype == "bfloat16"
+    assert cfg.train.compute.dtype == "bfloat16" and cfg.generator_dtype == "bfloat16"
     assert cfg.model.dtype == "float32"
 
 
 def test_config_refuses_wider_compute_and_bf16_batch_invariance(good_config):
-    wider = dataclasses.replace(good_config, model=dataclasses.replace(good_config.model, dtype="bfloat16"),
-                                train=dataclasses.replace(good_config.train, compute_dtype="float32"))
-    with pytest.raises(ConfigError, match="train.compute_dtype='float32' is wider than model.dtype='bfloat16'"):
+    wider = dataclasses.replace(
+        good_config,
+        model=dataclasses.replace(good_config.model, dtype="bfloat16"),
+        train=dataclasses.replace(
+            good_config.train, compute=dataclasses.replace(good_config.train.compute, dtype="float32")
+        ),
+    )
+    with pytest.raises(ConfigError, match="train.compute.dtype='float32' is wider than model.dtype='bfloat16'"):
         validate(wider)
-    invariant = dataclasses.replace(good_config, batch_invariant=True,
-                                    train=dataclasses.replace(good_config.train, compute_dtype="bfloat16"))
-    with pytest.raises(ConfigError, match="batch_invariant=True needs float32 compute, but train.compute_dtype"):
+    invariant = dataclasses.replace(
+        good_config,
+        batch_invariant=True,
+        train=dataclasses.replace(
+            good_config.train, compute=dataclasses.replace(good_config.train.compute, dtype="bfloat16")
+        ),
+    )
+    with pytest.raises(ConfigError, match="batch_invariant=True needs float32 compute, but train.compute.dtype"):
         validate(invariant)
     invariant_bf16 = dataclasses.replace(invariant, model=dataclasses.replace(good_config.model, dtype="bfloat16"),
                                          train=good_config.train)

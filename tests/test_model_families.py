@@ -21,6 +21,7 @@ import torch
 from titanrl.models.architectures import build_model
 from titanrl.models.hf_checkpoint import CheckpointError, load_model, read_config, save_checkpoint
 from titanrl.models.tiny import tiny_config, write_checkpoint
+from titanrl.config import EngineConfig
 
 FAMILIES = ("llama", "qwen2")
 
@@ -242,7 +243,11 @@ def test_vllm_runs_our_model_like_vllms_own(tmp_path, family):
     ckpt = _vllm_checkpoint(tmp_path, family)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in VLLM_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0, prompt_logprobs=0)
-    engine = VllmEngine(VllmEngineConfig(checkpoint=str(ckpt), max_model_len=256, max_num_seqs=32, kv_cache_gib=0.25))
+    engine = VllmEngine(
+        VllmEngineConfig(
+            checkpoint=str(ckpt), settings=EngineConfig(max_model_len=256, max_num_seqs=32, kv_cache_gib=0.25)
+        )
+    )
     try:
         model_class, classes = engine.llm.collective_rpc(
             lambda w: (type(w.get_model()).__name__, sorted({type(m).__name__ for m in w.get_model().modules()})))[0]
@@ -281,8 +286,13 @@ def test_vllm_batch_invariant_logprobs_equal_the_trainers(tmp_path, family):
     from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
     ckpt = _vllm_checkpoint(tmp_path, family)
-    engine = VllmEngine(VllmEngineConfig(checkpoint=str(ckpt), max_model_len=256, max_num_seqs=32, kv_cache_gib=0.25,
-                                         batch_invariant=True))
+    engine = VllmEngine(
+        VllmEngineConfig(
+            checkpoint=str(ckpt),
+            settings=EngineConfig(max_model_len=256, max_num_seqs=32, kv_cache_gib=0.25),
+            batch_invariant=True,
+        )
+    )
     try:
         groups = engine.generate(VLLM_PROMPTS, n=2, temperature=1.0, max_tokens=16, seed=5)
     finally:

@@ -14,7 +14,18 @@ import torch
 import torch.nn.functional as F
 from moe_replay_cases import EOS, groups_with_routing, perturbed_router, tiny_moe_config, tiny_moe_model
 
-from titanrl.config import ConfigError, DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig, validate
+from titanrl.config import (
+    ConfigError,
+    DataConfig,
+    MemoryConfig,
+    ModelConfig,
+    MoeConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+    validate,
+)
 from titanrl.models.qwen3.moe import Router, SparseMoeBlock, routing_buffers
 from titanrl.trainer.batch import pack
 from titanrl.trainer.grpo import clipped_surrogate_loss, token_logprobs
@@ -22,6 +33,8 @@ from titanrl.trainer.moe import load_balancing_loss, real_tokens
 from titanrl.trainer.optimizer import build_optimizers
 from titanrl.trainer.parallel.parallelize import parallelize
 from titanrl.trainer.step import GRPOStep
+from titanrl.trainer.setup import TrainerSetup
+from support.sections import merged
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +45,9 @@ def case():
 
 
 def _step(model, **train):
-    cfg = TrainConfig(**{"micro_batch_size": 2, "moe_load_balance": "none", **train})
+    cfg = merged(TrainConfig(memory=MemoryConfig(micro_batch_size=2), moe=MoeConfig(load_balance="none")), **train)
     pm = parallelize(copy.deepcopy(model), ParallelConfig(), None,
-                     activation_checkpointing=cfg.activation_checkpointing)
+                     activation_checkpointing=cfg.memory.activation_checkpointing)
     return GRPOStep(pm, build_optimizers(pm, cfg), cfg, 1.0), pm
 
 
@@ -45,7 +58,7 @@ def _grads(pm):
 def test_replay_makes_the_used_routing_the_generators(case):
     model, _, batch = case
     live = _step(model)[0].accumulate_gradients(batch).moe
-    replayed = _step(model, router_replay=True)[0].accumulate_gradients(batch).moe
+    replayed = _step(model, moe=MoeConfig(router_replay=True))[0].accumulate_gradients(batch).moe
     assert live.tokens_compared == replayed.tokens_compared > 0
     # Without replay the trainer routes some completion tokens elsewhere than the generator did.
     assert live.route_agreement < 0.9
@@ -79,7 +92,7 @@ def _reference_block(block: SparseMoeBlock, recorded_NK: torch.Tensor):
 
 def test_replayed_gradient_equals_hand_built_reference(case):
     model, _, batch = case
-    step, pm = _step(model, router_replay=True)
+    step, pm = _step(model, moe=MoeConfig(router_replay=True))
     step.accumulate_gradients(batch)
     got = _grads(pm)
 
@@ -108,7 +121,7 @@ def test_activation_checkpointing_recomputes_the_replayed_routing(case):
     model, _, batch = case
     grads = {}
     for ac in ("none", "full"):
-        step, pm = _step(model, router_replay=True, activation_checkpointing=ac)
+        step, pm = _step(model, moe=MoeConfig(router_replay=True), memory=MemoryConfig(activation_checkpointing=ac))
         step.accumulate_gradients(batch)
         grads[ac] = _grads(pm)
     for name, g in grads["none"].items():
@@ -144,8 +157,9 @@ def test_aux_loss_gradient_reaches_the_router(case):
     model, _, batch = case
     coef = 0.5
     grads = {}
-    for c in (0.0, coef):  # one micro-batch: the step's auxiliary loss is HF's on the whole batch
-        step, pm = _step(model, moe_load_balance="aux_loss", moe_aux_loss_coef=c, micro_batch_size=64)
+    for c in (0.0, coef):  # one micro-batch (more rows than the batch): the auxiliary loss is HF's on the whole batch
+        step, pm = _step(model, moe=MoeConfig(load_balance="aux_loss", aux_loss_coef=c),
+                         memory=MemoryConfig(micro_batch_size=1000))
         stats = step.accumulate_gradients(batch)
         grads[c] = _grads(pm)
     ref = copy.deepcopy(model)
@@ -190,8 +204,12 @@ def test_expert_bias_update_resume_and_push(moe_checkpoint, tmp_path):
     from titanrl.weight_sync.target import ParameterTarget
 
     rate = 0.01
-    train = TrainConfig(moe_load_balance="bias", moe_bias_update_rate=rate, micro_batch_size=4, lr=1e-3)
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(moe_checkpoint)), train, 1.0, seed=0)
+    train = TrainConfig(
+        moe=MoeConfig(load_balance="bias", bias_update_rate=rate),
+        memory=MemoryConfig(micro_batch_size=4),
+        optimizer=OptimizerConfig(lr=1e-3),
+    )
+    trainer = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(moe_checkpoint)), train, 1.0, seed=0))
     groups = groups_with_routing(None)
     batch = pack(groups, EOS)
     stats = trainer.accumulate_gradients(batch)
@@ -214,7 +232,7 @@ def test_expert_bias_update_resume_and_push(moe_checkpoint, tmp_path):
     assert len(biases) == 2
 
     trainer.save_state(str(tmp_path / "ckpt"))
-    resumed = GRPOTrainer(ModelConfig(checkpoint=str(moe_checkpoint)), train, 1.0, seed=0)
+    resumed = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(moe_checkpoint)), train, 1.0, seed=0))
     assert all(not b.any() for b in routing_buffers(resumed.model).values())
     resumed.load_state(str(tmp_path / "ckpt"))
     for name, b in routing_buffers(resumed.model).items():
@@ -233,7 +251,7 @@ def test_expert_bias_update_resume_and_push(moe_checkpoint, tmp_path):
     assert dest is not None and dest.data_ptr() == generator.model.layers[1].mlp.gate.expert_bias.data_ptr()
 
     # Without 'bias' nothing extra is pushed.
-    plain = GRPOTrainer(ModelConfig(checkpoint=str(moe_checkpoint)), TrainConfig(), 1.0, seed=0)
+    plain = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(moe_checkpoint)), TrainConfig(), 1.0, seed=0))
     assert not any(k.endswith("expert_bias") for k in plain.state_dict_for_push())
 
 
@@ -243,8 +261,11 @@ def test_step_metrics_of_a_moe_policy(moe_checkpoint):
 
     model, _ = load_model(moe_checkpoint)
     groups = groups_with_routing(perturbed_router(model))
-    metrics = GRPOTrainer(ModelConfig(checkpoint=str(moe_checkpoint)), TrainConfig(router_replay=True),
-                          1.0, seed=0).step(groups)
+    metrics = GRPOTrainer(
+        TrainerSetup(
+            ModelConfig(checkpoint=str(moe_checkpoint)), TrainConfig(moe=MoeConfig(router_replay=True)), 1.0, seed=0
+        )
+    ).step(groups)
     assert 0 < metrics["moe/route_agreement"] < 1.0
     assert metrics["moe/route_agreement_used"] == 1.0
     assert metrics["moe/aux_loss"] > 0 and metrics["moe/load_max_over_mean"] >= 1.0
@@ -259,13 +280,14 @@ def test_replay_works_sharded(case):
     model, _, batch = case
     # 3 rows per micro-batch: the same micro-batches in one process and on each of 2 ranks (the
     # auxiliary loss's load statistics are per micro-batch; a CP rank's are over its chunks).
-    fsdp = TrainConfig(router_replay=True, micro_batch_size=3, moe_load_balance="aux_loss")
-    cp = TrainConfig(router_replay=True, micro_batch_size=3, moe_load_balance="none")
+    fsdp = TrainConfig(
+        moe=MoeConfig(router_replay=True, load_balance="aux_loss"), memory=MemoryConfig(micro_batch_size=3)
+    )
+    cp = TrainConfig(moe=MoeConfig(router_replay=True, load_balance="none"), memory=MemoryConfig(micro_batch_size=3))
     runs = {"fsdp": (dict(dp_shard=2), fsdp), "cp": (dict(cp=2), cp)}
     got = run_local_world(replay_steps, 2, model.state_dict(), batch, runs, timeout_s=300)[0]
     for name, (_, train) in runs.items():
-        step, pm = _step(model, **{f.name: getattr(train, f.name) for f in dataclasses.fields(train)
-                                   if f.name in ("router_replay", "micro_batch_size", "moe_load_balance")})
+        step, pm = _step(model, moe=train.moe, memory=train.memory)
         want = step.accumulate_gradients(batch).moe
         moe = got[name]["moe"]
         assert moe.used_agreement == 1.0, name
@@ -289,22 +311,32 @@ def test_validation(tmp_path, moe_checkpoint):
     from titanrl.models.tiny import write_tiny_checkpoint
 
     dense = write_tiny_checkpoint(tmp_path / "dense")
-    with pytest.raises(ConfigError, match=r"train\.router_replay=true needs a mixture-of-experts policy"):
-        validate(_run_config(tmp_path, dense, router_replay=True))
-    validate(_run_config(tmp_path, moe_checkpoint, router_replay=True))
-    with pytest.raises(ConfigError, match=r"train\.router_replay=true runs in one process or under dp_replicate / dp_shard / cp only"):
-        validate(_run_config(tmp_path, moe_checkpoint, router_replay=True, parallel=ParallelConfig(pp=2)))
-    validate(_run_config(tmp_path, moe_checkpoint, router_replay=True, parallel=ParallelConfig(cp=2, dp_shard=2)))
+    with pytest.raises(ConfigError, match=r"train\.moe\.router_replay=true needs a mixture-of-experts policy"):
+        validate(_run_config(tmp_path, dense, moe=MoeConfig(router_replay=True)))
+    validate(_run_config(tmp_path, moe_checkpoint, moe=MoeConfig(router_replay=True)))
+    with pytest.raises(ConfigError, match=r"train\.moe\.router_replay=true runs in one process or under dp_replicate / dp_shard / cp only"):
+        validate(
+            _run_config(tmp_path, moe_checkpoint, moe=MoeConfig(router_replay=True), parallel=ParallelConfig(pp=2))
+        )
+    validate(
+        _run_config(
+            tmp_path, moe_checkpoint, moe=MoeConfig(router_replay=True), parallel=ParallelConfig(cp=2, dp_shard=2)
+        )
+    )
     from titanrl.models.tiny import write_checkpoint
 
     two_kv_heads = write_checkpoint(tmp_path / "moe_tp", tiny_moe_config(num_key_value_heads=2))  # tp=2 splits them
     for layout in (dict(pp=2), dict(tp=2, sequence_parallel=True)):
-        with pytest.raises(ConfigError, match=r"train\.moe_load_balance='aux_loss' is not implemented for pipelined"):
-            validate(_run_config(tmp_path, two_kv_heads, moe_load_balance="aux_loss", parallel=ParallelConfig(**layout)))
+        with pytest.raises(ConfigError, match=r"train\.moe\.load_balance='aux_loss' is not implemented for pipelined"):
+            validate(
+                _run_config(
+                    tmp_path, two_kv_heads, moe=MoeConfig(load_balance="aux_loss"), parallel=ParallelConfig(**layout)
+                )
+            )
         validate(_run_config(tmp_path, two_kv_heads, parallel=ParallelConfig(**layout)))  # 'none', the default
-    with pytest.raises(ConfigError, match=r"train\.moe_bias_update_rate"):
-        validate(_run_config(tmp_path, moe_checkpoint, moe_bias_update_rate=0.0))
-    validate(dataclasses.replace(_run_config(tmp_path, dense), train=TrainConfig(moe_load_balance="bias")))
+    with pytest.raises(ConfigError, match=r"train\.moe\.bias_update_rate"):
+        validate(_run_config(tmp_path, moe_checkpoint, moe=MoeConfig(bias_update_rate=0.0)))
+    validate(dataclasses.replace(_run_config(tmp_path, dense), train=TrainConfig(moe=MoeConfig(load_balance="bias"))))
 
 
 def test_sample_checks_the_routing_shape():

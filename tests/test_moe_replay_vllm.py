@@ -14,6 +14,7 @@ pytest.importorskip("titanrl.rollout.vllm.routing_record")
 from moe_replay_cases import perturbed_router  # noqa: E402
 
 from titanrl.config import ParallelConfig, TrainConfig  # noqa: E402
+from titanrl.config import MemoryConfig, MoeConfig
 from titanrl.models.hf_checkpoint import load_model  # noqa: E402
 from titanrl.trainer.batch import pack  # noqa: E402
 from titanrl.trainer.optimizer import build_optimizers  # noqa: E402
@@ -34,7 +35,7 @@ def _groups(engine) -> list[Group]:
 
 
 def _moe_stats(model, groups, replay: bool):
-    cfg = TrainConfig(router_replay=replay, micro_batch_size=4, moe_load_balance="none")
+    cfg = TrainConfig(moe=MoeConfig(router_replay=replay, load_balance="none"), memory=MemoryConfig(micro_batch_size=4))
     pm = parallelize(model, ParallelConfig(), None)
     step = GRPOStep(pm, build_optimizers(pm, cfg), cfg, 1.0)
     return step.accumulate_gradients(pack(groups, model.config.eos_token_id or 0)).moe

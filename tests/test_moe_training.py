@@ -10,17 +10,20 @@ import random
 import pytest
 import torch
 
-from titanrl.config import ModelConfig, TrainConfig
+from titanrl.config import ComputeConfig, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
 from titanrl.models.hf_checkpoint import hf_state_dict, load_model, read_state_dict
 from titanrl.models.qwen3.moe import GroupedExperts, Qwen3MoeForCausalLM, Router
 from titanrl.models.tiny import write_tiny_moe_checkpoint
 from titanrl.trainer.batch import pack
 from titanrl.trainer.grpo import token_logprobs
 from titanrl.trainer.optimizer import DECAY, GROUP_NAME
+from titanrl.trainer.setup import TrainerSetup
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.types import Group, Sample
 
-TRAIN = TrainConfig(micro_batch_size=4, lr=1e-2, grad_clip=1.0, weight_decay=0.1)
+TRAIN = TrainConfig(
+    memory=MemoryConfig(micro_batch_size=4), optimizer=OptimizerConfig(lr=1e-2, grad_clip=1.0, weight_decay=0.1)
+)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +90,7 @@ def test_one_step_trains_router_and_experts(moe_checkpoint):
     """One GRPOTrainer step on an MoE checkpoint: gradients reach every router (mlp.gate.weight)
     and every expert of the stacked weights, and the step moves them. Router and experts are in
     AdamW's decay group (matrices, like every projection)."""
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(moe_checkpoint)), TRAIN, temperature=1.0, seed=0)
+    trainer = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(moe_checkpoint)), TRAIN, temperature=1.0, seed=0))
     groups = [g for g in trainer.optimizer.param_groups]
     decayed = {id(p) for g in groups if g[GROUP_NAME] == DECAY for p in g["params"]}
     assert all(id(p) in decayed for p in _moe_params(trainer.model).values())
@@ -102,9 +105,9 @@ def test_moe_under_mixed_precision_and_activation_checkpointing(moe_checkpoint, 
     activation checkpointing the gradients equal the stored-activation ones bitwise (recomputed
     routing is the same routing)."""
     groups = _groups(moe_checkpoint)
-    mixed = dataclasses.replace(TRAIN, compute_dtype="bfloat16", micro_batch_size=64,
-                                activation_checkpointing=activation_checkpointing)
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(moe_checkpoint)), mixed, temperature=1.0, seed=0)
+    mixed = dataclasses.replace(TRAIN, compute=ComputeConfig(dtype="bfloat16"),
+                                memory=MemoryConfig(activation_checkpointing=activation_checkpointing))
+    trainer = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(moe_checkpoint)), mixed, temperature=1.0, seed=0))
     seen: list[torch.dtype] = []
     for m in trainer.model.modules():
         if isinstance(m, GroupedExperts):
@@ -113,8 +116,14 @@ def test_moe_under_mixed_precision_and_activation_checkpointing(moe_checkpoint, 
     assert seen and set(seen) == {torch.bfloat16}
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
 
-    ref = GRPOTrainer(ModelConfig(checkpoint=str(moe_checkpoint), dtype="bfloat16"),
-                      dataclasses.replace(TRAIN, micro_batch_size=64), temperature=1.0, seed=0)
+    ref = GRPOTrainer(
+        TrainerSetup(
+            ModelConfig(checkpoint=str(moe_checkpoint), dtype="bfloat16"),
+            dataclasses.replace(TRAIN, memory=MemoryConfig()),
+            temperature=1.0,
+            seed=0,
+        )
+    )
     ref.accumulate_gradients(pack(groups, pad_id=ref.model.config.eos_token_id or 0, current_version=0))
     for name, p in ref.model.named_parameters():
         assert torch.equal(grads[name], p.grad.float()), name
@@ -129,7 +138,7 @@ def moe_run(moe_checkpoint, tmp_path_factory):
     returns the run directory and the policy's HF state at that step."""
     from titanrl.rundir.checkpoints import writing_checkpoint
 
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(moe_checkpoint)), TRAIN, temperature=1.0, seed=0)
+    trainer = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(moe_checkpoint)), TRAIN, temperature=1.0, seed=0))
     assert trainer.step(_groups(moe_checkpoint)) is not None
     run_dir = tmp_path_factory.mktemp("moe_run") / "run"
     with writing_checkpoint(run_dir, 1, manifest={"policy_version": 1}) as ckpt:
@@ -209,7 +218,7 @@ def test_exported_moe_runs_in_vllm_builtin_qwen3_moe(exported, monkeypatch):
 def test_trainer_save_writes_the_trained_moe_policy(moe_checkpoint, tmp_path):
     """`GRPOTrainer.save` (the run's final export) of an MoE policy writes one HF tensor per expert
     holding exactly the trained stacked weights: the trainer gathers model-named (stacked) tensors."""
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(moe_checkpoint)), TRAIN, temperature=1.0, seed=0)
+    trainer = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(moe_checkpoint)), TRAIN, temperature=1.0, seed=0))
     _step_moves_moe_weights(trainer, _groups(moe_checkpoint))
     out = trainer.save(str(tmp_path / "export"))
     saved = read_state_dict(out)

@@ -13,6 +13,7 @@ from titanrl.config import ModelConfig
 from titanrl.trainer.lr_schedule import build_scheduler
 from support.layout_check import make_case
 from titanrl.trainer.trainer import GRPOTrainer
+from titanrl.trainer.setup import TrainerSetup
 
 WEIGHT_DECAY = 0.5
 """Large, so that decaying a parameter that must not be decayed (lr 1e-3: a norm's gain of 1
@@ -44,26 +45,37 @@ def _groups_by_param(trainer: GRPOTrainer) -> dict[str, tuple[str, float]]:
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("groups")
-    return {tied: dataclasses.replace(case, train=dataclasses.replace(case.train, weight_decay=WEIGHT_DECAY))
-            for tied, case in ((False, make_case(tmp, tied=False)), (True, make_case(tmp, tied=True)))}
+    return {
+        tied: dataclasses.replace(
+            case,
+            train=dataclasses.replace(
+                case.train, optimizer=dataclasses.replace(case.train.optimizer, weight_decay=WEIGHT_DECAY)
+            ),
+        )
+        for tied, case in ((False, make_case(tmp, tied=False)), (True, make_case(tmp, tied=True)))
+    }
 
 
 def _trainer(case) -> GRPOTrainer:
-    return GRPOTrainer(ModelConfig(checkpoint=case.checkpoint), case.train, case.temperature, seed=0)
+    return GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=case.checkpoint), case.train, case.temperature, seed=0))
 
 
 def _single_group(trainer: GRPOTrainer) -> None:
     """The trainer's optimizer and schedule as before param groups: one AdamW group decaying all."""
     cfg = trainer.cfg
-    trainer.optimizers[0] = torch.optim.AdamW(trainer.model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                              weight_decay=cfg.weight_decay)
+    trainer.optimizers[0] = torch.optim.AdamW(
+        trainer.model.parameters(),
+        lr=cfg.optimizer.lr,
+        betas=cfg.optimizer.betas,
+        weight_decay=cfg.optimizer.weight_decay,
+    )
     trainer.schedulers[0] = build_scheduler(trainer.optimizers[0], cfg)
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_groups_follow_the_rule(cases, tied):
     """Every norm and the embedding are in 'no_decay' (weight_decay 0), every other matrix in
-    'decay' (train.weight_decay), an untied lm_head among them; the single group of before fails
+    'decay' (train.optimizer.weight_decay), an untied lm_head among them; the single group of before fails
     the same check (negative control)."""
     trainer = _trainer(cases[tied])
     groups = _groups_by_param(trainer)
@@ -83,7 +95,7 @@ def test_no_decay_parameters_are_not_decayed(cases):
     for p in trainer.model.parameters():
         p.grad = torch.zeros_like(p)
     trainer.optimizer.step()
-    lr = trainer.cfg.lr
+    lr = trainer.cfg.optimizer.lr
     for n, p in trainer.model.named_parameters():
         if _no_decay_expected(n, tied=False):
             assert torch.equal(p.detach(), before[n]), n

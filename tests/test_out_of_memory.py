@@ -26,7 +26,11 @@ def test_memory_deaths_are_recognised(error: BaseException) -> None:
     assert caused_by_memory(error)
     hint = memory_hint(error)
     assert "ran out of memory" in hint and MEMORY_SETTINGS in hint
-    for setting in ("train.micro_batch_size", "train.activation_checkpointing", "rollout.kv_cache_gib"):
+    for setting in (
+        "train.memory.micro_batch_size",
+        "train.memory.activation_checkpointing",
+        "rollout.engine.kv_cache_gib",
+    ):
         assert setting in hint
 
 

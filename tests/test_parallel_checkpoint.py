@@ -11,6 +11,7 @@ from titanrl.models.hf_checkpoint import load_model
 from titanrl.trainer.checkpoint import export_hf
 from support.layout_check import make_case
 from titanrl.trainer.trainer import GRPOTrainer
+from titanrl.trainer.setup import TrainerSetup
 
 LOADS = {"tp": dict(tp=2), "pp": dict(pp=2), "cp": dict(cp=2)}
 TIED_LOADS = {"tp": dict(tp=2), "pp": dict(pp=2)}
@@ -22,7 +23,7 @@ BUCKET_BYTES = 40_000
 
 def _trainer_losses(case, out_dir):
     """GRPOTrainer, one process: one step, save_state, then (loss at save, loss after one more step)."""
-    trainer = GRPOTrainer(ModelConfig(checkpoint=case.checkpoint), case.train, case.temperature, seed=0)
+    trainer = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=case.checkpoint), case.train, case.temperature, seed=0))
     trainer.optimizer_step(trainer.accumulate_gradients(case.batch))
     trainer.save_state(str(out_dir))
     stats = trainer.accumulate_gradients(case.batch)

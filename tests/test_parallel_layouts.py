@@ -8,11 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from titanrl.config import ModelConfig
+from titanrl.config import LossConfig, ModelConfig, OffPolicyConfig
 from titanrl.trainer.parallel.launch import run_local_world
 from support.layout_check import LAYOUTS, make_case, reference
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.trainer.truncation import Truncation
+from titanrl.trainer.setup import TrainerSetup
 
 UNTIED = ["fsdp", "ddp", "tp", "tp_sp", "pp", "pp_gpipe", "pp_interleaved", "cp"]
 TIED = ["fsdp", "tp", "tp_sp", "cp", "pp", "pp_interleaved"]
@@ -31,8 +32,10 @@ TRUNCATED = ["fsdp", "pp", "cp"]
 FORWARD_PARITY = ["fsdp", "ddp", "tp_sp", "cp", "pp", "pp_gpipe", "pp_interleaved"]
 """Layouts whose forward-only parity (GRPOStep.measure_parity) is checked, tied policy."""
 
-LOSS_VARIANT = dict(loss="gspo", gspo_clip_eps=(0.02, 0.03), off_policy_correction="tis_sequence",
-                    off_policy_cap=1.1, entropy_coef=0.01)
+LOSS_VARIANT = dict(
+    loss=LossConfig(objective="gspo", gspo_clip_eps=(0.02, 0.03), entropy_coef=0.01),
+    off_policy=OffPolicyConfig(correction="tis_sequence", cap=1.1),
+)
 """A loss with every sequence-level part (GSPO's ratio, seq-mean-token-mean weights, a sequence
 correction) and the entropy bonus: checked under dp_shard and under cp, which splits each row."""
 LOSS_VARIANT_LAYOUTS = ["fsdp", "cp"]
@@ -58,8 +61,15 @@ def world(tmp_path_factory):
     variant = dataclasses.replace(untied, train=dataclasses.replace(untied.train, **LOSS_VARIANT))
     family_cases = {family: make_case(tmp, family=family) for family in FAMILIES}
     family_refs = {family: reference(case) for family, case in family_cases.items()}
-    single = GRPOTrainer(ModelConfig(checkpoint=invariant.checkpoint), invariant.train, invariant.temperature,
-                         seed=0, batch_invariant=True).accumulate_gradients(invariant.batch)
+    single = GRPOTrainer(
+        TrainerSetup(
+            ModelConfig(checkpoint=invariant.checkpoint),
+            invariant.train,
+            invariant.temperature,
+            seed=0,
+            batch_invariant=True,
+        )
+    ).accumulate_gradients(invariant.batch)
     jobs = [
         ("layouts", (UNTIED, untied, reference(untied))),
         ("layouts", (TIED, tied, reference(tied))),
@@ -199,7 +209,7 @@ def test_truncated_logprobs_under_layout_equal_single_process(world, layout):
     assert world["truncated_reference"].stats["truncation_outside_tokens"] > 0
 @pytest.mark.parametrize("layout", LOSS_VARIANT_LAYOUTS)
 def test_loss_variant_equals_single_process(world, layout):
-    """train.loss='gspo' with a sequence-level off-policy correction and an entropy bonus: loss,
+    """train.loss.objective='gspo' with a sequence-level off-policy correction and an entropy bonus: loss,
     gradient, norm, update and clip count under `layout` (fsdp: rows over 2 ranks; cp: each row's
     tokens over 2 ranks, the sequence sums all-reduced) equal GRPOTrainer's in one process."""
     _assert_matches(world["loss_variant"][layout])

@@ -11,6 +11,7 @@ from titanrl.config import ModelConfig
 from titanrl.trainer.parallel.launch import run_local_world
 from support.layout_check import LAYOUTS as LAYOUTS_BY_NAME, make_case, reference
 from titanrl.trainer.trainer import GRPOTrainer
+from titanrl.trainer.setup import TrainerSetup
 
 LAYOUTS = ["hsdp", "fsdp+tp", "fsdp+tp_sp", "fsdp+cp", "cp+tp_sp", "pp+fsdp", "pp+tp", "pp+cp", "cp4"]
 
@@ -35,8 +36,15 @@ def world(tmp_path_factory):
 
     case, tied = make_case(tmp), make_case(tmp, tied=True)
     invariant = with_invariant_logprobs(tied)
-    single = GRPOTrainer(ModelConfig(checkpoint=invariant.checkpoint), invariant.train, invariant.temperature,
-                         seed=0, batch_invariant=True).accumulate_gradients(invariant.batch)
+    single = GRPOTrainer(
+        TrainerSetup(
+            ModelConfig(checkpoint=invariant.checkpoint),
+            invariant.train,
+            invariant.temperature,
+            seed=0,
+            batch_invariant=True,
+        )
+    ).accumulate_gradients(invariant.batch)
     jobs = [("layouts", (LAYOUTS, case, reference(case))), ("batch_invariant", (invariant, INVARIANT)),
             ("layouts", (TIED, tied, reference(tied))), ("tied_group_ranks", (tied, LAYOUTS_BY_NAME["pp4"])),
             ("forward_parity", (tied, {name: LAYOUTS_BY_NAME[name] for name in FORWARD_PARITY}))]

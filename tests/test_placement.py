@@ -17,13 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from titanrl.config import ConfigError, ParallelConfig, RolloutConfig, RunConfig, TrainConfig
+from titanrl.config import ComputeConfig, ConfigError, ParallelConfig, RolloutConfig, RunConfig, TrainConfig
 from titanrl.driver.placement import TOKEN_CPU, Placement, check_fits, plan_layout, weight_sync_options
+from titanrl.trainer.setup import TrainerSetup
 
 
 def _config(world: int = 1, workers: int = 1, device: str = "cpu", threads: int = 1) -> RunConfig:
-    return RunConfig(rollout=RolloutConfig(num_workers=workers),
-                     train=TrainConfig(parallel=ParallelConfig(dp_shard=world), device=device, threads=threads))
+    return RunConfig(
+        rollout=RolloutConfig(num_workers=workers),
+        train=TrainConfig(
+            parallel=ParallelConfig(dp_shard=world), compute=ComputeConfig(device=device, threads=threads)
+        ),
+    )
 
 
 # --- the layout, without Ray --------------------------------------------------------------
@@ -46,7 +51,7 @@ def test_layout_bundles_and_what_cannot_fit():
                                           r"the Ray cluster has 1: lower the train.parallel degrees"):
         check_fits(gpus, [{"CPU": 64.0, "GPU": 1.0}])
     with pytest.raises(ConfigError, match=r"a trainer rank needs 3 CPUs on one node, the largest Ray node has 2: "
-                                          r"lower train.threads"):
+                                          r"lower train.compute.threads"):
         check_fits(gpus, [{"CPU": 2.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}, {"CPU": 2.0}, {"CPU": 2.0}])
     check_fits(gpus, [{"CPU": 8.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}])  # fits: no error
 
@@ -84,7 +89,7 @@ def test_local_placement_fits_two_cpus_and_rendezvous_stays_on_loopback(ray_sess
         assert placement.summary() == ("trainer (2 rank(s), cpu) on 1 node(s), 2 rollout worker(s) (cpu) on "
                                        "1 node(s); 1 node(s) in all")
         kwargs = placement.trainer_kwargs()
-        assert kwargs["device_type"] == "cpu" and len(kwargs["rank_options"]) == 2
+        assert placement.layout.trainer_device == "cpu" and len(kwargs["rank_options"]) == 2
         assert placement.trainer_options()["num_cpus"] == 0  # the group only coordinates
         assert placement.worker_options(1)["scheduling_strategy"].placement_group_bundle_index == 3
         assert "runtime_env" not in placement.worker_options(0)  # not a batch-invariant run
@@ -125,8 +130,17 @@ def test_trainer_group_without_placement_keeps_one_machine(ray_session, tmp_path
 
     ray = ray_session
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", seed=5, std=0.1)
-    group = ray.remote(TrainerGroup).options(num_cpus=0).remote(
-        ModelConfig(checkpoint=str(ckpt)), TrainConfig(parallel=ParallelConfig(dp_shard=2), device="cpu"), 1.0, 0
+    group = (
+        ray.remote(TrainerGroup)
+        .options(num_cpus=0)
+        .remote(
+            TrainerSetup(
+                ModelConfig(checkpoint=str(ckpt)),
+                TrainConfig(parallel=ParallelConfig(dp_shard=2), compute=ComputeConfig(device="cpu")),
+                1.0,
+                0,
+            )
+        )
     )
     try:
         assert ray.get(group.get_version.remote(), timeout=120) == 0
@@ -226,10 +240,12 @@ def _cluster_scenario(out: Path, tmp: Path) -> None:
         ckpt = write_tiny_checkpoint(tmp / "ckpt", seed=5, std=0.1)
         nodes, ips, _ = actors_at(placement)
         addr, _port = rank0_rendezvous_point(placement.rank_options(0))
-        train = TrainConfig(parallel=ParallelConfig(dp_shard=2), device="cpu")
-        group = ray.remote(TrainerGroup).options(**placement.trainer_options()).remote(
-            ModelConfig(checkpoint=str(ckpt)), train, 1.0, 0, **placement.trainer_kwargs()
+        train = TrainConfig(parallel=ParallelConfig(dp_shard=2), compute=ComputeConfig(device="cpu"))
+        setup = TrainerSetup(
+            ModelConfig(checkpoint=str(ckpt)), train, 1.0, 0, device_type=placement.layout.trainer_device
         )
+        group = ray.remote(TrainerGroup).options(**placement.trainer_options()).remote(
+            setup, **placement.trainer_kwargs())
         version = ray.get(group.get_version.remote(), timeout=120)
         pushed = ray.get(group.state_dict_for_push.remote(), timeout=60)
         ref = read_state_dict(ckpt)

@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 
-from titanrl.config import ConfigError, ModelConfig, RolloutConfig, RunConfig, validate
+from titanrl.config import ConfigError, EngineConfig, ModelConfig, RolloutConfig, RunConfig, SamplingConfig, validate
 from titanrl.data import load_rows, load_run_rows
 from titanrl.data_sources import plain_json
 from titanrl.data_sources.reasoning_gym import (ANSWER_INSTRUCTION, LAST_LINE_INSTRUCTION, final_answer,
@@ -314,10 +314,10 @@ def test_a_config_of_reasoning_gym_rows_takes_command_line_overrides():
 
     config = RunConfig(data=reasoning_gym_data("chain_sum", seed=0, train_size=4, eval_size=2,
                                                answer_format="last_line"))
-    for overrides in ([], ["train.lr=1e-4", "data.system_prompt=Be brief."]):
+    for overrides in ([], ["train.optimizer.lr=1e-4", "data.system_prompt=Be brief."]):
         out = apply_overrides(config, overrides)
         assert out.data.train_rows is config.data.train_rows and out.data.eval_rows is config.data.eval_rows
-    assert (out.train.lr, out.data.system_prompt, config.data.system_prompt) == (1e-4, "Be brief.", "")
+    assert (out.train.optimizer.lr, out.data.system_prompt, config.data.system_prompt) == (1e-4, "Be brief.", "")
     assert "--data.train_rows" in config_help(config)
 
 
@@ -335,7 +335,7 @@ def test_rows_render_through_a_tiny_llama_chat_template(tmp_path):
         model=ModelConfig(checkpoint=str(ckpt)),
         data=reasoning_gym_data("chain_sum", {"max_terms": 3}, seed=0, train_size=8, eval_size=4,
                                 system_prompt="Be brief."),
-        rollout=RolloutConfig(max_new_tokens=32, max_model_len=512),
+        rollout=RolloutConfig(sampling=SamplingConfig(max_new_tokens=32), engine=EngineConfig(max_model_len=512)),
         rewards=[reasoning_gym_answer, reasoning_gym_format], reward_weights=[1.0, 0.1],
     )
     validate(config)

@@ -20,7 +20,18 @@ import numpy as np
 import pytest
 import torch
 
-from titanrl.config import ConfigError, DataConfig, ModelConfig, RolloutConfig, RunConfig, apply_overrides, validate
+from titanrl.config import (
+    ConfigError,
+    DataConfig,
+    EngineConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    SamplingConfig,
+    ScoringConfig,
+    apply_overrides,
+    validate,
+)
 from titanrl.rewards.batch_scoring import FAST_STREAK, HELPER_NAME, RewardScorer, ToScore
 
 
@@ -358,7 +369,7 @@ def test_score_async_runs_on_the_callers_loop_and_score_refuses_one():
 
 
 def test_reward_concurrency_config_is_validated(tmp_path):
-    """rollout.reward_concurrency defaults to 16, accepts 1, and 0, negatives or a non-int are
+    """scoring.concurrency defaults to 16, accepts 1, and 0, negatives or a non-int are
     refused by validate / apply_overrides with a message naming the field."""
     from titanrl.models.tiny import write_tiny_checkpoint
 
@@ -366,15 +377,15 @@ def test_reward_concurrency_config_is_validated(tmp_path):
     train.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     config = RunConfig(model=ModelConfig(checkpoint=str(write_tiny_checkpoint(tmp_path / "tiny"))),
                        data=DataConfig(train_file=str(train)), rewards=[lambda p, c, **f: 1.0])
-    assert RolloutConfig().reward_concurrency == 16
-    validate(apply_overrides(config, ["--rollout.reward_concurrency=1"]))
+    assert ScoringConfig().concurrency == 16
+    validate(apply_overrides(config, ["--scoring.concurrency=1"]))
     for value in ("0", "-3"):
-        with pytest.raises(ConfigError, match=f"rollout.reward_concurrency must be >= 1 .*got {value}"):
-            validate(apply_overrides(config, [f"--rollout.reward_concurrency={value}"]))
-    with pytest.raises(ConfigError, match="rollout.reward_concurrency"):
-        apply_overrides(config, ["--rollout.reward_concurrency=many"])
-    config.rollout.reward_concurrency = True  # a bool is not a count
-    with pytest.raises(ConfigError, match="rollout.reward_concurrency must be int"):
+        with pytest.raises(ConfigError, match=f"scoring.concurrency must be >= 1 .*got {value}"):
+            validate(apply_overrides(config, [f"--scoring.concurrency={value}"]))
+    with pytest.raises(ConfigError, match="scoring.concurrency"):
+        apply_overrides(config, ["--scoring.concurrency=many"])
+    config.scoring.concurrency = True  # a bool is not a count
+    with pytest.raises(ConfigError, match="scoring.concurrency must be int"):
         validate(config)
 
 
@@ -402,9 +413,11 @@ def test_env_runner_scores_episodes_concurrently_and_reports_reward_seconds(vllm
             time.sleep(0.1)
         return 1.0
 
-    rc = RolloutConfig(group_size=4, max_new_tokens=4, max_model_len=256, temperature=1.0, reward_concurrency=16)
-    runner = EnvRunner(vllm_engine, lambda context: OneTurn(), EnvConfig(max_turns=1, max_total_tokens=64,
-                       sandbox_pool_size=0), rc, [grader], "prompt", 0, reward_timeout_s=5.0, reward_error_value=-1.0)
+    rc = RolloutConfig(group_size=4, sampling=SamplingConfig(max_new_tokens=4, temperature=1.0),
+                       engine=EngineConfig(max_model_len=256))
+    config = RunConfig(rollout=rc, env=EnvConfig(max_turns=1, max_total_tokens=64, sandbox_pool_size=0),
+                       scoring=ScoringConfig(concurrency=16, timeout_s=5.0, error_value=-1.0))
+    runner = EnvRunner(vllm_engine, lambda context: OneTurn(), config, [grader], 0)
     try:
         rows = [{"prompt": f"q{i}:"} for i in range(4)]
         batch = runner.generate(rows, request_seed(0, 0, 4, 1), first_group_id=0)

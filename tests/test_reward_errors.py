@@ -22,7 +22,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titanrl.config import EnvConfig, ModelConfig, RolloutConfig
+from titanrl.config import (
+    EngineConfig,
+    EnvConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    SamplingConfig,
+    ScoringConfig,
+)
+from titanrl.config.resolve import resolve
 from titanrl.envs.base import Environment, StepResult
 from titanrl.rewards.batch_scoring import HELPER_NAME, RewardScorer, ToScore
 from titanrl.rewards.scoring import eval_summary
@@ -319,9 +328,11 @@ def worker(vllm_tiny_checkpoint):
     """One in-process RolloutWorker with `mode_reward`, a 0.3 s reward timeout and error value 0.5."""
     from titanrl.rollout.worker import RolloutWorker
 
-    rc = RolloutConfig(group_size=2, max_new_tokens=6, max_model_len=256, max_num_seqs=32, temperature=1.0)
-    w = RolloutWorker(0, ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), rc, [mode_reward], "prompt", seed=0,
-                      reward_timeout_s=0.3, reward_error_value=ERROR_VALUE)
+    rc = RolloutConfig(group_size=2, sampling=SamplingConfig(max_new_tokens=6, temperature=1.0),
+                       engine=EngineConfig(max_model_len=256, max_num_seqs=32))
+    config = RunConfig(model=ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), rollout=rc, rewards=[mode_reward],
+                       scoring=ScoringConfig(timeout_s=0.3, error_value=ERROR_VALUE))
+    w = RolloutWorker(0, resolve(config))
     yield w
     w.close()
 
@@ -431,9 +442,11 @@ def test_env_errors_end_only_their_episode(worker):
         return ScriptedEnv()
 
     ScriptedEnv.instances.clear()
-    rc = RolloutConfig(group_size=2, max_new_tokens=4, max_model_len=256, temperature=1.0)
-    runner = EnvRunner(worker.engine, make_env, EnvConfig(max_turns=3, max_total_tokens=64, sandbox_pool_size=0),
-                       rc, [extra_reward], "prompt", 0, reward_timeout_s=1.0, reward_error_value=-1.0)
+    rc = RolloutConfig(group_size=2, sampling=SamplingConfig(max_new_tokens=4, temperature=1.0),
+                       engine=EngineConfig(max_model_len=256))
+    config = RunConfig(rollout=rc, env=EnvConfig(max_turns=3, max_total_tokens=64, sandbox_pool_size=0),
+                       scoring=ScoringConfig(timeout_s=1.0, error_value=-1.0))
+    runner = EnvRunner(worker.engine, make_env, config, [extra_reward], 0)
     try:
         rows = [{"prompt": f"{m}:", "mode": m} for m in ENV_MODES]
         batch = runner.generate(rows, request_seed(0, 0, 2, 3), first_group_id=0)

@@ -36,15 +36,25 @@ def test_reward_toolbox_run(tmp_path, ray_session, tiny_run):
     config = titanrl.RunConfig(
         model=titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)),
         data=titanrl.DataConfig(train_file=str(tiny_run.train_file), eval_file=str(tiny_run.eval_file(4))),
-        rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=8, max_model_len=64,
-                                      dynamic_sampling=True, dynamic_sampling_max_requests=2, overlong_filter=True,
-                                      overlong_buffer=4, overlong_penalty=0.5),
-        train=titanrl.TrainConfig(steps=2, lr=3e-3),
+        rollout=titanrl.RolloutConfig(
+            prompts_per_step=4,
+            group_size=4,
+            sampling=titanrl.SamplingConfig(max_new_tokens=8),
+            engine=titanrl.EngineConfig(max_model_len=64),
+            shaping=titanrl.ShapingConfig(
+                dynamic_sampling=True,
+                dynamic_sampling_max_requests=2,
+                overlong_filter=True,
+                overlong_buffer=4,
+                overlong_penalty=0.5,
+            ),
+        ),
+        train=titanrl.TrainConfig(steps=2, optimizer=titanrl.OptimizerConfig(lr=3e-3)),
         eval=titanrl.EvalConfig(every_steps=1, correct_threshold=0.5),
         output=titanrl.OutputConfig(dir=str(tmp_path / "run"), progress_bar=False, save_every_steps=0),
         rewards=[digits, short, exact_match],
         reward_weights=weights,
-        reward_health=titanrl.RewardHealthConfig(agreement_pairs=["digits:exact_match"]),
+        scoring=titanrl.ScoringConfig(health=titanrl.RewardHealthConfig(agreement_pairs=["digits:exact_match"])),
     )
     result = titanrl.train(config)
     steps = [m for m in result.metrics if m["step"] > 0 and "loss" in m]

@@ -48,8 +48,9 @@ def flaky(prompt, completion, **fields):
 config = titanrl.RunConfig(
     model=titanrl.ModelConfig(checkpoint={ckpt!r}),
     data=titanrl.DataConfig(train_file={train!r}, eval_file={eval!r}),
-    rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=6, max_model_len=64),
-    train=titanrl.TrainConfig(steps={steps}, lr=3e-3, max_staleness=1),
+    rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, sampling=titanrl.SamplingConfig(max_new_tokens=6),
+                                  engine=titanrl.EngineConfig(max_model_len=64)),
+    train=titanrl.TrainConfig(steps={steps}, optimizer=titanrl.OptimizerConfig(lr=3e-3), max_staleness=1),
     eval=titanrl.EvalConfig(every_steps=3, correct_threshold=0.5),
     output=titanrl.OutputConfig(progress_bar=False, save_every_steps=2),
     rewards=[{rewards}],
@@ -163,7 +164,7 @@ def test_rewards_that_raise_or_return_nan_are_contained(reference_run):
     rows = [json.loads(x) for x in (result.run_dir / "rollouts.jsonl").read_text().splitlines()]
     errors = [r["reward_error"] for r in rows if "reward_error" in r]
     assert any("grader crashed" in e for e in errors) and any("nan" in e for e in errors)
-    assert all(r["reward"] == config.reward_error_value for r in rows if "reward_error" in r)
+    assert all(r["reward"] == config.scoring.error_value for r in rows if "reward_error" in r)
     model, _ = load_model(result.final_checkpoint)
     assert model is not None
 
@@ -193,7 +194,7 @@ def test_too_many_reward_errors_stop_the_run_with_a_checkpoint(tmp_path, ray_ses
     config = apply_overrides(load_config_file(str(config_path)), [f"output.dir={tmp_path / 'run'}"])
     with pytest.raises(titanrl.RunStopped, match="no answer field") as info:
         titanrl.train(config)
-    assert "max_reward_error_frac" in str(info.value)
+    assert "scoring.max_error_frac" in str(info.value)
     assert [c.step for c in list_checkpoints(tmp_path / "run")] == [0]
     assert _actor_processes() == []
 

@@ -288,13 +288,14 @@ def test_env_runner_rows_print_turn_by_turn(vllm_engine, tmp_path, capsys):
     """An EnvRunner batch becomes Samples with turns, rollout_rows and the run's MetricsLogger write
     them with stats, and `titanrl rollouts` prints each episode's turns in order: model, tool, model,
     tool, model, with 2 tool calls in the header and the reward of 1."""
-    from titanrl.config import EnvConfig, RolloutConfig
+    from titanrl.config import EngineConfig, EnvConfig, RolloutConfig, RunConfig, SamplingConfig
     from titanrl.rollout.env_runner import EnvRunner
     from titanrl.rundir.metrics import MetricsLogger
 
-    rc = RolloutConfig(group_size=2, max_new_tokens=4, max_model_len=256, temperature=1.0)
-    runner = EnvRunner(vllm_engine, lambda context: ToolLikeEnv(turns=3),
-                       EnvConfig(max_turns=3, max_total_tokens=128, sandbox_pool_size=0), rc, [], "prompt", 0)
+    rc = RolloutConfig(group_size=2, sampling=SamplingConfig(max_new_tokens=4, temperature=1.0),
+                       engine=EngineConfig(max_model_len=256))
+    config = RunConfig(rollout=rc, env=EnvConfig(max_turns=3, max_total_tokens=128, sandbox_pool_size=0))
+    runner = EnvRunner(vllm_engine, lambda context: ToolLikeEnv(turns=3), config, [], 0)
     try:
         batch = runner.generate([{"prompt": "go:"}], seed=11, first_group_id=5)
     finally:

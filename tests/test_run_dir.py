@@ -75,10 +75,14 @@ def test_resume_refuses_changed_config_naming_the_keys(tmp_path):
     relaid = dataclasses.replace(config, train=dataclasses.replace(
         config.train, parallel=dataclasses.replace(config.train.parallel, tp=2)))
     assert reopen_run_dir(relaid)[1].step == 5  # checkpoints reshard: the layout may change
-    changed = dataclasses.replace(config, seed=7, train=dataclasses.replace(config.train, lr=0.5))
+    changed = dataclasses.replace(
+        config,
+        seed=7,
+        train=dataclasses.replace(config.train, optimizer=dataclasses.replace(config.train.optimizer, lr=0.5)),
+    )
     with pytest.raises(ConfigError) as info:
         reopen_run_dir(changed)
-    assert "seed: 0 -> 7" in str(info.value) and "train.lr: 0.0001 -> 0.5" in str(info.value)
+    assert "seed: 0 -> 7" in str(info.value) and "train.optimizer.lr: 0.0001 -> 0.5" in str(info.value)
 
 
 def test_resume_needs_a_checkpoint(tmp_path):
@@ -113,10 +117,28 @@ def test_settings_added_since_the_run_was_saved_match_their_defaults(tmp_path):
     is refused when it is not (the saved run computed with the default)."""
     config = _config(tmp_path)
     saved = json.loads(json.dumps(config_record(config)))
-    del saved["train"]["pack_sequences"]  # as if written before train.pack_sequences existed
+    del saved["train"]["compute"]["pack_sequences"]  # as if written before train.compute.pack_sequences existed
     assert config_differences(saved, config_record(config)) == []
-    changed = dataclasses.replace(config, train=dataclasses.replace(config.train, pack_sequences=False))
-    assert config_differences(saved, config_record(changed)) == [("train.pack_sequences", True, False)]
+    changed = dataclasses.replace(
+        config,
+        train=dataclasses.replace(
+            config.train, compute=dataclasses.replace(config.train.compute, pack_sequences=False)
+        ),
+    )
+    assert config_differences(saved, config_record(changed)) == [("train.compute.pack_sequences", True, False)]
+
+
+def test_a_record_saved_before_the_sections_resumes_under_the_new_names(tmp_path):
+    """config.json of a run saved with flat keys (train.lr, reward_health.*) compares by the new
+    keys: equal settings match, a changed one is named by its new key."""
+    config = _config(tmp_path)
+    saved = json.loads(json.dumps(config_record(config)))
+    train = saved["train"]
+    train["lr"] = train.pop("optimizer")["lr"]
+    saved["reward_health"] = saved.pop("scoring")["health"]
+    assert config_differences(saved, config_record(config)) == []
+    train["lr"] = 0.5
+    assert config_differences(saved, config_record(config)) == [("train.optimizer.lr", 0.5, config.train.optimizer.lr)]
 
 
 def test_rows_after_the_checkpoint_are_set_aside(tmp_path):

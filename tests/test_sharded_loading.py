@@ -24,6 +24,7 @@ from titanrl.trainer.checkpoint import open_initial_policy
 from titanrl.trainer.parallel.launch import run_local_world
 from support.layout_check import make_case
 from titanrl.trainer.trainer import GRPOTrainer
+from titanrl.trainer.setup import TrainerSetup
 
 LAYOUTS = {
     "fsdp+tp": dict(dp_shard=2, tp=2),
@@ -73,7 +74,7 @@ def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded_loading")
     untied, tied = make_case(tmp, tied=False), make_case(tmp, tied=True)
     tied_index = _as_index(tmp / "tied", tmp / "tied_index")
-    trainer = GRPOTrainer(ModelConfig(checkpoint=tied.checkpoint), tied.train, tied.temperature, seed=0)
+    trainer = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=tied.checkpoint), tied.train, tied.temperature, seed=0))
     trainer.optimizer_step(trainer.accumulate_gradients(tied.batch))
     trainer.save_state(str(tmp / "trainer_ckpt"))
     del trainer

@@ -33,10 +33,10 @@ def test_rows_and_completions_become_reward_inputs_and_samples_in_row_order():
 def test_sampling_arguments_and_eval_summary():
     """Training sampling takes the rollout config's temperature/top_p/top_k/max_new_tokens and the stop
     tokens; greedy evaluation is temperature 0; an errored completion is never correct."""
-    from titanrl.config import RolloutConfig
+    from titanrl.config import RolloutConfig, SamplingConfig
 
     turn = SingleTurn(prompt_field="prompt", stop_token_ids=None)
-    rc = RolloutConfig(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=5)
+    rc = RolloutConfig(sampling=SamplingConfig(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=5))
     assert turn.sampling(rc) == dict(temperature=0.7, top_p=0.9, top_k=20, max_tokens=5, stop_token_ids=None)
     assert turn.greedy(3) == dict(temperature=0.0, max_tokens=3, stop_token_ids=None)
     out = scored_summary([(1.0, None), (1.0, "timed out"), (0.0, None)], 0.5, policy_version=4)

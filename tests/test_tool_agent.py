@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from titanrl.cli import forget_shadowed_modules, load_config_file
-from titanrl.config import TrainConfig, validate
+from titanrl.config import MemoryConfig, TrainConfig, validate
+from titanrl.config.resolve import resolve
 from titanrl.models.hf_checkpoint import load_model
+from titanrl.trainer.setup import TrainerSetup
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tool_agent"
 
@@ -130,8 +132,10 @@ def _episodes(example, batch_invariant: bool):
 
     task, _ = example
     config = load_config_file(str(EXAMPLE / "config.py"))
-    rollout = dataclasses.replace(config.rollout, group_size=4, max_num_seqs=32)
-    worker = RolloutWorker(0, config.model, rollout, [], "prompt", 0, config.env, batch_invariant=batch_invariant)
+    rollout = dataclasses.replace(config.rollout, group_size=4,
+                                  engine=dataclasses.replace(config.rollout.engine, max_num_seqs=32))
+    config = dataclasses.replace(config, rollout=rollout, rewards=[], batch_invariant=batch_invariant)
+    worker = RolloutWorker(0, resolve(config))
     try:
         batch = worker.generate(task.eval_rows()[:8], seed=7, first_group_id=0)
     finally:
@@ -190,8 +194,10 @@ def test_agent_episodes_train_only_on_model_tokens_and_match_the_generator(examp
     tokenizer = AutoTokenizer.from_pretrained(EXAMPLE / "warm_start")
     for batch_invariant, bound in ((True, 0.0), (False, 5e-5)):
         config, groups = _episodes(example, batch_invariant)
-        tc = TrainConfig(micro_batch_size=8)
-        trainer = GRPOTrainer(config.model, tc, config.rollout.temperature, 0, batch_invariant=batch_invariant)
+        tc = TrainConfig(memory=MemoryConfig(micro_batch_size=8))
+        trainer = GRPOTrainer(
+            TrainerSetup(config.model, tc, config.rollout.sampling.temperature, 0, batch_invariant=batch_invariant)
+        )
         _check_training_tokens(trainer, groups, tokenizer)
         metrics = trainer.step(groups)
         model_tokens = sum(sum(s.loss_mask) for g in groups for s in g.samples)

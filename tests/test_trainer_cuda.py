@@ -15,6 +15,7 @@ import torch
 from support.packing_cases import accumulated_gradients, assert_same_gradients, varied_groups
 from titanrl.models import packed_sequences
 from titanrl.models.tiny import write_tiny_checkpoint, write_tiny_moe_checkpoint
+from titanrl.config import ComputeConfig, MoeConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +39,9 @@ def test_cuda_packed_float32_step_has_the_cpu_padded_gradients(checkpoint, share
     """float32 on the GPU: packed (padded SDPA around the call) equals the CPU's padded step."""
     groups = varied_groups()
     g_cpu, s_cpu, lp_cpu, *_ = accumulated_gradients(checkpoint, groups, False)
-    g_gpu, s_gpu, lp_gpu, computed, _ = accumulated_gradients(checkpoint, groups, True, share=share, device="cuda")
+    g_gpu, s_gpu, lp_gpu, computed, _ = accumulated_gradients(
+        checkpoint, groups, True, share=share, compute=ComputeConfig(device="cuda")
+    )
     _assert_close_to_cpu(g_gpu, g_cpu)
     torch.testing.assert_close(lp_gpu, lp_cpu, rtol=0, atol=1e-5)
     assert s_gpu.tokens == s_cpu.tokens
@@ -58,10 +61,14 @@ def test_cuda_bfloat16_packed_step_runs_the_varlen_flash_kernel(checkpoint, monk
 
     monkeypatch.setattr(packed_sequences, "_varlen_kernel", lambda: counting)
     groups = varied_groups()
-    g_pack, _, lp_pack, *_ = accumulated_gradients(checkpoint, groups, True, share=False, device="cuda", dtype="bfloat16")
+    g_pack, _, lp_pack, *_ = accumulated_gradients(
+        checkpoint, groups, True, share=False, compute=ComputeConfig(device="cuda"), dtype="bfloat16"
+    )
     assert calls, "the packed bfloat16 step never called the varlen kernel"
     monkeypatch.undo()
-    g_pad, _, lp_pad, *_ = accumulated_gradients(checkpoint, groups, False, device="cuda", dtype="bfloat16")
+    g_pad, _, lp_pad, *_ = accumulated_gradients(
+        checkpoint, groups, False, compute=ComputeConfig(device="cuda"), dtype="bfloat16"
+    )
     g_ref, _, lp_ref, *_ = accumulated_gradients(checkpoint, groups, False)  # float32 CPU, the reference
     assert g_pack.keys() == g_ref.keys()
     for name in g_ref:
@@ -74,12 +81,12 @@ def test_cuda_bfloat16_packed_step_runs_the_varlen_flash_kernel(checkpoint, monk
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_cuda_compiled_blocks_give_eager_gradients(tmp_path, moe):
-    """train.compile on the GPU (Inductor's Triton kernels): gradients and logprobs of eager."""
+    """train.compute.compile on the GPU (Inductor's Triton kernels): gradients and logprobs of eager."""
     ckpt = (write_tiny_moe_checkpoint if moe else write_tiny_checkpoint)(tmp_path / "tiny", seed=1)
     groups = varied_groups(seed=3)
     torch._dynamo.reset()
-    eager, _, eager_lp, *_ = accumulated_gradients(ckpt, groups, True, device="cuda")
-    compiled, _, lp, *_ = accumulated_gradients(ckpt, groups, True, device="cuda", compile=True)
+    eager, _, eager_lp, *_ = accumulated_gradients(ckpt, groups, True, compute=ComputeConfig(device="cuda"))
+    compiled, _, lp, *_ = accumulated_gradients(ckpt, groups, True, compute=ComputeConfig(device="cuda", compile=True))
     assert_same_gradients(compiled, eager, atol=1e-5)
     torch.testing.assert_close(lp, eager_lp, rtol=0, atol=1e-5)
 
@@ -88,8 +95,8 @@ def test_cuda_moe_step_with_router_replay_matches_cpu(tmp_path):
     """The MoE policy (router replay, auxiliary loss) on the GPU: the CPU's gradients and aux loss."""
     ckpt = write_tiny_moe_checkpoint(tmp_path / "moe", seed=0)
     groups = varied_groups(seed=2, routed_layers=2)
-    kw = dict(router_replay=True, moe_load_balance="aux_loss")
+    kw = dict(moe=MoeConfig(router_replay=True, load_balance="aux_loss"))
     g_cpu, s_cpu, *_ = accumulated_gradients(ckpt, groups, True, **kw)
-    g_gpu, s_gpu, *_ = accumulated_gradients(ckpt, groups, True, device="cuda", **kw)
+    g_gpu, s_gpu, *_ = accumulated_gradients(ckpt, groups, True, compute=ComputeConfig(device="cuda"), **kw)
     _assert_close_to_cpu(g_gpu, g_cpu)
     assert s_gpu.moe.aux_loss == pytest.approx(s_cpu.moe.aux_loss, rel=1e-5)

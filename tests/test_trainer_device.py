@@ -1,10 +1,12 @@
-"""`train.device`: the one GRPOTrainer puts the policy, its optimizer state and the batches where
+"""`train.compute.device`: the one GRPOTrainer puts the policy, its optimizer state and the batches where
 the config says, for world size 1 as for N; weights leave the device once per push."""
 
 import pytest
 import torch
+from support.sections import merged
 
-from titanrl.config import ConfigError, ModelConfig, TrainConfig
+from titanrl.config import ComputeConfig, ConfigError, ModelConfig, OptimizerConfig, TrainConfig
+from titanrl.trainer.setup import TrainerSetup
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.types import Group, Sample
 
@@ -31,8 +33,8 @@ def _groups() -> list[Group]:
 
 
 def _trainer(ckpt, device: str, **kw) -> GRPOTrainer:
-    return GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), TrainConfig(device=device, grad_clip=0.5, **kw),
-                       temperature=1.0, seed=0)
+    train = merged(TrainConfig(compute=ComputeConfig(device=device), optimizer=OptimizerConfig(grad_clip=0.5)), **kw)
+    return GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(ckpt)), train, temperature=1.0, seed=0))
 
 
 def test_cpu_device_holds_model_and_optimizer_state_on_cpu(ckpt):
@@ -46,8 +48,8 @@ def test_cpu_device_holds_model_and_optimizer_state_on_cpu(ckpt):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_cuda_without_a_gpu_is_a_config_error(ckpt):
-    """device='cuda' where torch sees no GPU fails before any model is loaded, naming train.device."""
-    with pytest.raises(ConfigError, match="train.device='cuda'"):
+    """device='cuda' where torch sees no GPU fails before any model is loaded, naming train.compute.device."""
+    with pytest.raises(ConfigError, match="train.compute.device='cuda'"):
         _trainer(ckpt, "cuda")
 
 

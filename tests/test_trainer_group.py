@@ -8,17 +8,29 @@ from titanrl.config import ConfigError, ParallelConfig
 from titanrl.models.hf_checkpoint import hf_state_dict, read_state_dict
 from titanrl.trainer.checkpoint import HF_CONFIG_DIR, MODEL_OPTIM_DIR, TRAINER_STATE_FILE, load_policy
 from titanrl.trainer.trainer_group import TrainerGroup
+from titanrl.trainer.setup import TrainerSetup
 
 
 def _config(tmp_path, tiny_run, name: str, parallel: ParallelConfig, steps: int, **top) -> titanrl.RunConfig:
     return titanrl.RunConfig(
         model=titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)),
         data=titanrl.DataConfig(train_file=str(tiny_run.train_file)),
-        rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=6, max_model_len=64),
-        train=titanrl.TrainConfig(steps=steps, lr=3e-3, micro_batch_size=5, parallel=parallel),
+        rollout=titanrl.RolloutConfig(
+            prompts_per_step=4,
+            group_size=4,
+            sampling=titanrl.SamplingConfig(max_new_tokens=6),
+            engine=titanrl.EngineConfig(max_model_len=64),
+        ),
+        train=titanrl.TrainConfig(
+            steps=steps,
+            optimizer=titanrl.OptimizerConfig(lr=3e-3),
+            memory=titanrl.MemoryConfig(micro_batch_size=5),
+            parallel=parallel,
+        ),
         eval=titanrl.EvalConfig(every_steps=0),
-        output=titanrl.OutputConfig(dir=str(tmp_path / name), progress_bar=False, tensorboard=False,
-                                    save_every_steps=1),
+        output=titanrl.OutputConfig(
+            dir=str(tmp_path / name), progress_bar=False, tensorboard=False, save_every_steps=1
+        ),
         rewards=[tiny_run.reward],
         **top,
     )
@@ -53,9 +65,17 @@ def test_fsdp_trainer_group_matches_single_process_run(tmp_path, ray_session, ti
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
     # That checkpoint resumes into another layout: a tp=2 group holds exactly its weights.
-    tp = ray_session.remote(TrainerGroup).options(num_cpus=0).remote(
-        titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)), titanrl.TrainConfig(parallel=ParallelConfig(tp=2)),
-        1.0, 0,
+    tp = (
+        ray_session.remote(TrainerGroup)
+        .options(num_cpus=0)
+        .remote(
+            TrainerSetup(
+                titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)),
+                titanrl.TrainConfig(parallel=ParallelConfig(tp=2)),
+                1.0,
+                0,
+            )
+        )
     )
     try:
         version = ray_session.get(tp.load_state.remote(str(trainer_dir)))

@@ -1,4 +1,4 @@
-"""train.pack_sequences: the trainer computes only real tokens, with the padded step's gradients.
+"""train.compute.pack_sequences: the trainer computes only real tokens, with the padded step's gradients.
 
 Each case runs one trainer with packing and one without on the same batch and compares the
 gradients of every parameter (and, where the claim is exact, the logprobs bit for bit).
@@ -11,6 +11,7 @@ import torch
 
 from titanrl.models.tiny import write_tiny_checkpoint, write_tiny_moe_checkpoint
 from titanrl.trainer.packing import pack_micro_batch, pad_fraction
+from titanrl.config import MemoryConfig, MoeConfig
 
 from support.packing_cases import accumulated_gradients, assert_same_gradients, varied_groups
 
@@ -46,8 +47,8 @@ def test_packed_step_has_the_padded_gradients_and_computes_only_real_tokens(chec
 def test_packed_step_with_activation_checkpointing(checkpoint):
     """The layout stays set through the backward, where checkpointed blocks recompute attention."""
     groups = varied_groups(seed=1)
-    g_pad, *_ = accumulated_gradients(checkpoint, groups, False, activation_checkpointing="full")
-    g_pack, *_ = accumulated_gradients(checkpoint, groups, True, activation_checkpointing="full")
+    g_pad, *_ = accumulated_gradients(checkpoint, groups, False, memory=MemoryConfig(activation_checkpointing="full"))
+    g_pack, *_ = accumulated_gradients(checkpoint, groups, True, memory=MemoryConfig(activation_checkpointing="full"))
     assert_same_gradients(g_pack, g_pad)
 
 
@@ -56,7 +57,7 @@ def test_packed_moe_step_with_router_replay_and_aux_loss(tmp_path, share):
     """The auxiliary loss and routing counts weigh a shared prompt token once per sample holding it."""
     ckpt = write_tiny_moe_checkpoint(tmp_path / "moe", seed=0)
     groups = varied_groups(seed=2, routed_layers=2)  # a group's tokens are all routed alike: prompts shared
-    kw = dict(router_replay=True, moe_load_balance="aux_loss")
+    kw = dict(moe=MoeConfig(router_replay=True, load_balance="aux_loss"))
     g_pad, s_pad, *_ = accumulated_gradients(ckpt, groups, False, **kw)
     g_pack, s_pack, *_ = accumulated_gradients(ckpt, groups, True, share=share, **kw)
     assert_same_gradients(g_pack, g_pad)

@@ -8,17 +8,32 @@ import random
 import numpy as np
 import pytest
 import torch
+from support.sections import merged
 
-from titanrl.config import ModelConfig, TrainConfig
+from titanrl.config import (
+    ComputeConfig,
+    LrScheduleConfig,
+    MemoryConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TrainConfig,
+)
 from titanrl.models.hf_checkpoint import CheckpointError
 from titanrl.trainer.checkpoint import export_hf, load_policy
+from titanrl.trainer.setup import TrainerSetup
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.types import Group, Sample
 
 # A run that exercises every piece of state: warm-up + cosine schedule, 2 epochs x 2 minibatches,
 # weight decay, and a grad clip small enough to clip.
-TRAIN = dict(steps=6, lr=1e-3, warmup_steps=2, lr_decay="cosine", min_lr_ratio=0.2, ppo_epochs=2, minibatches=2,
-             weight_decay=0.1, grad_clip=0.05, micro_batch_size=3)
+TRAIN = dict(
+    steps=6,
+    optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.1, grad_clip=0.05),
+    lr_schedule=LrScheduleConfig(warmup_steps=2, decay="cosine", min_lr_ratio=0.2),
+    ppo_epochs=2,
+    minibatches=2,
+    memory=MemoryConfig(micro_batch_size=3),
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +53,8 @@ def llama_ckpt(tmp_path_factory):
 
 
 def _trainer(path, **overrides) -> GRPOTrainer:
-    train = TrainConfig(**{**TRAIN, **overrides})
-    return GRPOTrainer(ModelConfig(checkpoint=str(path)), train, temperature=0.9, seed=0)
+    train = merged(TrainConfig(**TRAIN), **overrides)
+    return GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(path)), train, temperature=0.9, seed=0))
 
 
 def _batches(n: int, seed: int = 0) -> list[list[Group]]:
@@ -109,7 +124,7 @@ def test_resume_continues_bit_for_bit(request, family, tmp_path):
     assert a.scheduler.state_dict() == b.scheduler.state_dict()
     for r, g in zip(ref, got):
         assert {k: r[k] for k in KEYS} == {k: g[k] for k in KEYS}
-    assert ref[-1]["train/clip_fraction"] > 0 and ref[-1]["grad_norm"] > TRAIN["grad_clip"]  # both exercised
+    assert ref[-1]["train/clip_fraction"] > 0 and ref[-1]["grad_norm"] > TRAIN["optimizer"].grad_clip  # both exercised
 
 
 def test_layout_on_disk(ckpt, tmp_path):
@@ -187,10 +202,10 @@ def test_policy_rebuilds_without_original_checkpoint(ckpt, tmp_path):
 def test_export_hf_loads_in_transformers(ckpt, tmp_path):
     """export_hf writes an HF checkpoint that transformers' Qwen3ForCausalLM loads and that gives the
     trainer model's logits bitwise (with MKL's GEMMs, as transformers runs them: oneDNN's round
-    differently, see train.cpu_matmul)."""
+    differently, see train.compute.cpu_matmul)."""
     from transformers import Qwen3ForCausalLM
 
-    a = _trainer(ckpt, cpu_matmul="mkl")
+    a = _trainer(ckpt, compute=ComputeConfig(cpu_matmul="mkl"))
     a.step(_batches(1)[0])
     a.save_state(str(tmp_path / "s"))
     out = export_hf(tmp_path / "s", tmp_path / "hf")

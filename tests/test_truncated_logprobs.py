@@ -1,6 +1,6 @@
 """Truncated sampling done right: the trainer scores tokens under the generator's top-k / top-p
-truncated, renormalised distribution (rollout.logprobs='sampled'), or both sides under the full
-softmax (rollout.logprobs='raw'), so at equal weights the PPO ratio is 1, not the nucleus mass."""
+truncated, renormalised distribution (rollout.sampling.logprobs='sampled'), or both sides under the full
+softmax (rollout.sampling.logprobs='raw'), so at equal weights the PPO ratio is 1, not the nucleus mass."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from titanrl.config import ModelConfig, TrainConfig
+from titanrl.config import ModelConfig, SamplingConfig, TrainConfig
 from titanrl.trainer.batch import pack
 from titanrl.trainer.chunked_logprobs import chunked_token_logprobs
+from titanrl.trainer.setup import TrainerSetup
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.trainer.truncation import Truncation, kept_mask
 from titanrl.types import Group, Sample
@@ -140,24 +141,27 @@ def _ratios(trainer: GRPOTrainer, groups: list[Group]) -> torch.Tensor:
                                                      (0.7, Truncation(top_k=20, top_p=0.9))], ids=str)
 def test_ratio_is_one_at_equal_weights(vllm_engine, vllm_tiny_checkpoint, temperature, truncation):
     """Tokens vLLM sampled with top_p 0.9, top_k 20 (and both at T=0.7) get the same logprob from
-    the trainer (same weights, rollout.logprobs='sampled'): max |exp(trainer - generator) - 1| <=
+    the trainer (same weights, rollout.sampling.logprobs='sampled'): max |exp(trainer - generator) - 1| <=
     1e-5. Negative control: the trainer scoring the full softmax gives the nucleus mass Z < 1."""
     groups = _groups(vllm_engine, temperature, top_p=truncation.top_p, top_k=truncation.top_k)
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), TrainConfig(), temperature, 0,
-                          truncation=truncation)
+    trainer = GRPOTrainer(
+        TrainerSetup(
+            ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), TrainConfig(), temperature, 0, truncation=truncation
+        )
+    )
     ratio = _ratios(trainer, groups)
     print(f"\n{truncation} T={temperature}: {ratio.numel()} tokens, max |ratio - 1| = "
           f"{(ratio - 1).abs().max().item():.3g}")
     assert ratio.numel() > 50
     assert (ratio - 1).abs().max().item() <= 1e-5
-    full = GRPOTrainer(ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), TrainConfig(), temperature, 0)
+    full = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), TrainConfig(), temperature, 0))
     z = _ratios(full, groups)
     print(f"  truncation off in the trainer: min ratio {z.min().item():.4f}, max {z.max().item():.6f}")
     assert z.max().item() <= 1 + 1e-5 and z.min().item() < 0.99
 
 
 def test_raw_logprobs_give_ratio_one(vllm_engine, vllm_tiny_checkpoint):
-    """rollout.logprobs='raw' (temperature 1): the trainer scores the full softmax, which is what
+    """rollout.sampling.logprobs='raw' (temperature 1): the trainer scores the full softmax, which is what
     vLLM's raw_logprobs mode reports for a sampled token (Sampler.compute_logprobs on the logits
     before temperature and truncation). That function is the one vLLM also scores prompt tokens
     with, so the session engine (processed mode) gives the generator's raw numbers as prompt
@@ -167,7 +171,7 @@ def test_raw_logprobs_give_ratio_one(vllm_engine, vllm_tiny_checkpoint):
 
     from titanrl.config import RolloutConfig
 
-    assert Truncation.scored_by_trainer(RolloutConfig(top_p=0.9, logprobs="raw")) is None
+    assert Truncation.scored_by_trainer(RolloutConfig(sampling=SamplingConfig(top_p=0.9, logprobs="raw"))) is None
     groups = _groups(vllm_engine, 1.0, top_p=0.9)
     samples = [s for g in groups for s in g.samples]
     outs = vllm_engine.llm.generate(
@@ -183,7 +187,7 @@ def test_raw_logprobs_give_ratio_one(vllm_engine, vllm_tiny_checkpoint):
             raw.append(Sample(s.prompt, s.completion, s.prompt_ids, s.completion_ids, lp, s.reward,
                               s.group_id, 0))
         raw_groups.append(Group(raw))
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), TrainConfig(), 1.0, 0)
+    trainer = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), TrainConfig(), 1.0, 0))
     ratio = _ratios(trainer, raw_groups)
     print(f"\nraw, top_p 0.9: {ratio.numel()} tokens, max |ratio - 1| = {(ratio - 1).abs().max().item():.3g}")
     assert (ratio - 1).abs().max().item() <= 1e-5
@@ -202,12 +206,24 @@ def _config(tmp_path, checkpoint, **rollout):
                      rollout=RolloutConfig(**rollout), rewards=[lambda prompt, completion, **kw: 0.0])
 
 
-@pytest.mark.parametrize("rollout, parallel, needles", [
-    (dict(top_k=-1), {}, ["rollout.top_k must be >= 0"]),
-    (dict(logprobs="full"), {}, ["rollout.logprobs must be"]),
-    (dict(top_p=0.9, logprobs="raw", temperature=0.7), {}, ["rollout.logprobs='raw'", "rollout.temperature=1"]),
-    (dict(top_k=20), dict(tp=2), ["train.parallel.tp=2", "rollout.top_k=20", "rollout.logprobs='raw'"]),
-], ids=["negative top_k", "unknown logprobs", "raw needs T=1", "tp vocabulary shards"])
+@pytest.mark.parametrize(
+    "rollout, parallel, needles",
+    [
+        (dict(sampling=SamplingConfig(top_k=-1)), {}, ["rollout.sampling.top_k must be >= 0"]),
+        (dict(sampling=SamplingConfig(logprobs="full")), {}, ["rollout.sampling.logprobs must be"]),
+        (
+            dict(sampling=SamplingConfig(top_p=0.9, logprobs="raw", temperature=0.7)),
+            {},
+            ["rollout.sampling.logprobs='raw'", "rollout.sampling.temperature=1"],
+        ),
+        (
+            dict(sampling=SamplingConfig(top_k=20)),
+            dict(tp=2),
+            ["train.parallel.tp=2", "rollout.sampling.top_k=20", "rollout.sampling.logprobs='raw'"],
+        ),
+    ],
+    ids=["negative top_k", "unknown logprobs", "raw needs T=1", "tp vocabulary shards"],
+)
 def test_validation_refuses_what_both_sides_cannot_score(tmp_path, vllm_tiny_checkpoint, rollout, parallel, needles):
     """Bad top_k / logprobs choices fail before any actor starts, naming the fields to change; the
     same settings without the conflict pass (raw at T=1, truncation with tp=1, tp=2 untruncated)."""
@@ -219,8 +235,8 @@ def test_validation_refuses_what_both_sides_cannot_score(tmp_path, vllm_tiny_che
     with pytest.raises(ConfigError) as info:
         validate(config)
     assert all(n in str(info.value) for n in needles), str(info.value)
-    validate(_config(tmp_path, vllm_tiny_checkpoint, top_p=0.9, logprobs="raw"))
-    validate(_config(tmp_path, vllm_tiny_checkpoint, top_k=20, top_p=0.9, temperature=0.7))
+    validate(_config(tmp_path, vllm_tiny_checkpoint, sampling=SamplingConfig(top_p=0.9, logprobs="raw")))
+    validate(_config(tmp_path, vllm_tiny_checkpoint, sampling=SamplingConfig(top_k=20, top_p=0.9, temperature=0.7)))
 
 
 class _TwoTurns:
@@ -283,11 +299,15 @@ def test_targets_outside_the_kept_set_are_counted_and_finite(vllm_engine, vllm_t
     groups = _groups(vllm_engine, 1.0, top_k=1)
     changed = [Group([dataclasses.replace(s, completion_ids=s.completion_ids[:-1] + [(s.completion_ids[-1] + 1) % 256])
                       for s in g.samples]) for g in groups]
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), TrainConfig(), 1.0, 0,
-                          truncation=Truncation(top_k=1))
+    trainer = GRPOTrainer(
+        TrainerSetup(
+            ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), TrainConfig(), 1.0, 0, truncation=Truncation(top_k=1)
+        )
+    )
     metrics = trainer.step(changed)
     samples = sum(len(g.samples) for g in groups)
     assert metrics["train/truncation_outside_frac"] == samples / metrics["train/tokens"]
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["train/skipped"] == 0.0
     assert "train/truncation_outside_frac" not in GRPOTrainer(
-        ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), TrainConfig(), 1.0, 0).step(groups)
+        TrainerSetup(ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), TrainConfig(), 1.0, 0)
+    ).step(groups)

@@ -5,6 +5,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from titanrl.config import EngineConfig
 from titanrl.models.hf_checkpoint import hf_state_dict, load_model, load_state_dict_into  # noqa: E402
 from titanrl.models.tiny import write_tiny_checkpoint  # noqa: E402
 
@@ -126,7 +127,9 @@ def test_multiprocess_engine_untied_push(tmp_path):
     new_state = _perturbed(hf_state_dict(model), seed=2)
     assert "lm_head.weight" in new_state
     load_state_dict_into(model, new_state)
-    config = VllmEngineConfig(checkpoint=str(ckpt), max_model_len=128, max_num_seqs=8, multiprocess=True)
+    config = VllmEngineConfig(
+        checkpoint=str(ckpt), settings=EngineConfig(max_model_len=128, max_num_seqs=8, multiprocess=True)
+    )
     with VllmEngine(config) as eng:
         assert eng.generate(["mp"], n=2, max_tokens=4, seed=0)[0][1].token_ids
         eng.update_weights(new_state, version=1)

@@ -15,6 +15,8 @@ from titanrl.envs.base import Environment, StepResult  # noqa: E402
 from titanrl.models.hf_checkpoint import hf_state_dict, load_model, load_state_dict_into  # noqa: E402
 from titanrl.rollout.vllm.engine import VllmEngineConfig  # noqa: E402
 from titanrl.rollout.vllm.routing_record import NOT_RECORDED, fit_routing, merge_routing  # noqa: E402
+from titanrl.config import EngineConfig  # noqa: E402
+from titanrl.trainer.setup import TrainerSetup  # noqa: E402
 
 TOL = 1e-5
 BLOCK = VllmEngineConfig.kv_block_size
@@ -238,7 +240,9 @@ def test_recording_needs_a_moe_checkpoint(vllm_tiny_checkpoint):
     from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
     with pytest.raises(ValueError, match="record_routed_experts"):
-        VllmEngine(VllmEngineConfig(checkpoint=str(vllm_tiny_checkpoint), record_routed_experts=True))
+        VllmEngine(
+            VllmEngineConfig(checkpoint=str(vllm_tiny_checkpoint), settings=EngineConfig(record_routed_experts=True))
+        )
 
 
 # --- batch-invariant mode ------------------------------------------------------------------
@@ -249,7 +253,7 @@ def test_moe_batch_invariant_generator_equals_trainer_exactly(vllm_moe_checkpoin
     model's bit for bit (decode, and one prompt alone vs inside a batch), its recorded routing
     equals the trainer's top-k everywhere, and GRPOTrainer's parity/logprob_diff_max is 0.0.
     The routing comparison can fail: perturbing the trainer's gate by 1e-3 flips some top-k."""
-    from titanrl.config import ModelConfig, TrainConfig
+    from titanrl.config import EngineConfig, MemoryConfig, ModelConfig, TrainConfig
     from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
     from titanrl.trainer.trainer import GRPOTrainer
     from titanrl.types import Group, Sample
@@ -258,8 +262,11 @@ def test_moe_batch_invariant_generator_equals_trainer_exactly(vllm_moe_checkpoin
     model.set_batch_invariant(True)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 17, 40, 75, 150)]
-    config = VllmEngineConfig(checkpoint=str(vllm_moe_checkpoint), max_model_len=512, max_num_seqs=64,
-                              batch_invariant=True, record_routed_experts=True)
+    config = VllmEngineConfig(
+        checkpoint=str(vllm_moe_checkpoint),
+        settings=EngineConfig(max_model_len=512, max_num_seqs=64, record_routed_experts=True),
+        batch_invariant=True,
+    )
     with VllmEngine(config) as engine:
         groups = engine.generate(prompts, n=2, temperature=1.0, max_tokens=24, seed=7)
         crowd = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(2, 60, (31,), generator=g)]
@@ -286,8 +293,15 @@ def test_moe_batch_invariant_generator_equals_trainer_exactly(vllm_moe_checkpoin
     batch = [Group([Sample("p", c.text, c.prompt_token_ids, c.token_ids, c.logprobs, float(i % 2), j, 0,
                            routed_experts=c.routed_experts) for i, c in enumerate(grp)])
              for j, grp in enumerate(groups)]
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(vllm_moe_checkpoint)), TrainConfig(micro_batch_size=4), 1.0, 0,
-                          batch_invariant=True)
+    trainer = GRPOTrainer(
+        TrainerSetup(
+            ModelConfig(checkpoint=str(vllm_moe_checkpoint)),
+            TrainConfig(memory=MemoryConfig(micro_batch_size=4)),
+            1.0,
+            0,
+            batch_invariant=True,
+        )
+    )
     metrics = trainer.step(batch)
     assert metrics["parity/tokens_checked"] == sum(len(c.token_ids) for c in sampled)
     assert metrics["parity/logprob_diff_max"] == 0.0
@@ -310,7 +324,7 @@ def _flips_under_gate_perturbation(model, seq: list[int], routing: np.ndarray, s
 
 
 def test_run_config_refuses_recording_for_a_dense_policy(tmp_path, vllm_tiny_checkpoint, vllm_moe_checkpoint):
-    """rollout.record_routed_experts=True with a dense model.checkpoint is a ConfigError naming the
+    """rollout.engine.record_routed_experts=True with a dense model.checkpoint is a ConfigError naming the
     field; None (the default) and True with a MoE checkpoint validate."""
     import dataclasses
 
@@ -323,8 +337,8 @@ def test_run_config_refuses_recording_for_a_dense_policy(tmp_path, vllm_tiny_che
     config = RunConfig(model=ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), data=DataConfig(train_file=str(train)),
                        rewards=[lambda prompt, completion, **fields: 0.0])
     validate(config)
-    config.rollout = RolloutConfig(record_routed_experts=True)
-    with pytest.raises(ConfigError, match=r"rollout\.record_routed_experts"):
+    config.rollout = RolloutConfig(engine=EngineConfig(record_routed_experts=True))
+    with pytest.raises(ConfigError, match=r"rollout\.engine\.record_routed_experts"):
         validate(config)
     validate(dataclasses.replace(config, model=ModelConfig(checkpoint=str(vllm_moe_checkpoint))))
 
@@ -335,8 +349,10 @@ def test_multiprocess_engine_records_routing(vllm_moe_checkpoint):
     the plugin entry point) records routing there and returns it as plain bytes, equal to the trainer's."""
     from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
-    config = VllmEngineConfig(checkpoint=str(vllm_moe_checkpoint), max_model_len=128, max_num_seqs=8,
-                              multiprocess=True, record_routed_experts=True)
+    config = VllmEngineConfig(
+        checkpoint=str(vllm_moe_checkpoint),
+        settings=EngineConfig(max_model_len=128, max_num_seqs=8, multiprocess=True, record_routed_experts=True),
+    )
     with VllmEngine(config) as engine:
         group = engine.generate(["mp moe"], n=2, temperature=1.0, max_tokens=8, seed=0)[0]
     model, _ = load_model(vllm_moe_checkpoint)

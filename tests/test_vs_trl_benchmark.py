@@ -103,12 +103,17 @@ def test_summarize_needs_both_arms(vs_trl):
 
 
 def test_titanrl_overrides_set_the_workload_and_extras_win(vs_trl):
-    overrides = vs_trl.titanrl_overrides("/ck", 5, 2, "/out", ["train.share_prompts=false", "train.threads=1"])
+    overrides = vs_trl.titanrl_overrides(
+        "/ck", 5, 2, "/out", ["train.compute.share_prompts=false", "train.compute.threads=1"]
+    )
     assert "model.checkpoint=/ck" in overrides
     assert "rollout.prompts_per_step=8" in overrides and "rollout.group_size=8" in overrides
-    assert "rollout.max_new_tokens=64" in overrides and "train.max_staleness=1" in overrides
+    assert "rollout.sampling.max_new_tokens=64" in overrides and "train.max_staleness=1" in overrides
     assert "train.steps=5" in overrides and "output.dir=/out" in overrides
-    assert overrides[-2:] == ["train.share_prompts=false", "train.threads=1"]  # after train.threads=2
+    assert overrides[-2:] == [
+        "train.compute.share_prompts=false",
+        "train.compute.threads=1",
+    ]  # after train.compute.threads=2
 
 
 def test_titanrl_overrides_build_a_valid_config(vs_trl):
@@ -116,11 +121,11 @@ def test_titanrl_overrides_build_a_valid_config(vs_trl):
     from titanrl.config import apply_overrides
 
     config = apply_overrides(load_config_file(str(vs_trl.EXAMPLE_CONFIG)),
-                             vs_trl.titanrl_overrides("/ck", 3, 2, "/out", ["train.share_prompts=false"]))
+                             vs_trl.titanrl_overrides("/ck", 3, 2, "/out", ["train.compute.share_prompts=false"]))
     assert config.rollout.prompts_per_step * config.rollout.group_size == 64
-    assert config.rollout.max_new_tokens == 64 < config.rollout.max_model_len
-    assert config.train.max_staleness == 1 and config.train.threads == 2
-    assert config.train.share_prompts is False and config.eval.every_steps == 0
+    assert config.rollout.sampling.max_new_tokens == 64 < config.rollout.engine.max_model_len
+    assert config.train.max_staleness == 1 and config.train.compute.threads == 2
+    assert config.train.compute.share_prompts is False and config.eval.every_steps == 0
 
 
 def test_trl_reward_is_the_example_reward(vs_trl):
@@ -130,5 +135,5 @@ def test_trl_reward_is_the_example_reward(vs_trl):
 def test_parse_args_refuses_too_few_steps(vs_trl):
     with pytest.raises(SystemExit):
         vs_trl.parse_args(["--steps", "1"])
-    args = vs_trl.parse_args(["--steps", "3", "--titanrl-overrides", "train.share_prompts=false"])
-    assert args.titanrl_overrides == ["train.share_prompts=false"] and args.arms == ["titanrl", "trl"]
+    args = vs_trl.parse_args(["--steps", "3", "--titanrl-overrides", "train.compute.share_prompts=false"])
+    assert args.titanrl_overrides == ["train.compute.share_prompts=false"] and args.arms == ["titanrl", "trl"]

@@ -13,9 +13,11 @@ import torch
 
 pytest.importorskip("vllm")
 
+from titanrl.config import EngineConfig
 from titanrl.models.hf_checkpoint import read_state_dict  # noqa: E402
 from titanrl.models.tiny import write_tiny_checkpoint  # noqa: E402
 from titanrl.rollout.weight_receiver import WeightReceiver  # noqa: E402
+from titanrl.trainer.setup import TrainerSetup
 from titanrl.weight_sync import (  # noqa: E402
     TensorsWeights,
     WeightSyncError,
@@ -41,8 +43,10 @@ def trainer(ray_session, other_checkpoint):
     from titanrl.config import ModelConfig, TrainConfig
     from titanrl.trainer.trainer import GRPOTrainer
 
-    actor = ray_session.remote(GRPOTrainer).options(num_cpus=0).remote(
-        ModelConfig(checkpoint=str(other_checkpoint)), TrainConfig(), 1.0, 0
+    actor = (
+        ray_session.remote(GRPOTrainer)
+        .options(num_cpus=0)
+        .remote(TrainerSetup(ModelConfig(checkpoint=str(other_checkpoint)), TrainConfig(), 1.0, 0))
     )
     ray_session.get(actor.get_version.remote())
     yield actor
@@ -268,7 +272,9 @@ def test_multiprocess_engine_receives_tensors_from_every_transport(tmp_path, ray
 
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", seed=3, std=0.1)
     target = read_state_dict(other_checkpoint)
-    config = VllmEngineConfig(checkpoint=str(ckpt), max_model_len=128, max_num_seqs=8, multiprocess=True)
+    config = VllmEngineConfig(
+        checkpoint=str(ckpt), settings=EngineConfig(max_model_len=128, max_num_seqs=8, multiprocess=True)
+    )
     with VllmEngine(config) as engine:
         for version, transport in enumerate(["object_store", "shared_memory", "broadcast"], start=1):
             plan = make_plan(transport, 1, bucket_bytes=64 << 10, timeout_s=60)
@@ -296,8 +302,14 @@ def test_parallel_trainer_group_publishes_gathered_weights(ray_session, vllm_eng
     from titanrl.config import ModelConfig, ParallelConfig, TrainConfig
     from titanrl.trainer.trainer_group import TrainerGroup
 
-    group = ray_session.remote(TrainerGroup).options(num_cpus=0).remote(
-        ModelConfig(checkpoint=str(other_checkpoint)), TrainConfig(parallel=ParallelConfig(tp=2)), 1.0, 0
+    group = (
+        ray_session.remote(TrainerGroup)
+        .options(num_cpus=0)
+        .remote(
+            TrainerSetup(
+                ModelConfig(checkpoint=str(other_checkpoint)), TrainConfig(parallel=ParallelConfig(tp=2)), 1.0, 0
+            )
+        )
     )
     target = read_state_dict(other_checkpoint)
     receiver = WeightReceiver(vllm_engine)

@@ -33,7 +33,7 @@ def test_push_bytes_counts_every_parameter_in_the_generator_dtype(checkpoint):
     model, _ = load_model(checkpoint)
     params = sum(p.numel() for p in model.parameters())
     assert push_bytes(_config(checkpoint)) == params * 4  # float32 tiny checkpoint
-    half = _config(checkpoint, train=titanrl.TrainConfig(compute_dtype="bfloat16"))
+    half = _config(checkpoint, train=titanrl.TrainConfig(compute=titanrl.ComputeConfig(dtype="bfloat16")))
     assert push_bytes(half) == params * 2
 
 

@@ -1,4 +1,4 @@
-"""train.device='xla' before any actor starts: what is refused (and how the message says what to do),
+"""train.compute.device='xla' before any actor starts: what is refused (and how the message says what to do),
 the XLA actor's interpreter and env vars, its single bundle, and that nothing crossing the trainer
 actor's boundary is a pickled torch object (the XLA trainer runs on another torch version).
 
@@ -16,11 +16,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from titanrl.config import ConfigError, DataConfig, ModelConfig, ParallelConfig, RolloutConfig, RunConfig, TrainConfig
-from titanrl.config import validate
+from titanrl.config import (
+    ComputeConfig,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainConfig,
+)
+from titanrl.config import KlConfig, validate
 from titanrl.config.xla_env import actor_env_vars, actor_pythonpath, has_tpu, validate_xla, xla_python
 from titanrl.driver.placement import plan_layout
 from titanrl.weight_sync.plain_tensors import PlainTensors
+from titanrl.trainer.setup import TrainerSetup
 
 
 def _reward(prompt: str, completion: str, **fields) -> float:
@@ -34,11 +44,15 @@ def checkpoint(tiny_run):
 
 @pytest.fixture
 def xla_config(tmp_path, checkpoint) -> RunConfig:
-    """A valid config but for train.device='xla' (xla_python: an interpreter that exists)."""
+    """A valid config but for train.compute.device='xla' (xla_python: an interpreter that exists)."""
     train = tmp_path / "train.jsonl"
     train.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    return RunConfig(model=ModelConfig(checkpoint=str(checkpoint)), data=DataConfig(train_file=str(train)),
-                     rewards=[_reward], train=TrainConfig(device="xla", xla_python=sys.executable))
+    return RunConfig(
+        model=ModelConfig(checkpoint=str(checkpoint)),
+        data=DataConfig(train_file=str(train)),
+        rewards=[_reward],
+        train=TrainConfig(compute=ComputeConfig(device="xla", xla_python=sys.executable)),
+    )
 
 
 def _refused(config: RunConfig, *needles: str, model_config=None) -> str:
@@ -64,8 +78,10 @@ def test_xla_refuses_what_it_cannot_run_naming_the_setting(xla_config, monkeypat
     def train(**kw):
         return dataclasses.replace(xla_config, train=dataclasses.replace(xla_config.train, **kw))
 
-    _refused(dataclasses.replace(xla_config, batch_invariant=True), "batch_invariant=False", "train.device='cpu'")
-    _refused(train(kl_coef=0.1), "train.kl_coef=0")
+    _refused(
+        dataclasses.replace(xla_config, batch_invariant=True), "batch_invariant=False", "train.compute.device='cpu'"
+    )
+    _refused(train(kl=KlConfig(coef=0.1)), "train.kl.coef=0")
     moe = Qwen3MoeConfig(**{**dataclasses.asdict(tiny_config()), "num_experts": 4, "num_experts_per_tok": 2,
                             "moe_intermediate_size": 64})
     _refused(xla_config, "mixture-of-experts", "dense Qwen3", model_config=moe)
@@ -78,22 +94,23 @@ def test_xla_refuses_what_it_cannot_run_naming_the_setting(xla_config, monkeypat
         # A mesh of every device, or of one, passes on to the environment check.
         _refused(train(parallel=ParallelConfig(dp_shard=2, tp=2)), "lacks torch_xla", "make xla-venv")
         _refused(train(parallel=ParallelConfig(dp_replicate=4)), "lacks torch_xla")
-    _refused(xla_config, "lacks torch_xla", "make xla-venv", "train.xla_python")
-    _refused(train(xla_python=str(Path(sys.executable).parent / "no-such-python")), "train.xla_python=",
+    _refused(xla_config, "lacks torch_xla", "make xla-venv", "train.compute.xla_python")
+    missing = str(Path(sys.executable).parent / "no-such-python")
+    _refused(train(compute=dataclasses.replace(xla_config.train.compute, xla_python=missing)), "train.compute.xla_python=",
              "make xla-venv")
     # validate runs these checks; the same config on the CPU trainer is fine: the refusals are XLA's.
     with pytest.raises(ConfigError, match="lacks torch_xla"):
         validate(xla_config)
-    validate(train(device="cpu"))
+    validate(train(compute=ComputeConfig(device="cpu")))
 
 
 def test_default_interpreter_is_the_venv_in_the_working_directory(tmp_path, monkeypatch):
-    """Without train.xla_python, .venv-xla/bin/python of the current directory is taken first."""
+    """Without train.compute.xla_python, .venv-xla/bin/python of the current directory is taken first."""
     python = tmp_path / ".venv-xla" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.symlink_to(sys.executable)
     monkeypatch.chdir(tmp_path)
-    assert xla_python(TrainConfig(device="xla")) == python
+    assert xla_python(TrainConfig(compute=ComputeConfig(device="xla"))) == python
 
 
 def test_actor_env_passes_xla_settings_and_no_foreign_site_packages(monkeypatch):
@@ -117,8 +134,10 @@ def test_actor_env_passes_xla_settings_and_no_foreign_site_packages(monkeypatch)
 
 def test_xla_trainer_is_one_bundle_whatever_the_mesh():
     """On XLA the parallel degrees are one process's SPMD mesh: one trainer bundle, device 'xla'."""
-    config = RunConfig(rollout=RolloutConfig(num_workers=2),
-                       train=TrainConfig(device="xla", parallel=ParallelConfig(dp_shard=2, tp=2)))
+    config = RunConfig(
+        rollout=RolloutConfig(num_workers=2),
+        train=TrainConfig(compute=ComputeConfig(device="xla"), parallel=ParallelConfig(dp_shard=2, tp=2)),
+    )
     layout = plan_layout(config, 0.0)
     assert (layout.world_size, layout.trainer_device, len(layout.bundles)) == (1, "xla", 3)
 
@@ -165,12 +184,12 @@ def test_trainer_boundary_carries_no_torch_object(checkpoint, tmp_path):
     from titanrl.types import Group, Sample
     from titanrl.weight_sync import make_plan
 
-    model, train = ModelConfig(checkpoint=str(checkpoint)), TrainConfig(device="cpu")
+    model, train = ModelConfig(checkpoint=str(checkpoint)), TrainConfig(compute=ComputeConfig(device="cpu"))
     groups = [Group([Sample("p", "c", [1, 2, 3], [4, 5 + i], [-1.0, -2.0], float(i), g, 0) for i in range(2)])
               for g in range(2)]
     plan = make_plan("object_store", 1)
     sent = [model, train, Truncation(top_k=3), groups, plan]
-    trainer = GRPOTrainer(model, train, 1.0, 0, truncation=Truncation())
+    trainer = GRPOTrainer(TrainerSetup(model, train, 1.0, 0, truncation=Truncation()))
     trainer.open_weight_sync(plan)
     returned = {
         "step": trainer.step(groups),

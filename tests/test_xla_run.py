@@ -1,4 +1,4 @@
-"""End to end with the trainer on XLA: `titanrl.train` with train.device='xla' runs the vLLM CPU
+"""End to end with the trainer on XLA: `titanrl.train` with train.compute.device='xla' runs the vLLM CPU
 rollout workers in this venv and the trainer actor in .venv-xla on XLA's CPU device.
 
 Skips, saying why, without the XLA venv (`make xla-venv`) or without the XLA step
@@ -22,7 +22,7 @@ def test_run_with_the_trainer_on_xla(tmp_path, ray_session, tiny_run):
     trainer logprobs equal vLLM's at the initial weights to 1e-4 (the XLA forward is the model's),
     the weights moved and were pushed (the eval after the step ran on version 1)."""
     try:
-        probe_xla_environment(str(xla_python(titanrl.TrainConfig(device="xla"))))
+        probe_xla_environment(str(xla_python(titanrl.TrainConfig(compute=titanrl.ComputeConfig(device="xla")))))
     except ConfigError as e:
         pytest.skip(f"needs the XLA venv: {e}")
     if importlib.util.find_spec("titanrl.trainer.xla") is None:
@@ -30,8 +30,15 @@ def test_run_with_the_trainer_on_xla(tmp_path, ray_session, tiny_run):
     config = titanrl.RunConfig(
         model=titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)),
         data=titanrl.DataConfig(train_file=str(tiny_run.train_file), eval_file=str(tiny_run.eval_file(10))),
-        rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=6, max_model_len=64),
-        train=titanrl.TrainConfig(steps=1, lr=3e-3, device="xla"),
+        rollout=titanrl.RolloutConfig(
+            prompts_per_step=4,
+            group_size=4,
+            sampling=titanrl.SamplingConfig(max_new_tokens=6),
+            engine=titanrl.EngineConfig(max_model_len=64),
+        ),
+        train=titanrl.TrainConfig(
+            steps=1, optimizer=titanrl.OptimizerConfig(lr=3e-3), compute=titanrl.ComputeConfig(device="xla")
+        ),
         eval=titanrl.EvalConfig(every_steps=1, correct_threshold=0.5),
         output=titanrl.OutputConfig(dir=str(tmp_path / "run"), progress_bar=False),
         rewards=[tiny_run.reward],

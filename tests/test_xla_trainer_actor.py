@@ -1,8 +1,8 @@
-"""The trainer actor of train.device='xla' under the XLA venv's interpreter (torch 2.9), with the
+"""The trainer actor of train.compute.device='xla' under the XLA venv's interpreter (torch 2.9), with the
 driver and the vLLM engine on this venv's torch, and only plain data between them.
 
 The actor starts through the run's own path (`start_trainer` in a real placement group, with
-train.device='xla') but trains on torch 2.9's CPU device (`xla_device_type='cpu'`), so its numbers
+train.compute.device='xla') but trains on torch 2.9's CPU device (`xla_device_type='cpu'`), so its numbers
 are comparable with this venv's CPU trainer: same groups, same losses, same pushed weights, and
 those weights reach the session's vLLM engine through each transport (broadcast included: its gloo
 group joins torch 2.9 and this venv's torch).
@@ -21,9 +21,11 @@ import torch
 pytest.importorskip("vllm")
 
 from titanrl.config import ConfigError, ModelConfig, RolloutConfig, RunConfig, TrainConfig  # noqa: E402
+from titanrl.config import ComputeConfig, OptimizerConfig
 from titanrl.config.xla_env import probe_xla_environment, xla_python  # noqa: E402
 from titanrl.models.hf_checkpoint import read_state_dict  # noqa: E402
 from titanrl.types import Group, Sample  # noqa: E402
+from titanrl.trainer.setup import TrainerSetup
 
 LR = 1e-3
 """Large enough that two steps move every weight measurably."""
@@ -31,7 +33,7 @@ LR = 1e-3
 
 def _xla_python_or_skip() -> Path:
     try:
-        python = xla_python(TrainConfig(device="xla"))
+        python = xla_python(TrainConfig(compute=ComputeConfig(device="xla")))
         probe_xla_environment(str(python))
     except ConfigError as e:
         pytest.skip(f"needs the XLA venv: {e}")
@@ -63,7 +65,7 @@ def _groups(seed: int) -> list[Group]:
 @pytest.fixture(scope="module")
 def run_config(vllm_tiny_checkpoint) -> RunConfig:
     return RunConfig(model=ModelConfig(checkpoint=str(vllm_tiny_checkpoint)), rollout=RolloutConfig(num_workers=1),
-                     train=TrainConfig(device="xla", lr=LR))
+                     train=TrainConfig(compute=ComputeConfig(device="xla"), optimizer=OptimizerConfig(lr=LR)))
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +93,19 @@ def cpu_trainer(run_config):
     from titanrl.trainer.trainer import GRPOTrainer
     from titanrl.trainer.truncation import Truncation
 
-    train = dataclasses.replace(resolve(run_config).config.train, device="cpu")
-    return GRPOTrainer(run_config.model, train, run_config.rollout.temperature, run_config.seed,
-                       truncation=Truncation.scored_by_trainer(run_config.rollout))
+    train = dataclasses.replace(
+        resolve(run_config).config.train,
+        compute=dataclasses.replace(resolve(run_config).config.train.compute, device="cpu"),
+    )
+    return GRPOTrainer(
+        TrainerSetup(
+            run_config.model,
+            train,
+            run_config.rollout.sampling.temperature,
+            run_config.seed,
+            truncation=Truncation.scored_by_trainer(run_config.rollout),
+        )
+    )
 
 
 def test_actor_runs_under_the_xla_interpreter_and_trains_as_the_cpu_trainer(ray_session, xla_trainer, cpu_trainer,

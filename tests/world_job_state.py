@@ -35,7 +35,7 @@ class FreshState:
                 yield
         finally:
             torch.set_default_dtype(self.dtype)
-            torch.set_num_threads(self.threads)  # GRPOTrainer sets train.threads
+            torch.set_num_threads(self.threads)  # GRPOTrainer sets train.compute.threads
             os.environ.clear()
             os.environ.update(self.environ)
             os.chdir(self.cwd)

@@ -1,6 +1,6 @@
 """Which rollout workers on this machine are generating right now: one byte each in a /dev/shm file.
 
-The driver creates the file for a run with `train.threads_when_rollouts_idle` set; each worker's
+The driver creates the file for a run with `train.compute.threads_when_rollouts_idle` set; each worker's
 engine raises its byte while it samples (`BusySlot`), and the trainer reads them all
 (`BusyFlags.any_busy`) to take the cores of workers that wait for the next weights
 (`titanrl.trainer.idle_cores`). A mapped page: a write or a read is one byte, without a lock or a
@@ -70,7 +70,7 @@ class BusySlot:
 
     @classmethod
     def none(cls) -> BusySlot:
-        """A slot that records nothing (a run without `train.threads_when_rollouts_idle`)."""
+        """A slot that records nothing (a run without `train.compute.threads_when_rollouts_idle`)."""
         return cls(None)
 
     @classmethod

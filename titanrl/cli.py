@@ -10,7 +10,7 @@
     titanrl plan --model CONFIG_JSON --gpus N --gpu-memory GiB --seq-len L --batch B [--json ...]
 
 CONFIG.py is a Python file that defines `config`, a `titanrl.RunConfig` (or a function
-`make_config()` returning one); dotted overrides (`--train.lr=3e-4` or `--train.lr 3e-4`)
+`make_config()` returning one); dotted overrides (`--train.optimizer.lr=3e-4` or `--train.optimizer.lr 3e-4`)
 are applied on top of it by tyro (`titanrl.config.overrides`). argparse keeps the commands and
 their own options; `split_overrides` routes every other `--name` to the overrides.
 
@@ -147,7 +147,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="HF checkpoint, training checkpoint or run directory")
     p.add_argument("--config", required=True, metavar="CONFIG.py", help="the config whose rewards and eval file to use")
-    p.add_argument("--k", type=int, metavar="K", help="also report pass@K at rollout.temperature (seeded by seed)")
+    p.add_argument(
+        "--k", type=int, metavar="K", help="also report pass@K at rollout.sampling.temperature (seeded by seed)"
+    )
     p.add_argument("--samples", type=int, metavar="N", help="completions per prompt for pass@K, N >= K (default K)")
 
     p = sub.add_parser(
@@ -205,16 +207,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter storage dtype, model.dtype (default float32)")
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16"),
-                   help="forward/backward dtype, train.compute_dtype (default: --dtype)")
-    p.add_argument("--micro-batch", type=int, default=64, metavar="M",
-                   help="sequences per forward/backward per data-parallel rank, train.micro_batch_size (default 64)")
+                   help="forward/backward dtype, train.compute.dtype (default: --dtype)")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=64,
+        metavar="M",
+        help="sequences per forward/backward per data-parallel rank, train.memory.micro_batch_size (default 64)",
+    )
     p.add_argument("--activation-checkpointing", default="none", choices=("none", "full"),
                    help="what the peak assumes (both are shown; default none)")
     p.add_argument("--logprob-chunk-tokens", type=int, default=None, metavar="C",
                    help="tokens per chunk of the LM head + log-softmax; 0: full logits (default: the "
                         "trainer's, 128 MiB of float32 logits per rank)")
     p.add_argument("--kl-reference", action="store_true",
-                   help="the trainer also holds the frozen KL reference policy (train.kl_coef > 0)")
+                   help="the trainer also holds the frozen KL reference policy (train.kl.coef > 0)")
     p.add_argument("--safety-margin", type=float, default=0.1, metavar="F",
                    help="fraction of GPU memory kept free (fragmentation, estimate error; default 0.1)")
     p.add_argument("--top", type=int, metavar="K", help="print only the first K layouts (default all)")
@@ -330,7 +337,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
     config = _load(args.config, overrides)
     report = evaluate_checkpoint(config, args.checkpoint, k=args.k, samples=args.samples)
-    print(report.table(config.rollout.temperature, config.eval.correct_threshold))
+    print(report.table(config.rollout.sampling.temperature, config.eval.correct_threshold))
     print(report.json_line())
     return EXIT_OK
 

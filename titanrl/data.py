@@ -216,13 +216,15 @@ def drop_overlong(
     first = overlong[0]
     what = (
         f"{len(overlong)} of {len(rows)} rows of {source} have a prompt longer than {budget} tokens "
-        f"(rollout.max_model_len {max_model_len} - max_new_tokens {max_new_tokens}); the first is row {first} "
+        f"(rollout.engine.max_model_len {max_model_len} - max_new_tokens {max_new_tokens}); the first is row {first} "
         f"({count_tokens(rows[first][prompt_field])} tokens)"
     )
     if on_overlong == "error":
-        raise DatasetError(f"{what}; raise rollout.max_model_len or shorten them (or set data.on_overlong='drop')")
+        raise DatasetError(
+            f"{what}; raise rollout.engine.max_model_len or shorten them (or set data.on_overlong='drop')"
+        )
     if len(overlong) == len(rows):
-        raise DatasetError(f"{what}: no row is left; raise rollout.max_model_len")
+        raise DatasetError(f"{what}: no row is left; raise rollout.engine.max_model_len")
     warnings.warn(f"dropping {what} (data.on_overlong='drop')", stacklevel=2)
     skip = set(overlong)
     return [row for i, row in enumerate(rows) if i not in skip]
@@ -253,13 +255,13 @@ def _prompts(config: RunConfig, rows: list[dict[str, Any]], tokenizer: Any, max_
     if dc.messages_field:
         rows = render_messages(rows, tokenizer, dc.messages_field, dc.prompt_field, dc.system_prompt)
     count_tokens = prompt_token_counter(config.model.checkpoint, tokenizer)
-    return drop_overlong(rows, count_tokens, dc.prompt_field, max_new_tokens, rc.max_model_len, source,
+    return drop_overlong(rows, count_tokens, dc.prompt_field, max_new_tokens, rc.engine.max_model_len, source,
                          dc.on_overlong)
 
 
 def load_eval_rows(config: RunConfig, tokenizer: Any = None) -> list[dict[str, Any]]:
     """The first eval.max_prompts usable rows of the eval source ([] without one); prompts too
-    long for rollout.max_model_len are dropped (or an error, per data.on_overlong)."""
+    long for rollout.engine.max_model_len are dropped (or an error, per data.on_overlong)."""
     dc = config.data
     if dc.eval_rows is None and not dc.eval_file:
         return []
@@ -267,7 +269,7 @@ def load_eval_rows(config: RunConfig, tokenizer: Any = None) -> list[dict[str, A
     env = config.env.factory is not None  # an environment writes its own prompt in reset()
     rows = load_rows(source, dc.prompt_field, "" if env else dc.messages_field, label)
     if not env:
-        max_new_tokens = config.eval.max_new_tokens or config.rollout.max_new_tokens
+        max_new_tokens = config.eval.max_new_tokens or config.rollout.sampling.max_new_tokens
         rows = _prompts(config, rows, tokenizer or load_tokenizer(config.model.checkpoint), max_new_tokens,
                         f"data.eval_file {label!r}" if dc.eval_rows is None else label)
     return rows[: config.eval.max_prompts]
@@ -275,7 +277,7 @@ def load_eval_rows(config: RunConfig, tokenizer: Any = None) -> list[dict[str, A
 
 def load_run_rows(config: RunConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Train and eval rows of a run, checked before any actor starts: every row has a prompt (or
-    messages), and prompts that cannot fit rollout.max_new_tokens in rollout.max_model_len never
+    messages), and prompts that cannot fit rollout.sampling.max_new_tokens in rollout.engine.max_model_len never
     reach an engine."""
     dc = config.data
     source, label = _source(dc.train_rows, dc.train_file, "train")
@@ -284,7 +286,7 @@ def load_run_rows(config: RunConfig) -> tuple[list[dict[str, Any]], list[dict[st
         return load_rows(source, dc.prompt_field, label=label), load_eval_rows(config)
     train_rows = load_rows(source, dc.prompt_field, dc.messages_field, label)
     tokenizer = load_tokenizer(config.model.checkpoint)
-    train_rows = _prompts(config, train_rows, tokenizer, config.rollout.max_new_tokens,
+    train_rows = _prompts(config, train_rows, tokenizer, config.rollout.sampling.max_new_tokens,
                           f"data.train_file {label!r}" if dc.train_rows is None else label)
     return train_rows, load_eval_rows(config, tokenizer)
 

@@ -49,7 +49,7 @@ LARGE_MODEL_PARAMS = 100_000_000
 
 
 def auto_heap_mmap_threshold_mib(total_params: int) -> int:
-    """train.heap_mmap_threshold_mib=None: 4 MiB for a model of `LARGE_MODEL_PARAMS` or more, 32 MiB
+    """train.memory.heap_mmap_threshold_mib=None: 4 MiB for a model of `LARGE_MODEL_PARAMS` or more, 32 MiB
     (glibc's largest) below. Measured on a 2-core AVX-512 EPYC (2026-12-05):
     - at Qwen3-0.6B's shape (2 layers of it, benchmarks/trainer_memory.py) 4 MiB keeps the
       trainer's peak at 0.91x glibc's own heap and 0.93x a 16 MiB threshold; at the full depth

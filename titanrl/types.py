@@ -55,7 +55,7 @@ class Sample:
     """Per-episode counters from environments (turns, tool_calls, errors, sandbox_s)."""
     reward_error: str | None = None
     """Why the reward (or the episode's environment) failed, if it did; the sample then got
-    `RunConfig.reward_error_value` instead of crashing the run."""
+    `scoring.error_value` instead of crashing the run."""
     token_versions: list[int] | None = None
     """Per completion token, the version of the weights that sampled it (observation tokens: the
     version of the model token before them). They differ only when new weights arrived while the
@@ -64,7 +64,7 @@ class Sample:
     """An episode's completion turn by turn (`{"role": "model" | "env", "text": ...}`, texts joined
     equal `completion`; see `titanrl.rollout.episode.Episode.transcript`); None for single-turn."""
     routed_experts: np.ndarray | None = None
-    """Mixture-of-experts policies (`rollout.record_routed_experts`): the experts the generator
+    """Mixture-of-experts policies (`rollout.engine.record_routed_experts`): the experts the generator
     routed each token of prompt + completion through, int16 [len(prompt_ids) + len(completion_ids),
     sparse layers, k]; rows of -1 were not recorded (prefix-cache hits, the last token) and are
     routed live by router replay. None: not recorded."""

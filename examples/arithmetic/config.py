@@ -21,22 +21,18 @@ config = titanrl.RunConfig(
     rollout=titanrl.RolloutConfig(
         prompts_per_step=64,
         group_size=8,
-        temperature=1.0,
-        max_new_tokens=MAX_NEW_TOKENS,
-        max_model_len=64,
-        max_num_seqs=512,
+        sampling=titanrl.SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS),
+        engine=titanrl.EngineConfig(max_model_len=64, max_num_seqs=512),
     ),
     train=titanrl.TrainConfig(
         steps=400,
-        lr=1e-3,
-        warmup_steps=5,
+        optimizer=titanrl.OptimizerConfig(lr=1e-3),
         # Decaying to 1e-4 lets accuracy settle instead of hovering around 75 % (measured).
-        lr_decay="cosine",
-        min_lr_ratio=0.1,
+        lr_schedule=titanrl.LrScheduleConfig(warmup_steps=5, decay="cosine", min_lr_ratio=0.1),
         # Generate the next batch while training on this one: both CPU cores stay busy, and the
         # PPO clip then bounds each step. On-policy (0) this lr collapses; see README.md.
         max_staleness=1,
-        micro_batch_size=512,
+        memory=titanrl.MemoryConfig(micro_batch_size=512),
     ),
     eval=titanrl.EvalConfig(every_steps=25),
     rewards=[reward],

@@ -28,9 +28,14 @@ def make_config() -> titanrl.RunConfig:
             train_file=str(HERE / "data" / "train.jsonl"), eval_file=str(HERE / "data" / "eval.jsonl")
         ),
         rollout=titanrl.RolloutConfig(
-            prompts_per_step=4, group_size=4, temperature=1.0, max_new_tokens=256, max_model_len=4096
+            prompts_per_step=4,
+            group_size=4,
+            sampling=titanrl.SamplingConfig(temperature=1.0, max_new_tokens=256),
+            engine=titanrl.EngineConfig(max_model_len=4096),
         ),
-        train=titanrl.TrainConfig(steps=10, lr=1e-5, micro_batch_size=4),
+        train=titanrl.TrainConfig(
+            steps=10, optimizer=titanrl.OptimizerConfig(lr=1e-5), memory=titanrl.MemoryConfig(micro_batch_size=4)
+        ),
         # Correct means every hidden test passes.
         eval=titanrl.EvalConfig(every_steps=5, correct_threshold=1.0),
         env=titanrl.EnvConfig(factory=make_env, max_turns=3, max_total_tokens=1024, sandbox_pool_size=4),

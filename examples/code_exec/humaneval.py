@@ -38,9 +38,14 @@ def make_config() -> titanrl.RunConfig:
         data=human_eval_data(held_out=held_out, seed=0),
         rollout=titanrl.RolloutConfig(
             # HumanEval prompts are up to ~600 tokens with SmolLM2's tokenizer; solutions ~50-300.
-            prompts_per_step=4, group_size=8, temperature=0.8, max_new_tokens=384, max_model_len=2048,
+            prompts_per_step=4,
+            group_size=8,
+            sampling=titanrl.SamplingConfig(temperature=0.8, max_new_tokens=384),
+            engine=titanrl.EngineConfig(max_model_len=2048),
         ),
-        train=titanrl.TrainConfig(steps=20, lr=1e-6, micro_batch_size=8),
+        train=titanrl.TrainConfig(
+            steps=20, optimizer=titanrl.OptimizerConfig(lr=1e-6), memory=titanrl.MemoryConfig(micro_batch_size=8)
+        ),
         # Correct means the problem's check() passed.
         eval=titanrl.EvalConfig(every_steps=10, correct_threshold=1.0),
         env=titanrl.EnvConfig(factory=make_humaneval_env, max_turns=1, max_total_tokens=2048, sandbox_pool_size=2),

@@ -12,7 +12,7 @@ use) on the generated sample; the real dataset and a real model are overrides:
         --model.checkpoint=/models/Qwen3-0.6B \\
         --data.train_file='/data/gsm8k/main/train-*.parquet' \\
         --data.eval_file='/data/gsm8k/main/test-*.parquet' \\
-        --rollout.max_model_len=1536 --rollout.max_new_tokens=512
+        --rollout.engine.max_model_len=1536 --rollout.sampling.max_new_tokens=512
 """
 
 import titanrl
@@ -29,8 +29,15 @@ def make_config() -> titanrl.RunConfig:
             messages_field="question",
             system_prompt=SYSTEM_PROMPT,
         ),
-        rollout=titanrl.RolloutConfig(prompts_per_step=8, group_size=4, max_new_tokens=96, max_model_len=512),
-        train=titanrl.TrainConfig(steps=20, lr=1e-5, warmup_steps=2),
+        rollout=titanrl.RolloutConfig(
+            prompts_per_step=8,
+            group_size=4,
+            sampling=titanrl.SamplingConfig(max_new_tokens=96),
+            engine=titanrl.EngineConfig(max_model_len=512),
+        ),
+        train=titanrl.TrainConfig(
+            steps=20, optimizer=titanrl.OptimizerConfig(lr=1e-5), lr_schedule=titanrl.LrScheduleConfig(warmup_steps=2)
+        ),
         eval=titanrl.EvalConfig(every_steps=10, max_prompts=64),
         rewards=[math_answer],
     )

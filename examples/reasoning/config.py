@@ -36,28 +36,26 @@ def make_config(data: titanrl.DataConfig | None = None) -> titanrl.RunConfig:
             prompts_per_step=16,
             group_size=8,
             # Full-softmax sampling: exploration is what finds the `Answer:` line at first.
-            temperature=1.0,
-            max_new_tokens=MAX_NEW_TOKENS,
-            max_model_len=256,  # prompt (~85 tokens with SmolLM2's default system prompt) + 64
-            kv_cache_gib=2.0,   # 46 KB of KV per token: ~45k tokens, all 200 eval prompts at once
+            sampling=titanrl.SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS),
+            # max_model_len: the prompt (~85 tokens with SmolLM2's default system prompt) + 64.
+            # kv_cache_gib: 46 KB of KV per token, ~45k tokens: all 200 eval prompts at once.
+            engine=titanrl.EngineConfig(max_model_len=256, kv_cache_gib=2.0),
         ),
         train=titanrl.TrainConfig(
             steps=45,
             # Full fine-tuning of 135M parameters with Adam on 128 completions a step: at 3e-5 the format
             # is learned in ~10 steps and the answers from step ~15 on (measured); much higher risks
             # collapse on batches this small. Two warm-up steps, then constant (no time to decay).
-            lr=3e-5,
-            warmup_steps=2,
-            lr_decay="constant",
+            optimizer=titanrl.OptimizerConfig(lr=3e-5),
+            lr_schedule=titanrl.LrScheduleConfig(warmup_steps=2, decay="constant"),
             # Generate the next batch while training on this one (both cores busy); the PPO clip
             # bounds the one-step-stale update. 0 (on-policy) is the fallback if it is unstable (slower:
             # generation and training then take turns).
             max_staleness=1,
             # 16 sequences per forward/backward keeps activation memory ~2 GB (64 would be ~7 GB).
-            micro_batch_size=16,
+            memory=titanrl.MemoryConfig(micro_batch_size=16),
             # The trainer takes both cores while the rollout worker waits for new weights.
-            threads=1,
-            threads_when_rollouts_idle=2,
+            compute=titanrl.ComputeConfig(threads=1, threads_when_rollouts_idle=2),
         ),
         # Before step 1 and every 15 steps (15, 30, 45 = the last): 4 evaluations of 200 held-out
         # questions, greedy (~70 s each).
@@ -66,5 +64,6 @@ def make_config(data: titanrl.DataConfig | None = None) -> titanrl.RunConfig:
         # With correct_threshold 1.0, a completion counts as correct exactly when the answer reward is 1:
         # a right answer scores 1.0 (1.1 well formed), a well-formed wrong one 0.1.
         reward_weights=[1.0, 0.1],
-        reward_health=titanrl.RewardHealthConfig(agreement_pairs=["reasoning_gym_format:reasoning_gym_answer"]),
+        scoring=titanrl.ScoringConfig(
+            health=titanrl.RewardHealthConfig(agreement_pairs=["reasoning_gym_format:reasoning_gym_answer"])),
     )

@@ -8,7 +8,7 @@ training checkpoint; the model in this config is replaced by CHECKPOINT. The res
 (rewards, weights, answer convention: a final `Answer: N` line, so a correct answer needs the
 format the run learned), with 200 held-out gsm_symbolic problems (reasoning-gym's default config)
 as data.eval_rows and a longer budget: a word problem needs a few lines of working. `--k 8` adds
-pass@8 at rollout.temperature. Expect small numbers from a 135M model: the check is whether they
+pass@8 at rollout.sampling.temperature. Expect small numbers from a 135M model: the check is whether they
 move, up or down, after training on chain_sum.
 """
 
@@ -27,6 +27,10 @@ def make_config() -> titanrl.RunConfig:
     return dataclasses.replace(
         config,
         # Questions are ~150-250 tokens under the chat template; + 256 new tokens.
-        rollout=dataclasses.replace(config.rollout, max_model_len=640, max_new_tokens=MAX_NEW_TOKENS),
+        rollout=dataclasses.replace(
+            config.rollout,
+            engine=dataclasses.replace(config.rollout.engine, max_model_len=640),
+            sampling=dataclasses.replace(config.rollout.sampling, max_new_tokens=MAX_NEW_TOKENS),
+        ),
         eval=dataclasses.replace(config.eval, max_prompts=200, max_new_tokens=MAX_NEW_TOKENS),
     )

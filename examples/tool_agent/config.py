@@ -23,21 +23,17 @@ config = titanrl.RunConfig(
     rollout=titanrl.RolloutConfig(
         prompts_per_step=8,
         group_size=8,
-        temperature=1.0,
-        max_new_tokens=MAX_TOKENS_PER_TURN,
-        max_model_len=MODEL_CONFIG["max_position_embeddings"],
-        max_num_seqs=128,
+        sampling=titanrl.SamplingConfig(temperature=1.0, max_new_tokens=MAX_TOKENS_PER_TURN),
+        engine=titanrl.EngineConfig(max_model_len=MODEL_CONFIG["max_position_embeddings"], max_num_seqs=128),
     ),
     train=titanrl.TrainConfig(
         steps=100,
         # 1e-3 (the arithmetic demo's) broke the call format within 8 steps at 64 episodes a step.
-        lr=3e-4,
-        warmup_steps=5,
-        lr_decay="cosine",
-        min_lr_ratio=0.1,
+        optimizer=titanrl.OptimizerConfig(lr=3e-4),
+        lr_schedule=titanrl.LrScheduleConfig(warmup_steps=5, decay="cosine", min_lr_ratio=0.1),
         # Generate the next batch while training on this one: both CPU cores stay busy.
         max_staleness=1,
-        micro_batch_size=64,
+        memory=titanrl.MemoryConfig(micro_batch_size=64),
     ),
     eval=titanrl.EvalConfig(every_steps=10),
     env=titanrl.EnvConfig(factory=make_env, max_turns=3, max_total_tokens=256, sandbox_pool_size=4),

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig
+from titanrl.config import LossConfig, MemoryConfig, OptimizerConfig
 from titanrl.models.hf_checkpoint import load_model
 from titanrl.models.qwen3.moe import Qwen3MoeConfig
 from titanrl.models.tiny import tiny_config, write_checkpoint, write_tiny_checkpoint
@@ -39,6 +40,7 @@ from titanrl.trainer.batch import PackedBatch, pack
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.trainer.truncation import Truncation
 from titanrl.types import Group, Sample
+from titanrl.trainer.setup import TrainerSetup
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     # 2 processes
@@ -178,14 +180,21 @@ def make_case(workdir: str | Path, *, tied: bool = False, moe: bool = False, gro
                                   loss_mask=mask))
         out.append(Group(samples))
     batch = pack(out, pad_id=config.eos_token_id or 0, current_version=0)
-    train = TrainConfig(micro_batch_size=micro_batch_size, lr=1e-3, grad_clip=1.0, clip_eps=0.2)
+    train = TrainConfig(
+        memory=MemoryConfig(micro_batch_size=micro_batch_size),
+        optimizer=OptimizerConfig(lr=1e-3, grad_clip=1.0),
+        loss=LossConfig(clip_eps=0.2),
+    )
     return Case(str(ckpt), batch, train, tied=tied, moe=moe, family=family)
 
 
 def reference(case: Case) -> Reference:
     """GRPOTrainer's loss and gradients on the case (one process, one thread)."""
-    trainer = GRPOTrainer(ModelConfig(checkpoint=case.checkpoint), case.train, case.temperature, seed=0,
-                          truncation=case.truncation)
+    trainer = GRPOTrainer(
+        TrainerSetup(
+            ModelConfig(checkpoint=case.checkpoint), case.train, case.temperature, seed=0, truncation=case.truncation
+        )
+    )
     t0 = time.perf_counter()
     stats = trainer.accumulate_gradients(case.batch)
     t1 = time.perf_counter()
@@ -223,9 +232,9 @@ def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu"
     model, config = load_model(case.checkpoint)
     validate_parallel(parallel, config, dist.get_world_size())
     mesh = build_mesh(parallel, device_type)
-    compute = case.train.compute_dtype  # mixed precision as GRPOTrainer sets it up (None: parameters' dtype)
-    pm = parallelize(model, parallel, mesh, activation_checkpointing=case.train.activation_checkpointing,
-                     activation_checkpointing_every=case.train.activation_checkpointing_every,
+    compute = case.train.compute.dtype  # mixed precision as GRPOTrainer sets it up (None: parameters' dtype)
+    pm = parallelize(model, parallel, mesh, activation_checkpointing=case.train.memory.activation_checkpointing,
+                     activation_checkpointing_every=case.train.memory.activation_checkpointing_every,
                      compute_dtype=getattr(torch, compute) if compute else None)
     optimizers = build_optimizers(pm, case.train)
     step = GRPOStep(pm, optimizers, case.train, case.temperature, truncation=case.truncation)

@@ -8,8 +8,10 @@ import random
 import numpy as np
 import torch
 
-from titanrl.config import ModelConfig, TrainConfig
+from support.sections import merged
+from titanrl.config import ComputeConfig, MemoryConfig, ModelConfig, TrainConfig
 from titanrl.models.tiny import TINY_MOE
+from titanrl.trainer.setup import TrainerSetup
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.types import Group, Sample
 
@@ -42,10 +44,11 @@ def varied_groups(seed: int = 0, routed_layers: int = 0) -> list[Group]:
 def accumulated_gradients(checkpoint, groups, pack: bool, batch_invariant: bool = False, share: bool = True,
                device: str = "cpu", dtype: str = "float32", **train):
     """One accumulation on `device`: gradients (on the CPU), stats, logprobs, tokens computed, batch."""
-    trainer = GRPOTrainer(ModelConfig(checkpoint=str(checkpoint), dtype=dtype),
-                          TrainConfig(device=device, micro_batch_size=5, pack_sequences=pack, share_prompts=share,
-                                      **train),
-                          temperature=1.0, seed=0, batch_invariant=batch_invariant)
+    train_config = merged(TrainConfig(compute=ComputeConfig(device=device, pack_sequences=pack, share_prompts=share),
+                                      memory=MemoryConfig(micro_batch_size=5)), **train)
+    setup = TrainerSetup(ModelConfig(checkpoint=str(checkpoint), dtype=dtype), train_config, temperature=1.0, seed=0,
+                         batch_invariant=batch_invariant)
+    trainer = GRPOTrainer(setup)
     tokens = []
     hook = trainer.model.model.embed_tokens.register_forward_hook(lambda m, i, o: tokens.append(i[0].numel()))
     batch = trainer.prepare_batch(groups)

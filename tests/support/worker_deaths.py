@@ -66,13 +66,24 @@ def run_config(tmp_path: Path, tiny_run, reward, threads_when_rollouts_idle: int
     return titanrl.RunConfig(
         model=titanrl.ModelConfig(checkpoint=str(tiny_run.checkpoint)),
         data=titanrl.DataConfig(train_file=str(tiny_run.train_file), eval_file=str(tiny_run.eval_file(8))),
-        rollout=titanrl.RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=8, max_model_len=64,
-                                      continuous=True, **rollout),
-        train=titanrl.TrainConfig(steps=4, lr=3e-3, max_staleness=1,
-                                  threads_when_rollouts_idle=threads_when_rollouts_idle),
+        rollout=titanrl.RolloutConfig(
+            prompts_per_step=4,
+            group_size=4,
+            sampling=titanrl.SamplingConfig(max_new_tokens=8),
+            engine=titanrl.EngineConfig(max_model_len=64),
+            continuous=True,
+            **rollout,
+        ),
+        train=titanrl.TrainConfig(
+            steps=4,
+            optimizer=titanrl.OptimizerConfig(lr=3e-3),
+            max_staleness=1,
+            compute=titanrl.ComputeConfig(threads_when_rollouts_idle=threads_when_rollouts_idle),
+        ),
         eval=titanrl.EvalConfig(every_steps=2, correct_threshold=0.5),
-        output=titanrl.OutputConfig(dir=str(tmp_path / "run"), progress_bar=False, rollouts_per_step=4,
-                                    save_every_steps=1),
+        output=titanrl.OutputConfig(
+            dir=str(tmp_path / "run"), progress_bar=False, rollouts_per_step=4, save_every_steps=1
+        ),
         rewards=[reward],
     )
 

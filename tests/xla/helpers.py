@@ -3,16 +3,23 @@
 import torch
 
 from titanrl.config import ModelConfig, TrainConfig
-from titanrl.config.schema import ParallelConfig
+from titanrl.config.schema import (
+    ComputeConfig,
+    MemoryConfig,
+    OptimizerConfig,
+    ParallelConfig,
+)
+from titanrl.trainer.setup import TrainerSetup
 from titanrl.trainer.trainer import GRPOTrainer
 
 TINY = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
 """A one-layer model: XLA's compile time grows with the graph, and nothing here needs depth."""
 
 
-def trainer(ckpt, device: str, parallel: ParallelConfig | None = None, **train) -> GRPOTrainer:
-    cfg = TrainConfig(device=device, grad_clip=0.5, micro_batch_size=4, parallel=parallel or ParallelConfig(), **train)
-    return GRPOTrainer(ModelConfig(checkpoint=str(ckpt)), cfg, temperature=1.0, seed=0)
+def trainer(ckpt, device: str, parallel: ParallelConfig | None = None) -> GRPOTrainer:
+    cfg = TrainConfig(compute=ComputeConfig(device=device), optimizer=OptimizerConfig(grad_clip=0.5),
+                      memory=MemoryConfig(micro_batch_size=4), parallel=parallel or ParallelConfig())
+    return GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(ckpt)), cfg, temperature=1.0, seed=0))
 
 
 def host_grads(tr: GRPOTrainer) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ from groups import make_groups
 from helpers import host_grads, host_weights, max_diff, trainer
 from titanrl.config.schema import ParallelConfig
 from titanrl.errors import ConfigError
+from titanrl.trainer.setup import TrainerSetup
 
 GROUPS = [[5, 7, 3], [6, 2]]
 
@@ -49,12 +50,19 @@ def test_mesh_must_cover_the_devices(tiny_ckpt):
 
 def test_batch_invariant_mode_is_refused(tiny_ckpt):
     """The batch-invariant kernels are CPU/Triton ops: on XLA the trainer refuses the mode."""
-    from titanrl.config import ModelConfig, TrainConfig
+    from titanrl.config import ComputeConfig, ModelConfig, TrainConfig
     from titanrl.trainer.trainer import GRPOTrainer
 
-    with pytest.raises(ConfigError, match="batch_invariant=True is not supported with train.device='xla'"):
-        GRPOTrainer(ModelConfig(checkpoint=str(tiny_ckpt)), TrainConfig(device="xla"), temperature=1.0, seed=0,
-                    batch_invariant=True)
+    with pytest.raises(ConfigError, match="batch_invariant=True is not supported with train.compute.device='xla'"):
+        GRPOTrainer(
+            TrainerSetup(
+                ModelConfig(checkpoint=str(tiny_ckpt)),
+                TrainConfig(compute=ComputeConfig(device="xla")),
+                temperature=1.0,
+                seed=0,
+                batch_invariant=True,
+            )
+        )
 
 
 def test_sharded_steps_and_pushes_compile_nothing_new(tiny_ckpt):

@@ -19,6 +19,7 @@ from typing import Any
 from titanrl.commands import CommandError
 from titanrl.commands.export import find_run_policy, write_hf
 from titanrl.config import RunConfig, validate
+from titanrl.config.resolve import resolve
 from titanrl.data import load_eval_rows
 from titanrl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE
 from titanrl.rewards.scoring import is_correct
@@ -120,19 +121,14 @@ def _validated(config: RunConfig, hf_dir: Path) -> RunConfig:
 def _make_worker(config: RunConfig, rollout: Any) -> Any:
     from titanrl.rollout.worker import RolloutWorker
 
-    return RolloutWorker(
-        0, config.model, rollout, config.rewards, config.data.prompt_field, config.seed, config.env,
-        reward_timeout_s=config.reward_timeout_s, reward_error_value=config.reward_error_value,
-        batch_invariant=config.batch_invariant, dtype=config.generator_dtype,
-        reward_weights=list(config.reward_weights) or None,  # as the run's workers (driver/actors.py)
-    )
+    return RolloutWorker(0, resolve(dataclasses.replace(config, rollout=rollout)))
 
 
 def evaluate_checkpoint(
     config: RunConfig, checkpoint: str | os.PathLike, k: int | None = None, samples: int | None = None
 ) -> EvalReport:
     """Greedy accuracy over the config's eval rows; with `k`, pass@k from `samples` (default k)
-    completions per prompt at rollout.temperature, seeded by config.seed."""
+    completions per prompt at rollout.sampling.temperature, seeded by config.seed."""
     if not config.data.eval_file and config.data.eval_rows is None:
         raise CommandError(
             "the config has no data.eval_file (nor data.eval_rows): eval scores held-out rows; set it in "
@@ -151,10 +147,11 @@ def evaluate_checkpoint(
         hf_dir = resolve_hf_checkpoint(checkpoint, scratch)
         config = _validated(config, hf_dir)
         rc, ec = config.rollout, config.eval
-        max_tokens = ec.max_new_tokens or rc.max_new_tokens
+        max_tokens = ec.max_new_tokens or rc.sampling.max_new_tokens
         rows = load_eval_rows(config)
         # The worker samples `group_size` completions per row: n of them, as long as eval's.
-        rollout = dataclasses.replace(rc, group_size=n or 1, max_new_tokens=max_tokens)
+        rollout = dataclasses.replace(rc, group_size=n or 1,
+                                      sampling=dataclasses.replace(rc.sampling, max_new_tokens=max_tokens))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         worker = _make_worker(config, rollout)

@@ -21,7 +21,7 @@ HEADER = (
     "config overrides (--section.key=value or --section.key value, applied on top of CONFIG.py; the "
     "defaults shown are CONFIG.py's when it is given): bools take true/false (yes/no, on/off, 1/0); "
     "'X | None' fields take none or null; tuples and lists take comma-separated items: "
-    "--train.betas=0.9,0.95, --rewards=pkg.mod:fn,pkg.mod:fn2, --env.factory=pkg.mod:make_env."
+    "--train.optimizer.betas=0.9,0.95, --rewards=pkg.mod:fn,pkg.mod:fn2, --env.factory=pkg.mod:make_env."
 )
 
 _OPTIONS_GROUP = re.compile(r"^\W*options\b")

@@ -21,6 +21,7 @@ from typing import Any
 import tyro
 from tyro import _errors as tyro_errors  # private and experimental: pyproject pins tyro exactly
 
+from titanrl.config.renamed import RENAMED, renamed_message
 from titanrl.config.schema import RunConfig
 from titanrl.config.values import value_registry
 from titanrl.errors import ConfigError
@@ -78,7 +79,7 @@ def apply_overrides(config: RunConfig, overrides: Sequence[str]) -> RunConfig:
     A value is parsed by its field's annotation (see `titanrl.config.values`): int, float, str;
     a Literal field one of its choices; bool as true/false, yes/no, on/off or 1/0; `X | None`
     fields take none/null for None; tuples and lists take comma-separated items
-    (`train.betas=0.9,0.95`, `rewards=pkg.mod:fn,pkg.mod:fn2`); a callable field (`rewards`,
+    (`train.optimizer.betas=0.9,0.95`, `rewards=pkg.mod:fn,pkg.mod:fn2`); a callable field (`rewards`,
     `env.factory`) keeps the text, a 'module:function' string that `validate` imports.
     """
     args = []
@@ -86,6 +87,8 @@ def apply_overrides(config: RunConfig, overrides: Sequence[str]) -> RunConfig:
         item = raw.lstrip("-")
         if "=" not in item:
             raise ConfigError(f"override {raw!r} must look like --section.key=value")
+        if (key := item.split("=", 1)[0]) in RENAMED:
+            raise ConfigError(renamed_message(key))
         args.append(f"--{item}")
 
     def refuse(event: tyro_errors.ParseErrorEvent) -> None:
@@ -101,7 +104,7 @@ def apply_overrides(config: RunConfig, overrides: Sequence[str]) -> RunConfig:
 
 
 def _key(argument: Any) -> str:
-    """The dotted key of a tyro argument ('--train.lr' -> 'train.lr')."""
+    """The dotted key of a tyro argument ('--train.optimizer.lr' -> 'train.optimizer.lr')."""
     return argument.lowered.name_or_flags[0].lstrip("-")
 
 
@@ -126,8 +129,8 @@ def _unknown_key(dotted: str) -> str:
         names = [f.name for f in dataclasses.fields(cls)]
         if name not in names:
             where = ".".join(parts[:depth]) or "the config"
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f"; did you mean {'.'.join(parts[:depth] + close)!r}?" if close else ""
+            close = _closest_key(dotted)
+            hint = f"; did you mean {close!r}?" if close else ""
             return f"unknown config key {dotted!r}: {where} has no field {name!r}{hint}"
         cls = hints[name]
         if depth == len(parts) - 1 and dataclasses.is_dataclass(cls):
@@ -136,3 +139,28 @@ def _unknown_key(dotted: str) -> str:
         if depth < len(parts) - 1 and not dataclasses.is_dataclass(cls):
             return f"unknown config key {dotted!r}: {'.'.join(parts[: depth + 1])} is not a section"
     return f"config key {dotted!r} cannot be set from the command line"
+
+
+def _leaf_keys(cls: Any, prefix: str = "") -> list[str]:
+    """Every settable dotted key under the dataclass `cls`."""
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += _leaf_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _closest_key(dotted: str) -> str | None:
+    """The settable key `dotted` most likely meant: a close spelling of a key (an old flat name counts
+    as its new one), else a close field name anywhere under the same top-level section."""
+    keys = _leaf_keys(RunConfig)
+    close = difflib.get_close_matches(dotted, keys + list(RENAMED), n=1, cutoff=0.75)
+    if close:
+        return RENAMED.get(close[0], close[0])
+    head, leaf = dotted.split(".", 1)[0], dotted.rsplit(".", 1)[-1]
+    under = {key.rsplit(".", 1)[-1]: key for key in keys if key.startswith(head + ".")}
+    close = difflib.get_close_matches(leaf, list(under), n=1)
+    return under[close[0]] if close else None

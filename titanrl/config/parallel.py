@@ -33,7 +33,7 @@ def validate_parallel(
     """Raises ConfigError, naming the field to change, when `parallel` cannot run this model.
 
     world_size: the trainer's process count (None skips that check). seq_len: a sequence length
-    the trainer must handle without padding (e.g. rollout.max_model_len); None skips that check.
+    the trainer must handle without padding (e.g. rollout.engine.max_model_len); None skips that check.
     batch_invariant: the run's RunConfig.batch_invariant (refused with tp or cp, see
     `check_batch_invariant`).
     """
@@ -146,70 +146,84 @@ def check_batch_invariant(parallel: ParallelConfig) -> None:
 
 
 def check_compile(train: TrainConfig, batch_invariant: bool, device: str | None = None) -> None:
-    """Raises ConfigError for a train.compile=True the trainer cannot honour (validation, and the
-    trainer itself when built from Python). device: the trainer's resolved device (default train.device)."""
-    if not train.compile:
+    """Raises ConfigError for a train.compute.compile=True the trainer cannot honour (validation, and the
+    trainer itself when built from Python). device: the trainer's resolved device (default train.compute.device)."""
+    if not train.compute.compile:
         return
     if batch_invariant:
-        raise ConfigError("train.compile=True with batch_invariant=True: inductor's fused kernels would replace the "
+        raise ConfigError("train.compute.compile=True with batch_invariant=True: inductor's fused kernels would "
+                          "replace the "
                           "batch-invariant ones the generator's bits depend on. Set one of them to False")
-    if (device or train.device) == "xla":
-        raise ConfigError("train.compile=True with train.device='xla': the XLA trainer compiles each step itself; "
-                          "set train.compile=False")
+    if (device or train.compute.device) == "xla":
+        raise ConfigError("train.compute.compile=True with train.compute.device='xla': the XLA trainer compiles "
+                          "each step itself; "
+                          "set train.compute.compile=False")
     p = train.parallel
     if p.world_size > 1 or p.ep > 1:
         degrees = ", ".join(f"{d}={getattr(p, d)}" for d in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
                             if getattr(p, d) > 1)
-        raise ConfigError(f"train.compile=True is checked with the single-process trainer only, not yet with "
-                          f"train.parallel {degrees}: set train.compile=False, or train.parallel to one process")
+        raise ConfigError(f"train.compute.compile=True is checked with the single-process trainer only, not yet with "
+                          f"train.parallel {degrees}: set train.compute.compile=False, or train.parallel to one "
+                          "process")
 
 
 def check_idle_threads(train: TrainConfig, batch_invariant: bool, device: str | None = None) -> None:
-    """Raises ConfigError for a train.threads_when_rollouts_idle the trainer cannot honour.
-    device: the trainer's resolved device (default train.device; 'auto' may still become CUDA,
+    """Raises ConfigError for a train.compute.threads_when_rollouts_idle the trainer cannot honour.
+    device: the trainer's resolved device (default train.compute.device; 'auto' may still become CUDA,
     where the trainer ignores the setting)."""
-    idle = train.threads_when_rollouts_idle
+    idle = train.compute.threads_when_rollouts_idle
     if idle is None:
         return
-    if idle < train.threads:
-        raise ConfigError(f"train.threads_when_rollouts_idle={idle} is below train.threads={train.threads}: it is "
-                          "the count for when the workers' cores are free too, so set it >= train.threads")
+    if idle < train.compute.threads:
+        raise ConfigError(
+            f"train.compute.threads_when_rollouts_idle={idle} is below "
+            f"train.compute.threads={train.compute.threads}: it is "
+            "the count for when the workers' cores are free too, so set it >= train.compute.threads"
+        )
     if batch_invariant:
-        raise ConfigError("train.threads_when_rollouts_idle with batch_invariant=True: a thread count that follows "
-                          "the workers' timing changes the trainer's float rounding. Unset one of them")
-    where = device or train.device
+        raise ConfigError(
+            "train.compute.threads_when_rollouts_idle with batch_invariant=True: a thread count that follows "
+            "the workers' timing changes the trainer's float rounding. Unset one of them"
+        )
+    where = device or train.compute.device
     if where in ("cuda", "xla"):
-        raise ConfigError(f"train.threads_when_rollouts_idle shares CPU cores with the rollout workers; the trainer "
-                          f"runs on train.device={where!r}: unset it")
+        raise ConfigError(
+            f"train.compute.threads_when_rollouts_idle shares CPU cores with the rollout workers; the trainer "
+            f"runs on train.compute.device={where!r}: unset it"
+        )
     p = train.parallel
     if p.world_size > 1 or p.ep > 1:
-        raise ConfigError("train.threads_when_rollouts_idle is implemented for the single-process trainer, not for "
-                          "a parallel train.parallel layout: unset it, or train.parallel to one process")
+        raise ConfigError(
+            "train.compute.threads_when_rollouts_idle is implemented for the single-process trainer, not for "
+            "a parallel train.parallel layout: unset it, or train.parallel to one process"
+        )
 
 
 def uses_onednn_linears(train: TrainConfig, batch_invariant: bool, device: str, dtype: str) -> bool:
-    """Whether the trainer's linear layers run through oneDNN (train.cpu_matmul, resolved here);
+    """Whether the trainer's linear layers run through oneDNN (train.compute.cpu_matmul, resolved here);
     raises ConfigError for an explicit 'onednn' the trainer cannot honour. device: the trainer's
     resolved device; dtype: its compute dtype."""
     from titanrl.kernels.onednn_linear import onednn_available, onednn_is_faster_here
 
-    if train.cpu_matmul == "mkl":
+    if train.compute.cpu_matmul == "mkl":
         return False
     p = train.parallel
     refusal = None
     if batch_invariant:
         refusal = "batch_invariant=True runs its own batch-invariant kernels"
     elif device != "cpu":
-        refusal = f"the trainer runs on train.device={device!r}, not the CPU"
+        refusal = f"the trainer runs on train.compute.device={device!r}, not the CPU"
     elif p.world_size > 1 or p.ep > 1:
         refusal = "it is implemented for the single-process trainer, not a parallel train.parallel layout"
     elif dtype != "float32":
         refusal = f"the trainer computes in {dtype}; it is measured for float32 only"
     elif not onednn_available():
         refusal = "this torch has no oneDNN (torch.backends.mkldnn is unavailable)"
-    if train.cpu_matmul == "onednn" and refusal:
-        raise ConfigError(f"train.cpu_matmul='onednn' cannot apply: {refusal}. Set train.cpu_matmul='auto' or 'mkl'")
-    return refusal is None and (train.cpu_matmul == "onednn" or onednn_is_faster_here())
+    if train.compute.cpu_matmul == "onednn" and refusal:
+        raise ConfigError(
+            f"train.compute.cpu_matmul='onednn' cannot apply: {refusal}. Set train.compute.cpu_matmul='auto' or 'mkl'"
+        )
+    return refusal is None and (train.compute.cpu_matmul == "onednn" or onednn_is_faster_here())
 
 
 def _divisors(n: int) -> list[int]:

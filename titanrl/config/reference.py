@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from titanrl.config.overrides import IN_MEMORY_ROWS
+from titanrl.config.renamed import RENAMED
 from titanrl.config.schema import RunConfig
 from titanrl.config.values import show, type_name
 
@@ -106,6 +107,11 @@ def config_reference_markdown() -> str:
         hints = typing.get_type_hints(cls)
         out += [_field_line(section, cls, hints, f, getattr(obj, f.name)) for f in fields]
         out.append("")
+    out += ["## Renamed keys", "",
+            "Flat names from before the config had sections; each is refused with its new key "
+            "(`titanrl.config.renamed`).", "", "| old key | new key |", "|---|---|"]
+    out += [f"| `{old}` | `{new}` |" for old, new in RENAMED.items()]
+    out.append("")
     return "\n".join(out)
 
 

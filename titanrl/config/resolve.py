@@ -5,12 +5,17 @@ the actors that needed them. `resolve` fills them in one place, reading the chec
 through its model spec, so the driver, the actors, `config.resolved.json` in the run directory and
 `titanrl train CONFIG.py --print-config` all see the same values:
 
-- `train.loss_length_norm` None: the longest completion a sample can have
-  (`rollout.max_new_tokens`; `env.max_total_tokens` for environment runs);
-- `rollout.record_routed_experts` None: on for a mixture-of-experts checkpoint, off for a dense one
+- `train.loss.length_norm` None: the longest completion a sample can have
+  (`rollout.sampling.max_new_tokens`; `env.max_total_tokens` for environment runs);
+- `rollout.engine.record_routed_experts` None: on for a mixture-of-experts checkpoint, off for a dense one
   (router replay trains on what the generator recorded);
-- `rollout.logprobs`: what the engine returns. Untruncated sampling (top_k 0, top_p 1) makes
+- `rollout.sampling.logprobs`: what the engine returns. Untruncated sampling (top_k 0, top_p 1) makes
   'sampled' and 'raw' the same full softmax at the temperature, so it is 'sampled' there;
+- `train.memory.heap_mmap_threshold_mib` None: by the policy's parameter count (4 MiB from 100M
+  parameters, 32 below);
+- after placement (`placed`, once Ray is up): the trainer's device (`train.compute.device` 'auto'
+  against the GPUs Ray has) and `rollout.weight_transport` ('auto' against the cluster and
+  /dev/shm);
 - `generator_dtype`: the dtype the generators compute in (the trainer's compute dtype, which the
   pushed weights arrive in).
 
@@ -23,10 +28,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from titanrl.config.record import config_record
-from titanrl.config.schema import RolloutConfig, RunConfig
+from titanrl.config.schema import RolloutConfig, RunConfig, TrainConfig
+from titanrl.memory import auto_heap_mmap_threshold_mib
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,16 @@ class ResolvedRunConfig:
     """The run's config; its derived fields hold their resolved values."""
     model: ModelFacts
     """What model.checkpoint holds."""
+    trainer_device: str | None = None
+    """'cpu', 'cuda' or 'xla': what the run's placement reserved for the trainer (`placed`); None
+    until Ray has started (`--print-config` shows the config before that)."""
+
+    def placed(self, trainer_device: str, weight_transport: str) -> ResolvedRunConfig:
+        """This config once the cluster is known: the trainer's device and the concrete weight
+        transport (`rollout.weight_transport` 'auto' chosen by `titanrl.driver.weight_transport`)."""
+        rollout = dataclasses.replace(self.config.rollout, weight_transport=weight_transport)
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, rollout=rollout),
+                                   trainer_device=trainer_device)
 
     @property
     def generator_dtype(self) -> str:
@@ -66,28 +82,36 @@ class ResolvedRunConfig:
     def record(self) -> dict[str, Any]:
         """JSON-ready: the config as `config.json` records it, plus the model facts."""
         return {**config_record(self.config), "resolved": {"model": dataclasses.asdict(self.model),
-                                                           "generator_dtype": self.generator_dtype}}
+                                                           "generator_dtype": self.generator_dtype,
+                                                           "trainer_device": self.trainer_device}}
 
     def to_json(self) -> str:
         return json.dumps(self.record(), indent=2) + "\n"
 
 
 def loss_length_norm(config: RunConfig) -> int:
-    """train.loss_length_norm, or when None the longest completion a sample can have."""
-    if config.train.loss_length_norm is not None:
-        return config.train.loss_length_norm
-    return config.env.max_total_tokens if config.env.factory is not None else config.rollout.max_new_tokens
+    """train.loss.length_norm, or when None the longest completion a sample can have."""
+    if config.train.loss.length_norm is not None:
+        return config.train.loss.length_norm
+    return config.env.max_total_tokens if config.env.factory is not None else config.rollout.sampling.max_new_tokens
 
 
 def records_routed_experts(rollout: RolloutConfig, is_moe: bool) -> bool:
-    """rollout.record_routed_experts, or when None whether the policy is a mixture of experts."""
-    return is_moe if rollout.record_routed_experts is None else bool(rollout.record_routed_experts)
+    """rollout.engine.record_routed_experts, or when None whether the policy is a mixture of experts."""
+    return is_moe if rollout.engine.record_routed_experts is None else bool(rollout.engine.record_routed_experts)
 
 
-def engine_logprobs(rollout: RolloutConfig) -> str:
-    """The logprobs the engine returns: rollout.logprobs, 'sampled' when nothing is truncated
+def engine_logprobs(rollout: RolloutConfig) -> Literal["sampled", "raw"]:
+    """The logprobs the engine returns: rollout.sampling.logprobs, 'sampled' when nothing is truncated
     (both modes are then the full softmax at the temperature)."""
-    return rollout.logprobs if rollout.top_k > 0 or rollout.top_p < 1 else "sampled"
+    return rollout.sampling.logprobs if rollout.sampling.top_k > 0 or rollout.sampling.top_p < 1 else "sampled"
+
+
+def heap_mmap_threshold_mib(train: TrainConfig, parameters: int) -> int:
+    """train.memory.heap_mmap_threshold_mib, or when None the policy size's value
+    (`titanrl.memory.auto_heap_mmap_threshold_mib`)."""
+    threshold = train.memory.heap_mmap_threshold_mib
+    return auto_heap_mmap_threshold_mib(parameters) if threshold is None else threshold
 
 
 def model_facts(checkpoint: str) -> ModelFacts:
@@ -109,7 +133,11 @@ def model_facts(checkpoint: str) -> ModelFacts:
 def resolve(config: RunConfig) -> ResolvedRunConfig:
     """`config` (already validated) with its derived settings filled, and what its checkpoint holds."""
     facts = model_facts(config.model.checkpoint)
-    rollout = dataclasses.replace(config.rollout, record_routed_experts=records_routed_experts(config.rollout, facts.is_moe),
-                                  logprobs=engine_logprobs(config.rollout))
-    train = dataclasses.replace(config.train, loss_length_norm=loss_length_norm(config))
+    rc, tc = config.rollout, config.train
+    engine = dataclasses.replace(rc.engine, record_routed_experts=records_routed_experts(rc, facts.is_moe))
+    sampling = dataclasses.replace(rc.sampling, logprobs=engine_logprobs(rc))
+    rollout = dataclasses.replace(rc, engine=engine, sampling=sampling)
+    memory = dataclasses.replace(tc.memory, heap_mmap_threshold_mib=heap_mmap_threshold_mib(tc, facts.parameters))
+    train = dataclasses.replace(tc, loss=dataclasses.replace(tc.loss, length_norm=loss_length_norm(config)),
+                                memory=memory)
     return ResolvedRunConfig(config=dataclasses.replace(config, rollout=rollout, train=train), model=facts)

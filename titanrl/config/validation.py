@@ -5,6 +5,7 @@ trainer's layout against the model. Raises `ConfigError` naming the field and wh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from collections.abc import Callable
@@ -56,10 +57,14 @@ def resolve_env_factory(spec: Any) -> Callable[..., Any]:
     return _import_callable(spec, "env.factory", "package.module:make_env", "make_env(context) -> Environment")
 
 
+def _dotted(config: RunConfig, dotted: str) -> Any:
+    """The value at a dotted key ('train.optimizer.lr')."""
+    return functools.reduce(getattr, dotted.split("."), config)
+
+
 def _positive(config: RunConfig, *dotted: str) -> None:
     for d in dotted:
-        section, name = d.split(".")
-        value = getattr(getattr(config, section), name)
+        value = _dotted(config, d)
         if value <= 0:
             raise ConfigError(f"{d} must be > 0, got {value}")
 
@@ -71,60 +76,62 @@ def validate(config: RunConfig) -> None:
     _check_types(config, "")
     _positive(
         config,
-        "rollout.num_workers", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
-        "rollout.max_model_len", "rollout.max_num_seqs", "rollout.kv_cache_gib", "rollout.threads_per_worker",
-        "train.steps", "train.lr", "train.micro_batch_size", "train.threads",
+        "rollout.num_workers", "rollout.prompts_per_step", "rollout.group_size", "rollout.sampling.max_new_tokens",
+        "rollout.engine.max_model_len", "rollout.engine.max_num_seqs", "rollout.engine.kv_cache_gib",
+        "rollout.engine.threads", "train.steps", "train.optimizer.lr", "train.memory.micro_batch_size",
+        "train.compute.threads",
     )
-    if config.train.logprob_chunk_tokens is not None and config.train.logprob_chunk_tokens <= 0:
-        raise ConfigError(f"train.logprob_chunk_tokens must be > 0 (or none: sized to 128 MiB of logits), "
-                          f"got {config.train.logprob_chunk_tokens}")
+    if config.train.memory.logprob_chunk_tokens is not None and config.train.memory.logprob_chunk_tokens <= 0:
+        raise ConfigError(f"train.memory.logprob_chunk_tokens must be > 0 (or none: sized to 128 MiB of logits), "
+                          f"got {config.train.memory.logprob_chunk_tokens}")
     if config.rollout.group_size < 2:
         raise ConfigError("rollout.group_size must be >= 2: GRPO compares completions of the same prompt")
-    if config.rollout.temperature <= 0:
-        raise ConfigError("rollout.temperature must be > 0 for training rollouts (eval is always greedy)")
-    if config.rollout.reward_concurrency < 1:
+    if config.rollout.sampling.temperature <= 0:
+        raise ConfigError("rollout.sampling.temperature must be > 0 for training rollouts (eval is always greedy)")
+    if config.scoring.concurrency < 1:
         raise ConfigError(
-            f"rollout.reward_concurrency must be >= 1 (sync reward calls run at once per worker), "
-            f"got {config.rollout.reward_concurrency}"
+            f"scoring.concurrency must be >= 1 (sync reward calls run at once per worker), "
+            f"got {config.scoring.concurrency}"
         )
-    if not 0 < config.rollout.top_p <= 1:
-        raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p}")
-    for name in ("clip_eps", "clip_eps_high") if config.train.loss != "cispo" else ("clip_eps",):
-        value = getattr(config.train, name)
+    if not 0 < config.rollout.sampling.top_p <= 1:
+        raise ConfigError(f"rollout.sampling.top_p must be in (0, 1], got {config.rollout.sampling.top_p}")
+    for name in ("clip_eps", "clip_eps_high") if config.train.loss.objective != "cispo" else ("clip_eps",):
+        value = getattr(config.train.loss, name)
         if value is not None and not 0 < value < 1:
-            raise ConfigError(f"train.{name} must be in (0, 1), got {value}")
-    for dotted in ("train.warmup_steps", "eval.every_steps", "eval.max_new_tokens", "output.save_every_steps",
-                   "output.rollouts_per_step", "train.heap_mmap_threshold_mib"):
-        section, name = dotted.split(".")
-        if (getattr(getattr(config, section), name) or 0) < 0:
-            raise ConfigError(f"{dotted} must be >= 0, got {getattr(getattr(config, section), name)}")
+            raise ConfigError(f"train.loss.{name} must be in (0, 1), got {value}")
+    for dotted in ("train.lr_schedule.warmup_steps", "eval.every_steps", "eval.max_new_tokens",
+                   "output.save_every_steps", "output.rollouts_per_step", "train.memory.heap_mmap_threshold_mib"):
+        if (_dotted(config, dotted) or 0) < 0:
+            raise ConfigError(f"{dotted} must be >= 0, got {_dotted(config, dotted)}")
     _validate_wandb(config)
-    if config.rollout.max_new_tokens >= config.rollout.max_model_len:
+    if config.rollout.sampling.max_new_tokens >= config.rollout.engine.max_model_len:
         raise ConfigError(
-            f"rollout.max_new_tokens ({config.rollout.max_new_tokens}) must be < rollout.max_model_len "
-            f"({config.rollout.max_model_len}) to leave room for the prompt"
+            f"rollout.sampling.max_new_tokens ({config.rollout.sampling.max_new_tokens}) must be < "
+            "rollout.engine.max_model_len "
+            f"({config.rollout.engine.max_model_len}) to leave room for the prompt"
         )
-    if not 0 <= config.train.min_lr_ratio <= 1:
-        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {config.train.min_lr_ratio}")
+    if not 0 <= config.train.lr_schedule.min_lr_ratio <= 1:
+        raise ConfigError("train.lr_schedule.min_lr_ratio must be in [0, 1], got "
+                          f"{config.train.lr_schedule.min_lr_ratio}")
     if config.train.max_staleness < 0:
         raise ConfigError(f"train.max_staleness must be >= 0, got {config.train.max_staleness}")
     _positive(config, "train.ppo_epochs", "train.minibatches", "train.max_skipped_steps")
-    if config.train.activation_checkpointing_every < 1:
+    if config.train.memory.activation_checkpointing_every < 1:
         raise ConfigError(
-            f"train.activation_checkpointing_every must be >= 1 (checkpoint every N-th decoder block), "
-            f"got {config.train.activation_checkpointing_every}"
+            f"train.memory.activation_checkpointing_every must be >= 1 (checkpoint every N-th decoder block), "
+            f"got {config.train.memory.activation_checkpointing_every}"
         )
     if config.train.minibatches > config.rollout.prompts_per_step:
         raise ConfigError(
             f"train.minibatches ({config.train.minibatches}) must be <= rollout.prompts_per_step "
             f"({config.rollout.prompts_per_step}): each minibatch holds whole prompt groups"
         )
-    if config.reward_timeout_s is not None and config.reward_timeout_s <= 0:
-        raise ConfigError(f"reward_timeout_s must be > 0 (or None for no limit), got {config.reward_timeout_s}")
-    if not math.isfinite(config.reward_error_value):
-        raise ConfigError(f"reward_error_value must be a finite number, got {config.reward_error_value}")
-    if not 0 <= config.max_reward_error_frac <= 1:
-        raise ConfigError(f"max_reward_error_frac must be in [0, 1], got {config.max_reward_error_frac}")
+    if config.scoring.timeout_s is not None and config.scoring.timeout_s <= 0:
+        raise ConfigError(f"scoring.timeout_s must be > 0 (or None for no limit), got {config.scoring.timeout_s}")
+    if not math.isfinite(config.scoring.error_value):
+        raise ConfigError(f"scoring.error_value must be a finite number, got {config.scoring.error_value}")
+    if not 0 <= config.scoring.max_error_frac <= 1:
+        raise ConfigError(f"scoring.max_error_frac must be in [0, 1], got {config.scoring.max_error_frac}")
     _validate_dtypes(config)
     _validate_kl(config)
     _validate_truncation(config)
@@ -146,10 +153,10 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"model.checkpoint: {e}") from e
     if not (ckpt / "tokenizer.json").is_file() and not (ckpt / "tokenizer_config.json").is_file():
         raise ConfigError(f"model.checkpoint: {str(ckpt)!r} has no tokenizer files (tokenizer.json)")
-    if config.rollout.record_routed_experts and not isinstance(model_config, Qwen3MoeConfig):
+    if config.rollout.engine.record_routed_experts and not isinstance(model_config, Qwen3MoeConfig):
         raise ConfigError(
-            f"rollout.record_routed_experts=True needs a mixture-of-experts checkpoint, but model.checkpoint is "
-            f"{model_config.HF_ARCHITECTURE}: set rollout.record_routed_experts=None (or False)"
+            f"rollout.engine.record_routed_experts=True needs a mixture-of-experts checkpoint, but model.checkpoint is "
+            f"{model_config.HF_ARCHITECTURE}: set rollout.engine.record_routed_experts=None (or False)"
         )
     _validate_data(config)
     if config.env.factory is not None:
@@ -208,10 +215,10 @@ def _validate_data(config: RunConfig) -> None:
 
 
 def _validate_rewards(config: RunConfig) -> None:
-    """reward_weights, reward_health and the DAPO sample-side settings of `rollout`."""
+    """reward_weights, scoring.health and the DAPO sample-side settings of `rollout`."""
     from titanrl.rewards.named import reward_names
 
-    weights, rc, health = config.reward_weights, config.rollout, config.reward_health
+    weights, rc, health = config.reward_weights, config.rollout, config.scoring.health
     if weights and len(weights) != len(config.rewards):
         raise ConfigError(f"reward_weights has {len(weights)} entries but rewards has {len(config.rewards)}: "
                           "give one weight per reward, in the order of `rewards` (or none: all 1)")
@@ -219,102 +226,112 @@ def _validate_rewards(config: RunConfig) -> None:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
             raise ConfigError(f"reward_weights[{i}] must be a finite number, got {w!r}")
     names = reward_names([resolve_reward(spec, i) for i, spec in enumerate(config.rewards)])
-    if rc.overlong_buffer > 0:
+    if rc.shaping.overlong_buffer > 0:
         names.append("overlong_penalty")
     for pair in health.agreement_pairs:
         parts = pair.split(":") if isinstance(pair, str) else []
         if len(parts) != 2 or not all(parts):
-            raise ConfigError(f"reward_health.agreement_pairs: {pair!r} is not 'reward_a:reward_b'")
+            raise ConfigError(f"scoring.health.agreement_pairs: {pair!r} is not 'reward_a:reward_b'")
         for name in parts:
             if name not in names:
-                raise ConfigError(f"reward_health.agreement_pairs: {pair!r} names {name!r}, which is not a reward "
+                raise ConfigError(f"scoring.health.agreement_pairs: {pair!r} names {name!r}, which is not a reward "
                                   f"of this run (its rewards are named {names})")
     if health.hacking_window < 1:
-        raise ConfigError(f"reward_health.hacking_window must be >= 1 (evaluations back), got {health.hacking_window}")
+        raise ConfigError(f"scoring.health.hacking_window must be >= 1 (evaluations back), got {health.hacking_window}")
     for name in ("hacking_reward_rise", "hacking_accuracy_rise"):
         if not math.isfinite(getattr(health, name)) or getattr(health, name) < 0:
-            raise ConfigError(f"reward_health.{name} must be a finite number >= 0, got {getattr(health, name)}")
-    if rc.dynamic_sampling and rc.continuous:
-        raise ConfigError("rollout.dynamic_sampling works with lock-step rollouts only (a continuous run's groups "
+            raise ConfigError(f"scoring.health.{name} must be a finite number >= 0, got {getattr(health, name)}")
+    if rc.shaping.dynamic_sampling and rc.continuous:
+        raise ConfigError("rollout.shaping.dynamic_sampling works with lock-step rollouts only (a continuous run's "
+                          "groups "
                           "are tied to their step when admitted): set rollout.continuous=False or "
-                          "rollout.dynamic_sampling=False")
-    if rc.dynamic_sampling_max_requests < 1:
-        raise ConfigError(f"rollout.dynamic_sampling_max_requests must be >= 1, got {rc.dynamic_sampling_max_requests}")
-    if not 0 <= rc.overlong_buffer <= rc.max_new_tokens:
-        raise ConfigError(f"rollout.overlong_buffer must be in [0, rollout.max_new_tokens={rc.max_new_tokens}], "
-                          f"got {rc.overlong_buffer}")
-    if rc.overlong_buffer > 0 and config.env.factory is not None:
-        raise ConfigError("rollout.overlong_buffer (the soft overlong penalty) is for single-turn rollouts; with "
+                          "rollout.shaping.dynamic_sampling=False")
+    if rc.shaping.dynamic_sampling_max_requests < 1:
+        raise ConfigError("rollout.shaping.dynamic_sampling_max_requests must be >= 1, got "
+                          f"{rc.shaping.dynamic_sampling_max_requests}")
+    if not 0 <= rc.shaping.overlong_buffer <= rc.sampling.max_new_tokens:
+        raise ConfigError("rollout.shaping.overlong_buffer must be in [0, "
+                          f"rollout.sampling.max_new_tokens={rc.sampling.max_new_tokens}], "
+                          f"got {rc.shaping.overlong_buffer}")
+    if rc.shaping.overlong_buffer > 0 and config.env.factory is not None:
+        raise ConfigError("rollout.shaping.overlong_buffer (the soft overlong penalty) is for single-turn rollouts; "
+                          "with "
                           "env.factory set, give the environment its own length penalty and set it to 0")
-    if not math.isfinite(rc.overlong_penalty) or rc.overlong_penalty < 0:
-        raise ConfigError(f"rollout.overlong_penalty must be a finite number >= 0, got {rc.overlong_penalty}")
+    if not math.isfinite(rc.shaping.overlong_penalty) or rc.shaping.overlong_penalty < 0:
+        raise ConfigError("rollout.shaping.overlong_penalty must be a finite number >= 0, got "
+                          f"{rc.shaping.overlong_penalty}")
 
 
 def _validate_truncation(config: RunConfig) -> None:
-    """rollout.top_k / top_p / logprobs: what the generator and the trainer can both score."""
+    """rollout.sampling.top_k / top_p / logprobs: what the generator and the trainer can both score."""
     rc, p = config.rollout, config.train.parallel
-    if rc.top_k < 0:
-        raise ConfigError(f"rollout.top_k must be >= 0 (0: off), got {rc.top_k}")
-    if rc.top_k == 0 and rc.top_p == 1:
+    if rc.sampling.top_k < 0:
+        raise ConfigError(f"rollout.sampling.top_k must be >= 0 (0: off), got {rc.sampling.top_k}")
+    if rc.sampling.top_k == 0 and rc.sampling.top_p == 1:
         return
-    if rc.logprobs == "raw" and rc.temperature != 1:
+    if rc.sampling.logprobs == "raw" and rc.sampling.temperature != 1:
         raise ConfigError(
-            f"rollout.logprobs='raw' with rollout.top_k={rc.top_k}, top_p={rc.top_p} needs rollout.temperature=1, "
-            f"got {rc.temperature}: vLLM's raw logprobs are log_softmax of the logits before temperature, so at "
+            f"rollout.sampling.logprobs='raw' with rollout.sampling.top_k={rc.sampling.top_k}, "
+            f"top_p={rc.sampling.top_p} needs rollout.sampling.temperature=1, "
+            f"got {rc.sampling.temperature}: vLLM's raw logprobs are log_softmax of the logits before temperature, "
+            "so at "
             f"another temperature the generator's and the trainer's logprobs would differ. Set "
-            f"rollout.temperature=1, or rollout.logprobs='sampled' (both sides score the truncated distribution)"
+            "rollout.sampling.temperature=1, or rollout.sampling.logprobs='sampled' (both sides score the "
+            "truncated distribution)"
         )
-    if rc.logprobs == "sampled" and p.tp > 1:
+    if rc.sampling.logprobs == "sampled" and p.tp > 1:
         raise ConfigError(
-            f"rollout.top_k={rc.top_k} / top_p={rc.top_p} with rollout.logprobs='sampled' cannot run with "
+            f"rollout.sampling.top_k={rc.sampling.top_k} / top_p={rc.sampling.top_p} with "
+            "rollout.sampling.logprobs='sampled' cannot run with "
             f"train.parallel.tp={p.tp}: the tensor-parallel LM head holds vocabulary shards, and the "
             f"top-k / top-p kept set needs a sort over the whole vocabulary, which is not implemented across "
-            f"shards. Set train.parallel.tp=1, rollout.top_k=0 and top_p=1, or rollout.logprobs='raw'"
+            f"shards. Set train.parallel.tp=1, rollout.sampling.top_k=0 and top_p=1, or rollout.sampling.logprobs='raw'"
         )
     import torch
 
-    if rc.logprobs == "sampled" and config.batch_invariant and torch.version.cuda is not None:
+    if rc.sampling.logprobs == "sampled" and config.batch_invariant and torch.version.cuda is not None:
         # vLLM's CPU build keeps tokens by a per-row sort the trainer repeats op for op (bitwise);
         # its CUDA build uses Triton (pivot-based) or FlashInfer top-k / top-p kernels instead.
         raise ConfigError(
-            f"batch_invariant=True with rollout.top_k={rc.top_k} / top_p={rc.top_p} and rollout.logprobs='sampled' "
+            f"batch_invariant=True with rollout.sampling.top_k={rc.sampling.top_k} / top_p={rc.sampling.top_p} and "
+            "rollout.sampling.logprobs='sampled' "
             f"is bitwise only with vLLM's CPU build: vLLM on CUDA decides the kept tokens with its own Triton / "
-            f"FlashInfer kernels, which the trainer does not reproduce bit for bit. Set rollout.top_k=0 and "
-            f"top_p=1, rollout.logprobs='raw' (with rollout.temperature=1), or batch_invariant=False"
+            f"FlashInfer kernels, which the trainer does not reproduce bit for bit. Set rollout.sampling.top_k=0 and "
+            f"top_p=1, rollout.sampling.logprobs='raw' (with rollout.sampling.temperature=1), or batch_invariant=False"
         )
 
 
 def _validate_dtypes(config: RunConfig) -> None:
-    """Storage (model.dtype) vs compute (train.compute_dtype) dtypes, and what batch invariance needs."""
+    """Storage (model.dtype) vs compute (train.compute.dtype) dtypes, and what batch invariance needs."""
     storage, compute = config.model.dtype, config.generator_dtype
     if storage == "bfloat16" and compute == "float32":
         # Upcasting bf16 weights buys no precision (gradients and the update are rounded to bf16
         # again) and costs float32 compute: refused rather than given a meaning.
         raise ConfigError(
-            "train.compute_dtype='float32' is wider than model.dtype='bfloat16' (the weights' storage): set "
-            "model.dtype='float32' for float32 training, or train.compute_dtype=None (or 'bfloat16') to compute "
-            "in bfloat16; mixed precision is model.dtype='float32' with train.compute_dtype='bfloat16'"
+            "train.compute.dtype='float32' is wider than model.dtype='bfloat16' (the weights' storage): set "
+            "model.dtype='float32' for float32 training, or train.compute.dtype=None (or 'bfloat16') to compute "
+            "in bfloat16; mixed precision is model.dtype='float32' with train.compute.dtype='bfloat16'"
         )
     if config.batch_invariant and compute != "float32":
         # The generator's batch-invariant attention reads vLLM's KV cache in float32 only.
-        field = "train.compute_dtype" if config.train.compute_dtype is not None else "model.dtype"
+        field = "train.compute.dtype" if config.train.compute.dtype is not None else "model.dtype"
         raise ConfigError(
             f"batch_invariant=True needs float32 compute, but {field}={compute!r}: the batch-invariant "
-            "attention inside vLLM reads a float32 KV cache. Set train.compute_dtype=None and model.dtype="
+            "attention inside vLLM reads a float32 KV cache. Set train.compute.dtype=None and model.dtype="
             "'float32', or batch_invariant=False"
         )
 
 
 def _validate_kl(config: RunConfig) -> None:
-    """The KL penalty towards the reference policy (train.kl_coef, kl_estimator, kl_in_reward)."""
+    """The KL penalty towards the reference policy (train.kl.coef, kl_estimator, kl_in_reward)."""
     t, p = config.train, config.train.parallel
-    if not (math.isfinite(t.kl_coef) and t.kl_coef >= 0):
-        raise ConfigError(f"train.kl_coef must be a finite number >= 0 (0: no KL penalty, no reference policy "
-                          f"held), got {t.kl_coef}")
-    if t.kl_coef > 0 and p.pp > 1:
+    if not (math.isfinite(t.kl.coef) and t.kl.coef >= 0):
+        raise ConfigError(f"train.kl.coef must be a finite number >= 0 (0: no KL penalty, no reference policy "
+                          f"held), got {t.kl.coef}")
+    if t.kl.coef > 0 and p.pp > 1:
         raise ConfigError(
-            f"train.kl_coef > 0 is not implemented for the pipelined trainer (train.parallel.pp={p.pp}): its "
-            f"logprobs exist only inside the last stage's loss. Set train.parallel.pp=1 or train.kl_coef=0"
+            f"train.kl.coef > 0 is not implemented for the pipelined trainer (train.parallel.pp={p.pp}): its "
+            f"logprobs exist only inside the last stage's loss. Set train.parallel.pp=1 or train.kl.coef=0"
         )
 
 
@@ -327,69 +344,79 @@ def _validate_trainer_layout(config: RunConfig, model_config: Any) -> None:
     validate_parallel(p, model_config, world_size=None, batch_invariant=config.batch_invariant)
     check_compile(config.train, config.batch_invariant)
     check_idle_threads(config.train, config.batch_invariant)
-    if config.train.cpu_matmul == "onednn" and config.train.device in ("cpu", "auto"):
+    if config.train.compute.cpu_matmul == "onednn" and config.train.compute.device in ("cpu", "auto"):
         uses_onednn_linears(config.train, config.batch_invariant, "cpu", compute_dtype(config.model, config.train))
-    if config.train.threads_when_rollouts_idle is not None and config.ray_address is not None:
-        raise ConfigError("train.threads_when_rollouts_idle needs the rollout workers on the trainer's machine "
+    if config.train.compute.threads_when_rollouts_idle is not None and config.ray_address is not None:
+        raise ConfigError("train.compute.threads_when_rollouts_idle needs the rollout workers on the trainer's machine "
                           f"(their busy flags are a /dev/shm file), but ray_address={config.ray_address!r} joins "
                           "a cluster: unset one of them")
-    if config.train.decoupled_loss and p.world_size > 1:
+    if config.train.off_policy.decoupled_loss and p.world_size > 1:
         raise ConfigError(
-            f"train.decoupled_loss is implemented for the single-process trainer, but train.parallel has "
-            f"world size {p.world_size}: set train.decoupled_loss=false or use one trainer process"
+            f"train.off_policy.decoupled_loss is implemented for the single-process trainer, but train.parallel has "
+            f"world size {p.world_size}: set train.off_policy.decoupled_loss=false or use one trainer process"
         )
-    if config.train.behaviour_weight_cap <= 0:
-        raise ConfigError(f"train.behaviour_weight_cap must be > 0, got {config.train.behaviour_weight_cap}")
+    if config.train.off_policy.behaviour_weight_cap <= 0:
+        raise ConfigError(
+            f"train.off_policy.behaviour_weight_cap must be > 0, got {config.train.off_policy.behaviour_weight_cap}"
+        )
     _validate_moe(config, model_config)
     _validate_loss(config)
 
 
 def _validate_loss(config: RunConfig) -> None:
-    """train.loss, its aggregation, entropy bonus and off-policy correction against each other
+    """train.loss.objective, its aggregation, entropy bonus and off-policy correction against each other
     and the layout (titanrl/trainer/losses)."""
     t, p = config.train, config.train.parallel
-    if t.loss == "dr_grpo":
-        if t.scale_advantages_by_std:
-            raise ConfigError("train.loss='dr_grpo' never divides advantages by the group std: set "
-                              "train.scale_advantages_by_std=None (or false), or train.loss='grpo'")
-        if t.loss_aggregation not in (None, "seq-mean-token-sum-norm"):
-            raise ConfigError(f"train.loss='dr_grpo' is defined by its constant normaliser "
-                              f"(seq-mean-token-sum-norm), but train.loss_aggregation={t.loss_aggregation!r}: "
-                              f"set train.loss_aggregation=None, or train.loss='grpo' with that aggregation")
-    if t.loss == "gspo" and t.clip_eps_high is not None:
-        raise ConfigError("train.clip_eps_high does not apply to train.loss='gspo' (a sequence ratio): set "
-                          "train.gspo_clip_eps=(below, above) instead and train.clip_eps_high=None")
-    high = t.clip_eps_high
-    if t.loss == "cispo" and high is not None and not (math.isfinite(high) and high > 0):
-        raise ConfigError(f"train.clip_eps_high (CISPO's weight truncation 1 + clip_eps_high) must be a finite "
-                          f"number > 0, got {t.clip_eps_high}")
-    if not all(0 < e < 1 for e in t.gspo_clip_eps):
-        raise ConfigError(f"train.gspo_clip_eps must be two numbers in (0, 1), got {t.gspo_clip_eps}")
-    if not math.isfinite(t.entropy_coef):
-        raise ConfigError(f"train.entropy_coef must be a finite number, got {t.entropy_coef}")
-    if t.loss_length_norm is not None and t.loss_length_norm <= 0:
-        raise ConfigError(f"train.loss_length_norm must be > 0 (or None: rollout.max_new_tokens), "
-                          f"got {t.loss_length_norm}")
-    if not (math.isfinite(t.off_policy_cap) and t.off_policy_cap > 0):
-        raise ConfigError(f"train.off_policy_cap must be a finite number > 0, got {t.off_policy_cap}")
-    if t.off_policy_low is not None and not 0 <= t.off_policy_low < t.off_policy_cap:
-        raise ConfigError(f"train.off_policy_low must be in [0, train.off_policy_cap={t.off_policy_cap}), "
-                          f"got {t.off_policy_low}")
-    corrected = t.off_policy_correction != "none"
-    if corrected and t.decoupled_loss:
-        raise ConfigError(f"train.off_policy_correction={t.off_policy_correction!r} with train.decoupled_loss=true: "
-                          f"both take the ratio around the trainer's weights and weigh pi_trainer / pi_generator "
-                          f"(decoupled_loss is 'tis_token' at behaviour_weight_cap); set train.decoupled_loss=false")
+    if t.loss.objective == "dr_grpo":
+        if t.loss.scale_advantages_by_std:
+            raise ConfigError("train.loss.objective='dr_grpo' never divides advantages by the group std: set "
+                              "train.loss.scale_advantages_by_std=None (or false), or train.loss.objective='grpo'")
+        if t.loss.aggregation not in (None, "seq-mean-token-sum-norm"):
+            raise ConfigError(f"train.loss.objective='dr_grpo' is defined by its constant normaliser "
+                              f"(seq-mean-token-sum-norm), but train.loss.aggregation={t.loss.aggregation!r}: "
+                              f"set train.loss.aggregation=None, or train.loss.objective='grpo' with that aggregation")
+    if t.loss.objective == "gspo" and t.loss.clip_eps_high is not None:
+        raise ConfigError(
+            "train.loss.clip_eps_high does not apply to train.loss.objective='gspo' (a sequence ratio): set "
+            "train.loss.gspo_clip_eps=(below, above) instead and train.loss.clip_eps_high=None"
+        )
+    high = t.loss.clip_eps_high
+    if t.loss.objective == "cispo" and high is not None and not (math.isfinite(high) and high > 0):
+        raise ConfigError(f"train.loss.clip_eps_high (CISPO's weight truncation 1 + clip_eps_high) must be a finite "
+                          f"number > 0, got {t.loss.clip_eps_high}")
+    if not all(0 < e < 1 for e in t.loss.gspo_clip_eps):
+        raise ConfigError(f"train.loss.gspo_clip_eps must be two numbers in (0, 1), got {t.loss.gspo_clip_eps}")
+    if not math.isfinite(t.loss.entropy_coef):
+        raise ConfigError(f"train.loss.entropy_coef must be a finite number, got {t.loss.entropy_coef}")
+    if t.loss.length_norm is not None and t.loss.length_norm <= 0:
+        raise ConfigError(f"train.loss.length_norm must be > 0 (or None: rollout.sampling.max_new_tokens), "
+                          f"got {t.loss.length_norm}")
+    if not (math.isfinite(t.off_policy.cap) and t.off_policy.cap > 0):
+        raise ConfigError(f"train.off_policy.cap must be a finite number > 0, got {t.off_policy.cap}")
+    if t.off_policy.low is not None and not 0 <= t.off_policy.low < t.off_policy.cap:
+        raise ConfigError(f"train.off_policy.low must be in [0, train.off_policy.cap={t.off_policy.cap}), "
+                          f"got {t.off_policy.low}")
+    corrected = t.off_policy.correction != "none"
+    if corrected and t.off_policy.decoupled_loss:
+        raise ConfigError(
+            f"train.off_policy.correction={t.off_policy.correction!r} with train.off_policy.decoupled_loss=true: "
+            f"both take the ratio around the trainer's weights and weigh pi_trainer / pi_generator "
+            f"(decoupled_loss is 'tis_token' at behaviour_weight_cap); set train.off_policy.decoupled_loss=false"
+        )
     several_updates = t.minibatches > 1 or t.ppo_epochs > 1
     if corrected and p.world_size > 1 and several_updates:
         raise ConfigError(
-            f"train.off_policy_correction={t.off_policy_correction!r} with train.minibatches={t.minibatches} / "
+            f"train.off_policy.correction={t.off_policy.correction!r} with train.minibatches={t.minibatches} / "
             f"ppo_epochs={t.ppo_epochs} needs the batch-start logprobs before the first update, which only the "
             f"single-process trainer computes; train.parallel has world size {p.world_size}: set "
             f"train.minibatches=1 and train.ppo_epochs=1, or use one trainer process")
-    sequence_level = t.loss == "gspo" or t.off_policy_correction in ("tis_sequence", "mis_sequence", "mis_geometric")
+    sequence_level = t.loss.objective == "gspo" or t.off_policy.correction in ("tis_sequence", "mis_sequence", "mis_geometric")
     if sequence_level and p.pp > 1 and p.cp > 1:
-        field = "train.loss='gspo'" if t.loss == "gspo" else f"train.off_policy_correction={t.off_policy_correction!r}"
+        field = (
+            "train.loss.objective='gspo'"
+            if t.loss.objective == "gspo"
+            else f"train.off_policy.correction={t.off_policy.correction!r}"
+        )
         raise ConfigError(f"{field} sums over whole sequences, which is not implemented with train.parallel pp={p.pp} "
                           f"and cp={p.cp} together: set pp=1 or cp=1")
 
@@ -397,33 +424,33 @@ def _validate_loss(config: RunConfig) -> None:
 def _validate_moe(config: RunConfig, model_config: Any) -> None:
     """Router replay and load balancing against the model (dense or MoE) and the layout."""
     t, p = config.train, config.train.parallel
-    if t.moe_load_balance not in ("aux_loss", "bias", "none"):
-        raise ConfigError(f"train.moe_load_balance must be 'aux_loss', 'bias' or 'none', got {t.moe_load_balance!r}")
-    if t.moe_aux_loss_coef is not None and not (math.isfinite(t.moe_aux_loss_coef) and t.moe_aux_loss_coef >= 0):
-        raise ConfigError(f"train.moe_aux_loss_coef must be a finite number >= 0 (or None: the model's "
-                          f"router_aux_loss_coef), got {t.moe_aux_loss_coef}")
-    if not (math.isfinite(t.moe_bias_update_rate) and t.moe_bias_update_rate > 0):
-        raise ConfigError(f"train.moe_bias_update_rate must be a finite number > 0, got {t.moe_bias_update_rate}")
+    if t.moe.load_balance not in ("aux_loss", "bias", "none"):
+        raise ConfigError(f"train.moe.load_balance must be 'aux_loss', 'bias' or 'none', got {t.moe.load_balance!r}")
+    if t.moe.aux_loss_coef is not None and not (math.isfinite(t.moe.aux_loss_coef) and t.moe.aux_loss_coef >= 0):
+        raise ConfigError(f"train.moe.aux_loss_coef must be a finite number >= 0 (or None: the model's "
+                          f"router_aux_loss_coef), got {t.moe.aux_loss_coef}")
+    if not (math.isfinite(t.moe.bias_update_rate) and t.moe.bias_update_rate > 0):
+        raise ConfigError(f"train.moe.bias_update_rate must be a finite number > 0, got {t.moe.bias_update_rate}")
     moe = getattr(model_config, "num_experts", None) is not None
-    if t.router_replay and not moe:
+    if t.moe.router_replay and not moe:
         raise ConfigError(
-            f"train.router_replay=true needs a mixture-of-experts policy, but model.checkpoint holds a dense "
-            f"{type(model_config).__name__} (no routers to replay): set train.router_replay=false"
+            f"train.moe.router_replay=true needs a mixture-of-experts policy, but model.checkpoint holds a dense "
+            f"{type(model_config).__name__} (no routers to replay): set train.moe.router_replay=false"
         )
     if not moe:
         return
-    if t.router_replay and (p.tp > 1 or p.pp > 1):
+    if t.moe.router_replay and (p.tp > 1 or p.pp > 1):
         raise ConfigError(
-            f"train.router_replay=true runs in one process or under dp_replicate / dp_shard / cp only, but "
+            f"train.moe.router_replay=true runs in one process or under dp_replicate / dp_shard / cp only, but "
             f"train.parallel has tp={p.tp}, pp={p.pp}: pipeline micro-batches and tensor-parallel layouts "
             f"hand the routers tokens the replayed experts are not laid out for. Set them to 1 or "
-            f"train.router_replay=false"
+            f"train.moe.router_replay=false"
         )
-    if (p.pp > 1 or (p.tp > 1 and p.sequence_parallel)) and t.moe_load_balance != "none":
+    if (p.pp > 1 or (p.tp > 1 and p.sequence_parallel)) and t.moe.load_balance != "none":
         raise ConfigError(
-            f"train.moe_load_balance={t.moe_load_balance!r} is not implemented for pipelined or sequence-parallel "
+            f"train.moe.load_balance={t.moe.load_balance!r} is not implemented for pipelined or sequence-parallel "
             f"trainers (train.parallel.pp={p.pp}, tp={p.tp}, sequence_parallel={p.sequence_parallel}): set "
-            f"train.moe_load_balance='none', or train.parallel.pp=1 and sequence_parallel=false"
+            f"train.moe.load_balance='none', or train.parallel.pp=1 and sequence_parallel=false"
         )
 
 

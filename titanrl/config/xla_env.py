@@ -1,4 +1,4 @@
-"""The XLA trainer's environment (train.device='xla'): its interpreter, its actor's env vars, its checks.
+"""The XLA trainer's environment (train.compute.device='xla'): its interpreter, its actor's env vars, its checks.
 
 torch_xla 2.9 pins torch 2.9 while vLLM's CPU build pins torch 2.13, so the trainer actor runs
 under another interpreter (`make xla-venv` builds .venv-xla) and the rollout workers stay in the
@@ -60,12 +60,13 @@ def checkout_root() -> Path:
 
 
 def xla_python(train: TrainConfig) -> Path:
-    """The interpreter of the XLA trainer actor: train.xla_python, else .venv-xla/bin/python in the
+    """The interpreter of the XLA trainer actor: train.compute.xla_python, else .venv-xla/bin/python in the
     current directory or the titanrl checkout. Raises ConfigError when there is none."""
-    if train.xla_python:
-        path = Path(train.xla_python).expanduser()
+    if train.compute.xla_python:
+        path = Path(train.compute.xla_python).expanduser()
         if not (path.is_file() and os.access(path, os.X_OK)):
-            raise ConfigError(f"train.xla_python={train.xla_python!r} is not an executable file: point it at the "
+            raise ConfigError(f"train.compute.xla_python={train.compute.xla_python!r} is not an executable file: "
+                              "point it at the "
                               f"python of an environment with torch_xla (`make xla-venv` builds {XLA_VENV})")
         return path
     candidates = [Path.cwd() / XLA_VENV / "bin" / "python", checkout_root() / XLA_VENV / "bin" / "python"]
@@ -73,9 +74,11 @@ def xla_python(train: TrainConfig) -> Path:
         if path.is_file() and os.access(path, os.X_OK):
             return path
     raise ConfigError(
-        f"train.device='xla' runs the trainer in its own environment (torch_xla pins torch 2.9), but there is no "
+        "train.compute.device='xla' runs the trainer in its own environment (torch_xla pins torch 2.9), but there "
+        "is no "
         f"{XLA_VENV} in {Path.cwd()} or {checkout_root()}: run `make xla-venv` in the titanrl checkout, or set "
-        f"train.xla_python to the python of an environment with torch_xla and ray, or set train.device='cpu'"
+        "train.compute.xla_python to the python of an environment with torch_xla and ray, or set "
+        "train.compute.device='cpu'"
     )
 
 
@@ -127,18 +130,22 @@ def probe_xla_environment(python: str) -> XlaEnvironment:
         done = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120, env=env)
         found = json.loads(done.stdout)
     except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
-        raise ConfigError(f"train.device='xla': could not run the XLA interpreter {python} ({e}): rebuild it "
-                          f"with `make xla-venv`, or set train.xla_python") from e
+        raise ConfigError(f"train.compute.device='xla': could not run the XLA interpreter {python} ({e}): rebuild it "
+                          f"with `make xla-venv`, or set train.compute.xla_python") from e
     missing = [name for name in ("torch", "torch_xla", "ray") if found[name] is None]
     if not found["titanrl"]:
         missing.append("titanrl")
     if missing:
-        raise ConfigError(f"train.device='xla': the XLA interpreter {python} lacks {', '.join(missing)}: rebuild "
-                          f"it with `make xla-venv` (pyproject's `xla` extra), or set train.xla_python")
+        raise ConfigError(
+            f"train.compute.device='xla': the XLA interpreter {python} lacks {', '.join(missing)}: rebuild "
+            f"it with `make xla-venv` (pyproject's `xla` extra), or set train.compute.xla_python"
+        )
     ours = importlib.metadata.version("ray")
     if found["ray"] != ours:
-        raise ConfigError(f"train.device='xla': the XLA interpreter {python} has ray {found['ray']}, this one ray "
-                          f"{ours}; they must be equal: install ray=={ours} there (`make xla-venv` pins it)")
+        raise ConfigError(
+            f"train.compute.device='xla': the XLA interpreter {python} has ray {found['ray']}, this one ray "
+            f"{ours}; they must be equal: install ray=={ours} there (`make xla-venv` pins it)"
+        )
     return XlaEnvironment(python, found["torch"], found["torch_xla"], found["ray"])
 
 
@@ -155,7 +162,7 @@ def check_xla_layout(parallel: ParallelConfig, devices: int | None = None) -> No
     for name in XLA_UNSUPPORTED_DEGREES:
         if getattr(parallel, name) != 1:
             raise ConfigError(f"train.parallel.{name}={getattr(parallel, name)} is not supported with "
-                              f"train.device='xla' (SPMD shards {', '.join(SPMD_DEGREES)}): set it to 1")
+                              f"train.compute.device='xla' (SPMD shards {', '.join(SPMD_DEGREES)}): set it to 1")
     size = mesh_size(parallel)
     if devices is not None and size not in (1, devices):
         raise ConfigError(
@@ -185,22 +192,26 @@ def check_xla_training(train: TrainConfig, batch_invariant: bool) -> None:
     """Refuses the training settings the XLA trainer does not run (validation, and the trainer
     itself when built from Python)."""
     if batch_invariant:
-        raise ConfigError("batch_invariant=True is not supported with train.device='xla' (the invariant kernels "
-                          "are CPU/Triton ops, not XLA ones): set batch_invariant=False or train.device='cpu'")
-    if train.kl_coef > 0:
-        raise ConfigError("train.kl_coef > 0 is not supported with train.device='xla' yet (the reference policy "
-                          "runs outside the compiled step): set train.kl_coef=0 or train.device='cpu'")
+        raise ConfigError(
+            "batch_invariant=True is not supported with train.compute.device='xla' (the invariant kernels "
+            "are CPU/Triton ops, not XLA ones): set batch_invariant=False or train.compute.device='cpu'"
+        )
+    if train.kl.coef > 0:
+        raise ConfigError(
+            "train.kl.coef > 0 is not supported with train.compute.device='xla' yet (the reference policy "
+            "runs outside the compiled step): set train.kl.coef=0 or train.compute.device='cpu'"
+        )
 
 
 def validate_xla(config: RunConfig, model_config: Any) -> None:
-    """train.device='xla': what the XLA trainer does not run is refused first (no probing), then the
+    """train.compute.device='xla': what the XLA trainer does not run is refused first (no probing), then the
     environment is checked. model_config: the checkpoint's config.json (`read_config`)."""
-    if config.train.device != "xla":
+    if config.train.compute.device != "xla":
         return
     t, p = config.train, config.train.parallel
     check_xla_training(t, config.batch_invariant)
     if getattr(model_config, "num_experts", None) is not None:
         raise ConfigError("a mixture-of-experts model (model.checkpoint holds Qwen3-MoE) is not supported with "
-                          "train.device='xla': use a dense Qwen3 checkpoint or train.device='cpu'")
+                          "train.compute.device='xla': use a dense Qwen3 checkpoint or train.compute.device='cpu'")
     check_xla_layout(p, xla_cpu_devices())
     probe_xla_environment(str(xla_python(t)))

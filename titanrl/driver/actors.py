@@ -1,13 +1,15 @@
 """The run's Ray actors: the trainer (one process or a parallel group) and the rollout side.
 
-`start_trainer` and `start_rollouts` create the actors, from the resolved config
-(`titanrl.config.resolve`), without waiting for them; `shut_down`
+`start_trainer` and `start_rollouts` create the actors, from the resolved and placed config
+(`titanrl.config.resolve`), without waiting for them: each actor gets it whole (a worker) or the
+`TrainerSetup` made from it (the trainer); `shut_down`
 closes engines inside their actors before killing them (a multiprocess engine would leave its
 shared memory behind otherwise).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from titanrl.config.resolve import ResolvedRunConfig
@@ -18,38 +20,45 @@ from titanrl.driver.sources.base import RolloutSource
 from titanrl.driver.sources.continuous import ContinuousRollouts
 from titanrl.driver.sources.lockstep import LockstepRollouts
 from titanrl.rollout.seeds import request_seed
+from titanrl.trainer.setup import TrainerSetup
+from titanrl.trainer.truncation import Truncation
+
+
+def trainer_setup(resolved: ResolvedRunConfig) -> TrainerSetup:
+    """What the trainer actor is built from: the run's `model` and `train` sections, the sampling
+    temperature and truncation it scores tokens under, and the device the placement reserved."""
+    config = resolved.config
+    return TrainerSetup(model=config.model, train=config.train, temperature=config.rollout.sampling.temperature,
+                        seed=config.seed, batch_invariant=config.batch_invariant,
+                        truncation=Truncation.scored_by_trainer(config.rollout), device_type=resolved.trainer_device)
 
 
 def start_trainer(resolved: ResolvedRunConfig, placement: Placement, *, xla_device_type: str = "xla",
                   busy_flags: str | None = None) -> Any:
     """The trainer actor: `GRPOTrainer`, or `TrainerGroup` (same interface) for a parallel layout.
 
-    With train.device='xla' it is one `GRPOTrainer` (the parallel degrees are its SPMD mesh) under
+    With train.compute.device='xla' it is one `GRPOTrainer` (the parallel degrees are its SPMD mesh) under
     the XLA environment's interpreter (`titanrl.config.xla_env`). xla_device_type: the device it
     trains on there; tests pass 'cpu' to run that actor on torch_xla's torch without XLA.
-    busy_flags: the run's `titanrl.busy_flags` file (train.threads_when_rollouts_idle), or None.
+    busy_flags: the run's `titanrl.busy_flags` file (train.compute.threads_when_rollouts_idle), or None.
     """
     import ray
 
     from titanrl.trainer.trainer import GRPOTrainer
     from titanrl.trainer.trainer_group import TrainerGroup
-    from titanrl.trainer.truncation import Truncation
 
-    config = resolved.config
-    tc = config.train
+    tc = resolved.config.train
     options, kwargs = placement.trainer_options(), placement.trainer_kwargs()
-    if tc.device == "xla":
+    setup = trainer_setup(resolved)
+    if tc.compute.device == "xla":
         options["runtime_env"] = xla_runtime_env(tc)
-        kwargs["device_type"] = xla_device_type
+        setup = dataclasses.replace(setup, device_type=xla_device_type)
         trainer_cls: type = GRPOTrainer
     else:
         trainer_cls = TrainerGroup if tc.parallel.world_size > 1 else GRPOTrainer
     if busy_flags is not None:
         kwargs["busy_flags"] = busy_flags
-    return ray.remote(trainer_cls).options(**options).remote(
-        config.model, tc, config.rollout.temperature, config.seed, batch_invariant=config.batch_invariant,
-        truncation=Truncation.scored_by_trainer(config.rollout), **kwargs,
-    )
+    return ray.remote(trainer_cls).options(**options).remote(setup, **kwargs)
 
 
 def start_rollouts(resolved: ResolvedRunConfig, train_rows: list[dict[str, Any]],
@@ -66,20 +75,16 @@ def start_rollouts(resolved: ResolvedRunConfig, train_rows: list[dict[str, Any]]
     rc, tc = config.rollout, config.train
     stream = PromptStream(train_rows, rc.prompts_per_step, config.data.shuffle_seed + config.seed)
     turns = config.env.max_turns if config.env.factory is not None else 1
-    args = (config.model, rc, config.rewards, config.data.prompt_field, config.seed, config.env)
-    kwargs = dict(reward_timeout_s=config.reward_timeout_s, reward_error_value=config.reward_error_value,
-                  batch_invariant=config.batch_invariant, dtype=config.generator_dtype,
-                  reward_weights=list(config.reward_weights) or None, busy_flags=busy_flags)
     if not rc.continuous:
         lockstep_cls = ray.remote(RolloutWorker)
 
         def make_lockstep_worker(i: int) -> Any:
-            return lockstep_cls.options(**placement.worker_options(i)).remote(i, *args, **kwargs)
+            return lockstep_cls.options(**placement.worker_options(i)).remote(i, resolved, busy_flags=busy_flags)
 
         return LockstepRollouts(make_lockstep_worker, rc.num_workers, stream, config.seed, rc.group_size, turns,
                                 tc.max_staleness, tc.steps,
-                                dynamic_sampling_max_requests=rc.dynamic_sampling_max_requests
-                                if rc.dynamic_sampling else 0)
+                                dynamic_sampling_max_requests=rc.shaping.dynamic_sampling_max_requests
+                                if rc.shaping.dynamic_sampling else 0)
 
     # An async actor: its group streams (at most one call per admitted group), weight loads and
     # evaluations run on it at once (see ContinuousRolloutWorker).
@@ -88,8 +93,7 @@ def start_rollouts(resolved: ResolvedRunConfig, train_rows: list[dict[str, Any]]
 
     def make_worker(i: int) -> Any:
         return worker_cls.options(max_concurrency=most_in_flight + 16, **placement.worker_options(i)).remote(
-            i, *args, on_weight_update=rc.on_weight_update,
-            defer_weight_loads=rc.defer_weight_loads, **kwargs)
+            i, resolved, busy_flags=busy_flags)
 
     return ContinuousRollouts.for_run(
         make_worker, rc.num_workers, stream, rc.prompts_per_step, tc.max_staleness, tc.steps,

@@ -58,7 +58,7 @@ class GRPOLoop:
         self.version = 0
         """Trainer's policy version after `step` (skipped steps do not advance it)."""
         self.saved_steps: set[int] = set()
-        health = config.reward_health
+        health = config.scoring.health
         self.hacking = RewardHackingWatch(health.hacking_window, health.hacking_reward_rise,
                                           health.hacking_accuracy_rise)
 
@@ -172,7 +172,7 @@ class GRPOLoop:
         if max(staleness) > tc.max_staleness:  # the loop's invariant; never train on older data
             raise RuntimeError(f"rollout staleness {max(staleness)} exceeds train.max_staleness={tc.max_staleness}")
         filtered = None
-        if config.rollout.overlong_filter:
+        if config.rollout.shaping.overlong_filter:
             train_groups, filtered = filter_overlong(groups)
         train_metrics = ray.get(self.trainer.step.remote(train_groups if filtered is not None else groups))
         self.rollouts.trained(step)
@@ -190,7 +190,8 @@ class GRPOLoop:
             raise RunStopped(
                 f"{int(train_metrics['train/consecutive_skipped'])} steps in a row had a non-finite loss or gradient "
                 f"norm (loss {train_metrics.get('loss')}, grad_norm {train_metrics.get('grad_norm')}) and were skipped; "
-                f"the last good policy (version {self.version}) is saved in {where}. Lower train.lr, check the "
+                f"the last good policy (version {self.version}) is saved in {where}. Lower train.optimizer.lr, "
+                "check the "
                 "rewards, or raise train.max_skipped_steps"
             )
         return record
@@ -198,12 +199,12 @@ class GRPOLoop:
     def _stop_if_rewards_broken(self, step: int, groups: list[Group]) -> None:
         samples = [s for g in groups for s in g.samples]
         broken = [s for s in samples if s.reward_error]
-        limit = self.config.max_reward_error_frac
+        limit = self.config.scoring.max_error_frac
         if broken and len(broken) / len(samples) > limit:
             where = self.save("reward errors", drop_first=True)
             raise RunStopped(
                 f"{len(broken)} of {len(samples)} samples of step {step} had reward errors (more than "
-                f"max_reward_error_frac={limit}); one of them: {broken[0].reward_error}. "
+                f"scoring.max_error_frac={limit}); one of them: {broken[0].reward_error}. "
                 f"Step {self.step} is saved in {where}; fix the reward and resume with --resume"
             )
 
@@ -212,7 +213,7 @@ class GRPOLoop:
         tc, ec = self.config.train, self.config.eval
         rewards = reward_term_metrics(rollouts.groups)
         record: dict[str, Any] = {"step": step, **summarize_groups(rollouts.groups), **rewards,
-                                  **reward_health(rollouts.groups, self.config.reward_health.agreement_pairs),
+                                  **reward_health(rollouts.groups, self.config.scoring.health.agreement_pairs),
                                   **train_metrics}
         self.hacking.step({key.split("/")[1]: value for key, value in rewards.items() if key.endswith(f"/{MEAN}")})
         # Lock-step on-policy: the next requests wait for the push anyway, so measure it here.
@@ -242,7 +243,7 @@ class GRPOLoop:
         rc, ec = self.config.rollout, self.config.eval
         if not self.eval_rows or ec.every_steps <= 0:
             return {}
-        max_tokens = ec.max_new_tokens or rc.max_new_tokens
+        max_tokens = ec.max_new_tokens or rc.sampling.max_new_tokens
         out = self.rollouts.evaluate(self.eval_rows, max_tokens, ec.correct_threshold, self.version)
         accuracy = out["correct"] / len(self.eval_rows)
         return {

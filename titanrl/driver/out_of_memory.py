@@ -13,10 +13,10 @@ import re
 _MARKERS = re.compile(r"out of memory|\bOOM\b|NODE_OUT_OF_MEMORY|memory pressure", re.IGNORECASE)
 
 MEMORY_SETTINGS = (
-    "Settings that lower memory: for the trainer, train.micro_batch_size (activations), "
-    "train.activation_checkpointing='full' (stored activations), train.logprob_chunk_tokens "
+    "Settings that lower memory: for the trainer, train.memory.micro_batch_size (activations), "
+    "train.memory.activation_checkpointing='full' (stored activations), train.memory.logprob_chunk_tokens "
     "(logits), train.parallel.* (shards across processes; `titanrl plan` estimates each rank's "
-    "share); for each rollout worker, rollout.kv_cache_gib and rollout.max_num_seqs; and "
+    "share); for each rollout worker, rollout.engine.kv_cache_gib and rollout.engine.max_num_seqs; and "
     "rollout.num_workers."
 )
 

@@ -1,6 +1,6 @@
-"""DAPO's overlong filtering (`rollout.overlong_filter`): truncated samples are not trained on.
+"""DAPO's overlong filtering (`rollout.shaping.overlong_filter`): truncated samples are not trained on.
 
-A sample that hit the token limit (`Sample.finished` False: single-turn, rollout.max_new_tokens;
+A sample that hit the token limit (`Sample.finished` False: single-turn, rollout.sampling.max_new_tokens;
 an episode, its budget) has a reward that judges a cut-off answer; DAPO masks its loss instead of
 teaching the model that length is punished. It stays in its group, so the group's baseline and
 the other samples' advantages are as without the filter. Metric: `rollout/overlong_filtered`,

@@ -11,8 +11,8 @@ Resources per bundle:
   worker when its vLLM engine runs on a GPU (`rollout_device_type`).
 - CPU: by default a token `TOKEN_CPU`, which only lets Ray place the bundle: a 2-CPU machine
   holds a trainer and many workers, each running with its own threads as before (the OS shares
-  the cores). `reserve_cpus=True` reserves each actor's threads instead (`train.threads` per rank,
-  `rollout.threads_per_worker` per worker), which spreads a CPU-only cluster by capacity.
+  the cores). `reserve_cpus=True` reserves each actor's threads instead (`train.compute.threads` per rank,
+  `rollout.engine.threads` per worker), which spreads a CPU-only cluster by capacity.
 
 What cannot fit the cluster fails at once (ConfigError naming the setting to lower); what fits
 but finds the resources taken fails after `timeout_s` (PlacementTimeout).
@@ -38,8 +38,8 @@ RESOURCES = ("GPU", "CPU")
 
 _HINTS = {
     "GPU": "lower the train.parallel degrees (a GPU per rank) or rollout.num_workers (a GPU per vLLM "
-           "engine), or set train.device='cpu'",
-    "CPU": "lower train.threads, rollout.threads_per_worker, the train.parallel degrees or "
+           "engine), or set train.compute.device='cpu'",
+    "CPU": "lower train.compute.threads, rollout.engine.threads, the train.parallel degrees or "
            "rollout.num_workers, or place without reserve_cpus",
 }
 
@@ -86,12 +86,12 @@ def plan_layout(config: RunConfig, cluster_gpus: float, *, reserve_cpus: bool = 
                 rollout_device: str | None = None) -> Layout:
     """The bundles for `config` on a cluster with `cluster_gpus` GPUs (see the module docstring).
 
-    rollout_device: 'cpu' or 'cuda' to override `rollout_device_type`. With train.device 'auto',
+    rollout_device: 'cpu' or 'cuda' to override `rollout_device_type`. With train.compute.device 'auto',
     the trainer gets CUDA only if every rank can have a GPU the workers do not need.
     """
     from titanrl.trainer.trainer_group import trainer_device_type
 
-    xla = config.train.device == "xla"
+    xla = config.train.compute.device == "xla"
     # On XLA the degrees describe the SPMD mesh of one trainer process: one bundle.
     n, workers = 1 if xla else config.train.parallel.world_size, config.rollout.num_workers
     rollout = rollout_device or rollout_device_type(cluster_gpus)
@@ -99,10 +99,10 @@ def plan_layout(config: RunConfig, cluster_gpus: float, *, reserve_cpus: bool = 
         raise ConfigError(f"rollout_device must be 'cpu' or 'cuda', got {rollout!r}")
     left = max(cluster_gpus - (workers if rollout == "cuda" else 0), 0)
     # 'cuda' is kept even when GPUs are short: check_fits then names every GPU the run needs.
-    if xla or config.train.device == "cuda":
-        trainer = config.train.device
+    if xla or config.train.compute.device == "cuda":
+        trainer = config.train.compute.device
     else:
-        trainer = trainer_device_type(config.train.device, n, left)
+        trainer = trainer_device_type(config.train.compute.device, n, left)
 
     def bundle(threads: int, on_gpu: bool) -> dict[str, float]:
         out = {"CPU": float(threads) if reserve_cpus else TOKEN_CPU}
@@ -110,8 +110,8 @@ def plan_layout(config: RunConfig, cluster_gpus: float, *, reserve_cpus: bool = 
             out["GPU"] = 1.0
         return out
 
-    return Layout(n, workers, trainer, rollout, bundle(config.train.threads, trainer == "cuda"),
-                  bundle(config.rollout.threads_per_worker, rollout == "cuda"))
+    return Layout(n, workers, trainer, rollout, bundle(config.train.compute.threads, trainer == "cuda"),
+                  bundle(config.rollout.engine.threads, rollout == "cuda"))
 
 
 def check_fits(layout: Layout, nodes: list[dict[str, float]]) -> None:
@@ -220,12 +220,11 @@ class Placement:
         return self._in_bundle(rank, self.layout.rank_bundle)
 
     def trainer_kwargs(self) -> dict[str, Any]:
-        """Extra constructor kwargs for the trainer: its device (what its bundle reserved), and a
-        TrainerGroup's rank placement."""
+        """Extra constructor kwargs for the trainer: a TrainerGroup's rank placement (its device,
+        what its bundles reserved, is `layout.trainer_device`, which `ResolvedRunConfig.placed` records)."""
         if self.layout.world_size == 1:
-            return dict(device_type=self.layout.trainer_device)
-        return dict(rank_options=[self.rank_options(r) for r in range(self.layout.world_size)],
-                    device_type=self.layout.trainer_device)
+            return {}
+        return dict(rank_options=[self.rank_options(r) for r in range(self.layout.world_size)])
 
     def worker_options(self, index: int) -> dict[str, Any]:
         """Options for rollout worker `index`'s actor."""

@@ -107,11 +107,18 @@ def _run(resolved: ResolvedRunConfig, run_dir: Path, checkpoint: RunCheckpoint |
     try:
         transport = choose_weight_transport(config, placement.layout.rollout_device, shm_free_bytes())
         sync_options = placement.weight_sync_options(transport)
+        resolved = resolved.placed(placement.layout.trainer_device, transport)
+        write_resolved_config(run_dir, resolved)  # now with the device and transport the cluster gave
     except BaseException:
         placement.remove()
         raise
+    config = resolved.config
     # The workers' busy bytes, for a trainer that takes their cores while they wait.
-    busy = BusyFlags.create(config.rollout.num_workers) if config.train.threads_when_rollouts_idle is not None else None
+    busy = (
+        BusyFlags.create(config.rollout.num_workers)
+        if config.train.compute.threads_when_rollouts_idle is not None
+        else None
+    )
     busy_path = None if busy is None else busy.path
     try:
         trainer = start_trainer(resolved, placement, busy_flags=busy_path)

@@ -5,7 +5,7 @@ node is this machine), the rollout engines run on CPU, and /dev/shm can hold the
 `MAX_SEGMENTS` segments the sender may keep (a tmpfs grows a segment page by page, so one that
 does not fit fails with SIGBUS mid-push, long after start-up; Docker's default /dev/shm is
 64 MiB). Everywhere else it picks `object_store`, which works on any cluster. On a 2-core CPU
-a push of the 25M model (in-process engines, `rollout.vllm_kernels=false`) costs 2.1-2.3x a
+a push of the 25M model (in-process engines, `rollout.engine.vllm_kernels=false`) costs 2.1-2.3x a
 memory copy by shared memory against 8.0-8.3x through the object store (`benchmarks/weight_sync.py`).
 
 An explicit `shared_memory` that /dev/shm cannot hold is refused before any actor starts.

@@ -1,4 +1,4 @@
-"""oneDNN for the CPU trainer's float32 linear layers (`train.cpu_matmul`), outside batch-invariant mode.
+"""oneDNN for the CPU trainer's float32 linear layers (`train.compute.cpu_matmul`), outside batch-invariant mode.
 
 torch's CPU `F.linear` and its backward go to MKL. On non-Intel CPUs MKL keeps to its AVX2
 kernels even where the CPU has AVX-512, while oneDNN (in torch as the `mkldnn` ops) uses
@@ -7,7 +7,7 @@ AVX-512 there. Measured on a 2-core AMD EPYC with AVX-512 (torch 2.13, fp32, 4,0
 core against MKL's 40-85; for the weight gradient MKL was as fast or faster, so it stays there.
 
 `onednn_matmul_nt` is a torch custom op (with its fake tensor rule and autograd formula), so it
-runs inside `train.compile`'s compiled blocks as one opaque call, like MKL's GEMM does.
+runs inside `train.compute.compile`'s compiled blocks as one opaque call, like MKL's GEMM does.
 `OneDnnLinear` is nn.Linear with that forward; `apply_onednn_linears` swaps the class of a
 model's plain nn.Linear modules in place (names, Parameters and checkpoints unchanged). The
 bits differ from MKL's in the last place (another summation order), so this is no mode for
@@ -32,7 +32,7 @@ def onednn_available() -> bool:
 
 @functools.cache
 def onednn_is_faster_here() -> bool:
-    """Where `train.cpu_matmul='auto'` picks oneDNN: AMD CPUs with AVX-512 (measured, see the
+    """Where `train.compute.cpu_matmul='auto'` picks oneDNN: AMD CPUs with AVX-512 (measured, see the
     module docstring). Elsewhere (AVX2 CPUs, Intel, ARM) MKL stays: not measured to lose there."""
     return onednn_available() and cpu_vendor() == "AuthenticAMD" and has_avx512()
 

@@ -86,7 +86,7 @@ keep nothing of size vocab for backward and hold two such buffers at a time (the
 and their log-softmax; the backward's log p, reused for the gradient, and p). Measured with
 benchmarks/trainer_memory.py at Qwen3-0.6B's shape: the full-logits arm's peak exceeds the
 chunked arm's by 2.0 copies of [tokens, vocab] (3 were assumed before, a 1.29x over-estimate once
-freed memory left the process: train.heap_mmap_threshold_mib)."""
+freed memory left the process: train.memory.heap_mmap_threshold_mib)."""
 
 
 @dataclass(frozen=True)
@@ -148,21 +148,21 @@ class Workload:
     batch: int
     """Sequences per optimizer step, over all data-parallel ranks."""
     micro_batch: int = 64
-    """Sequences per forward/backward on one data-parallel rank (train.micro_batch_size)."""
+    """Sequences per forward/backward on one data-parallel rank (train.memory.micro_batch_size)."""
     dtype: str = "float32"
     """Parameter storage dtype (model.dtype)."""
     compute_dtype: str = "float32"
-    """Dtype forward and backward run in (train.compute_dtype)."""
+    """Dtype forward and backward run in (train.compute.dtype)."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """'full': every decoder block keeps only its input and recomputes the rest in backward."""
     logprob_chunk_tokens: int | None = None
-    """Tokens per chunk of the LM head + log-softmax (chunked logprobs, train.logprob_chunk_tokens);
+    """Tokens per chunk of the LM head + log-softmax (chunked logprobs, train.memory.logprob_chunk_tokens);
     None sizes chunks as the trainer does (128 MiB of float32 logits per rank); 0 keeps full logits."""
     device: Literal["cuda", "cpu"] = "cuda"
     """cuda: AdamW runs foreach (one float32 temporary per parameter) and the CUDA context counts;
     cpu: per-parameter AdamW and the measured process baseline."""
     kl_reference: bool = False
-    """train.kl_coef > 0: the trainer also holds the frozen reference policy, sharded like the
+    """train.kl.coef > 0: the trainer also holds the frozen reference policy, sharded like the
     policy, in `dtype` (no gradients, no optimizer state)."""
 
     def __post_init__(self) -> None:

@@ -123,6 +123,7 @@ class RewardScorer:
         # An inline call, kept for rewards that need the calling thread (e.g. signal-based
         # timeouts of their own): only when there is no timeout and one call at a time is asked for.
         self._inline = timeout_s is None and concurrency == 1
+
         self._recent_seconds: dict[Callable[..., Any], deque[float]] = {}
         """Per sync reward function, how long its last FAST_STREAK calls took (hand-offs excluded)."""
         self._forming: dict[Callable[..., Any], _FastBatch] = {}

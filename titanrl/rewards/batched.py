@@ -4,7 +4,7 @@ A batched reward is `fn(prompts, completions, **fields) -> list[float]`: `prompt
 `completions` are lists of the batch's samples, and every dataset field is a list aligned with
 them (None where a row lacks that field). It returns one reward per sample, in order. Use it
 when grading is cheaper in bulk (one model call, one subprocess, one HTTP request for many
-answers). It may be sync or `async def`; `RunConfig.reward_timeout_s` limits the whole call.
+answers). It may be sync or `async def`; `scoring.timeout_s` limits the whole call.
 
 What a batch is: the samples one scorer call scores together, i.e. a lock-step worker's whole
 request (every group of its prompts), a continuous worker's one group, an episode alone.

@@ -4,7 +4,7 @@ Cheap per-step metrics from the step's groups and each sample's `RewardTerms`:
 
 - `reward/zero_variance_groups`: the fraction of groups whose samples' rewards are all equal
   (`rewards_all_equal`): GRPO's advantage is zero for all of them, so they teach nothing.
-- `reward/agreement/<a>_vs_<b>` for each configured pair 'a:b' (`reward_health.agreement_pairs`):
+- `reward/agreement/<a>_vs_<b>` for each configured pair 'a:b' (`scoring.health.agreement_pairs`):
   the fraction of samples scored by both rewards where both are > 0 or both are <= 0 (sign
   agreement: scale-free, and meaningful for 0/1 rewards, where a correlation is undefined
   whenever one of them is constant in a step). Absent in a step without such samples.
@@ -12,7 +12,7 @@ Cheap per-step metrics from the step's groups and each sample's `RewardTerms`:
 And one check across evaluations (`RewardHackingWatch`), a sign of reward hacking: a reward's
 mean rises while held-out accuracy does not. At evaluation k (the run's evaluations in order,
 the step-0 one included), R_k(name) is the mean of `reward/<name>/mean` over the training steps
-since evaluation k-1, and A_k is `eval/accuracy`. With w = `reward_health.hacking_window`, the
+since evaluation k-1, and A_k is `eval/accuracy`. With w = `scoring.health.hacking_window`, the
 flag `reward/<name>/hacking_suspected` (logged at every evaluation from the (w+1)-th on, for every
 reward with both R_k and R_{k-w}) is 1 when
 

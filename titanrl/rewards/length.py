@@ -7,9 +7,9 @@ units before the limit `max_length` linearly, from 0 at `max_length - buffer` to
                = (max_length - buffer - L) / buffer if max_length - buffer < L <= max_length
                = -1                                 if L > max_length
 
-`linear_overlong_penalty` is that shape; `rollout.overlong_buffer` adds
-`rollout.overlong_penalty * penalty(completion tokens)` to every training sample's reward (with
-max_length = rollout.max_new_tokens), and `LengthPenalty` is the same as a reward function on a
+`linear_overlong_penalty` is that shape; `rollout.shaping.overlong_buffer` adds
+`rollout.shaping.overlong_penalty * penalty(completion tokens)` to every training sample's reward (with
+max_length = rollout.sampling.max_new_tokens), and `LengthPenalty` is the same as a reward function on a
 length of your choosing (characters by default).
 """
 

@@ -33,14 +33,11 @@ from titanrl.types import Group
 class ContinuousRolloutWorker(GroupStream, RolloutWorker):
     """RolloutWorker's engine, rewards and environments, driven one group at a time."""
 
-    def __init__(self, *args: Any, on_weight_update: str = "continue", defer_weight_loads: bool = True,
-                 **kwargs: Any) -> None:
-        """Arguments as RolloutWorker's; `on_weight_update` and `defer_weight_loads` are `rollout.`'s."""
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Arguments as RolloutWorker's; `rollout.on_weight_update` and `rollout.defer_weight_loads` apply."""
         super().__init__(*args, **kwargs)
-        if on_weight_update not in ("continue", "regenerate"):
-            raise ValueError(f"on_weight_update must be 'continue' or 'regenerate', got {on_weight_update!r}")
-        self.regenerate = on_weight_update == "regenerate"
-        self.generator = AsyncGenerator(self.engine, defer_loads=defer_weight_loads)
+        self.regenerate = self.cfg.on_weight_update == "regenerate"
+        self.generator = AsyncGenerator(self.engine, defer_loads=self.cfg.defer_weight_loads)
         self._started: asyncio.Future[None] | None = None
         self._updates = asyncio.Lock()  # held by weight loads and by an evaluation (its whole batch sees one version)
 

@@ -14,12 +14,19 @@ import asyncio
 import time
 from typing import Any
 
-from titanrl.config import EnvConfig, RewardFn, RolloutConfig
+from titanrl.config import RewardFn, RunConfig
 from titanrl.envs.base import EnvContext, EnvFactory
 from titanrl.memory import peak_rss_gib
-from titanrl.rewards.batch_scoring import RewardScorer, ToScore
+from titanrl.rewards.batch_scoring import ToScore
 from titanrl.rewards.scoring import row_fields
-from titanrl.rollout.episode import Episode, EpisodeBudget, env_error, failed_episode, run_episode
+from titanrl.rollout.episode import (
+    Episode,
+    EpisodeBudget,
+    env_error,
+    failed_episode,
+    run_episode,
+)
+from titanrl.rollout.run_scorer import run_scorer
 from titanrl.rollout.seeds import episode_seed
 from titanrl.rollout.single_turn import Scored, scored_summary
 from titanrl.rollout.vllm.async_engine import AsyncGenerator
@@ -35,26 +42,16 @@ def _token_id(tokenizer: Any, token: str) -> int | None:
 class EnvRunner:
     """Turns dataset rows into groups of scored episodes."""
 
-    def __init__(
-        self,
-        engine: VllmEngine,
-        env_factory: EnvFactory,
-        env_config: EnvConfig,
-        rollout_config: RolloutConfig,
-        rewards: list[RewardFn],
-        prompt_field: str,
-        worker_id: int,
-        *,
-        reward_timeout_s: float | None = 60.0,
-        reward_error_value: float = 0.0,
-        reward_weights: list[float] | None = None,
-    ) -> None:
-        self.engine, self.env_factory, self.cfg, self.rc = engine, env_factory, env_config, rollout_config
-        self.rewards, self.prompt_field = rewards, prompt_field
+    def __init__(self, engine: VllmEngine, env_factory: EnvFactory, config: RunConfig, rewards: list[RewardFn],
+                 worker_id: int) -> None:
+        """Episodes of `config.env` on `engine`, sampled as `config.rollout` says and scored by `rewards`
+        (resolved callables, weighted by `config.reward_weights`) under `config.scoring`."""
+        env_config = config.env
+        self.engine, self.env_factory, self.cfg, self.rc = engine, env_factory, env_config, config.rollout
+        self.rewards, self.prompt_field = rewards, config.data.prompt_field
         # A failing reward function or environment gives its sample this instead of crashing.
-        self.reward_timeout_s, self.reward_error_value = reward_timeout_s, reward_error_value
-        self.scorer = RewardScorer(rewards, timeout_s=reward_timeout_s, error_value=reward_error_value,
-                                   concurrency=rollout_config.reward_concurrency, weights=reward_weights)
+        self.reward_error_value = config.scoring.error_value
+        self.scorer = run_scorer(rewards, config)
         self.tokenizer = engine.llm.get_tokenizer()
         # A turn ends at eos, or at <|im_end|> for chat models whose eos is <|endoftext|>.
         self.stop_token_ids = [t for t in (engine.model_config.eos_token_id, _token_id(self.tokenizer, "<|im_end|>"))
@@ -95,8 +92,8 @@ class EnvRunner:
         return EpisodeBudget(
             max_turns=self.cfg.max_turns,
             max_total_tokens=self.cfg.max_total_tokens,
-            max_tokens_per_turn=self.rc.max_new_tokens,
-            max_model_len=self.rc.max_model_len,
+            max_tokens_per_turn=self.rc.sampling.max_new_tokens,
+            max_model_len=self.rc.engine.max_model_len,
         )
 
     async def _episodes(self, rows: list[dict[str, Any]], n: int, temperature: float, seed: int | None,
@@ -143,8 +140,8 @@ class EnvRunner:
             self.tokenizer,
             self._budget(),
             temperature=temperature,
-            top_p=self.rc.top_p if temperature > 0 else 1.0,
-            top_k=self.rc.top_k if temperature > 0 else 0,
+            top_p=self.rc.sampling.top_p if temperature > 0 else 1.0,
+            top_k=self.rc.sampling.top_k if temperature > 0 else 0,
             seed=seed,
             stop_token_ids=self.stop_token_ids,
             prompt_field=self.prompt_field,
@@ -167,7 +164,7 @@ class EnvRunner:
         """`seed` is `titanrl.rollout.seeds.request_seed(run_seed, first_group_id, group_size, env.max_turns)`."""
         start, scoring_s = time.perf_counter(), self.scorer.seconds
         n = self.rc.group_size
-        episodes = self._run_blocking(self._episodes(rows, n, self.rc.temperature, seed))
+        episodes = self._run_blocking(self._episodes(rows, n, self.rc.sampling.temperature, seed))
         groups = [self._group(row, episodes[j * n : (j + 1) * n], first_group_id + j) for j, row in enumerate(rows)]
         return RolloutBatch(groups, sum(group_tokens(g) for g in groups), time.perf_counter() - start,
                             self.engine.policy_version, reward_seconds=self.scorer.seconds - scoring_s,
@@ -175,7 +172,7 @@ class EnvRunner:
 
     async def generate_group(self, row: dict[str, Any], seed: int, group_id: int, generator: AsyncGenerator) -> Group:
         """One row's `group_size` scored episodes on a running generator (`rollout.continuous`)."""
-        episodes = await self._episodes([row], self.rc.group_size, self.rc.temperature, seed, generator)
+        episodes = await self._episodes([row], self.rc.group_size, self.rc.sampling.temperature, seed, generator)
         return self._group(row, episodes, group_id)
 
     def _group(self, row: dict[str, Any], episodes: list[tuple[Episode, Scored]],

@@ -30,22 +30,26 @@ OVERLONG_TERM = "overlong_penalty"
 
 @dataclass(frozen=True)
 class OverlongPenalty:
-    """DAPO's soft overlong penalty on training completions (`rollout.overlong_buffer`)."""
+    """DAPO's soft overlong penalty on training completions (`rollout.shaping.overlong_buffer`)."""
 
     max_tokens: int
-    """rollout.max_new_tokens."""
+    """rollout.sampling.max_new_tokens."""
     buffer: int
-    """rollout.overlong_buffer (>= 1)."""
+    """rollout.shaping.overlong_buffer (>= 1)."""
     scale: float
-    """rollout.overlong_penalty."""
+    """rollout.shaping.overlong_penalty."""
 
     def __call__(self, num_tokens: int) -> float:
         return self.scale * linear_overlong_penalty(num_tokens, self.max_tokens, self.buffer)
 
     @classmethod
     def of(cls, rc: RolloutConfig) -> OverlongPenalty | None:
-        """The penalty `rc` asks for, None when rollout.overlong_buffer is 0."""
-        return cls(rc.max_new_tokens, rc.overlong_buffer, rc.overlong_penalty) if rc.overlong_buffer > 0 else None
+        """The penalty `rc` asks for, None when rollout.shaping.overlong_buffer is 0."""
+        return (
+            cls(rc.sampling.max_new_tokens, rc.shaping.overlong_buffer, rc.shaping.overlong_penalty)
+            if rc.shaping.overlong_buffer > 0
+            else None
+        )
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,13 @@ class SingleTurn:
 
     def sampling(self, rc: RolloutConfig) -> dict[str, Any]:
         """Training-time sampling arguments (engine.generate and AsyncGenerator.generate take both)."""
-        return dict(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, max_tokens=rc.max_new_tokens,
-                    stop_token_ids=self.stop_token_ids)
+        return dict(
+            temperature=rc.sampling.temperature,
+            top_p=rc.sampling.top_p,
+            top_k=rc.sampling.top_k,
+            max_tokens=rc.sampling.max_new_tokens,
+            stop_token_ids=self.stop_token_ids,
+        )
 
     def greedy(self, max_tokens: int) -> dict[str, Any]:
         """Evaluation's sampling arguments: greedy, `max_tokens` at most."""

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from titanrl.busy_flags import BusySlot
-from titanrl.config import EnvConfig, ModelConfig, RolloutConfig, resolve_env_factory, resolve_reward
+from titanrl.config import resolve_env_factory, resolve_reward
+from titanrl.config.resolve import ResolvedRunConfig
 from titanrl.memory import peak_rss_gib
-from titanrl.rewards.batch_scoring import RewardScorer
+from titanrl.rollout.run_scorer import run_scorer
 from titanrl.rollout.single_turn import OverlongPenalty, SingleTurn, scored_summary
 from titanrl.types import RolloutBatch, group_tokens
 
@@ -25,91 +26,50 @@ from titanrl.types import RolloutBatch, group_tokens
 class RolloutWorker:
     """Owns one engine; generates and scores groups; accepts weight pushes."""
 
-    def __init__(
-        self,
-        worker_id: int,
-        model_config: ModelConfig,
-        rollout_config: RolloutConfig,
-        rewards: list[Any],
-        prompt_field: str,
-        seed: int,
-        env_config: EnvConfig | None = None,
-        *,
-        reward_timeout_s: float | None = 60.0,
-        reward_error_value: float = 0.0,
-        batch_invariant: bool = False,
-        dtype: str | None = None,
-        reward_weights: list[float] | None = None,
-        busy_flags: str | None = None,
-    ) -> None:
-        """`reward_timeout_s` and `reward_error_value` are RunConfig's: a reward call (or an
-        episode's environment) that fails gives its sample `reward_error_value` instead of
-        crashing the run (see `titanrl.rewards.scoring`); all samples of a request
-        are scored concurrently (`titanrl.rewards.batch_scoring`, `rollout.reward_concurrency`).
-        `batch_invariant` runs the engine's model through `titanrl.kernels` (RunConfig.batch_invariant).
-        `dtype` is the engine's (RunConfig.generator_dtype: the trainer's compute dtype, which
-        pushed weights arrive in); None: model_config.dtype. `reward_weights` is RunConfig's (one per
-        reward; None or empty: all 1). `busy_flags`: the run's `titanrl.busy_flags` file; the engine
-        raises this worker's byte while it samples (train.threads_when_rollouts_idle)."""
-        rc = rollout_config
-        self.reward_timeout_s, self.reward_error_value = reward_timeout_s, reward_error_value
+    def __init__(self, worker_id: int, resolved: ResolvedRunConfig, *, busy_flags: str | None = None) -> None:
+        """Worker `worker_id` of the run `resolved` (`titanrl.config.resolve`): it reads its settings
+        from there and resolves none. Rewards come from `rewards`/`reward_weights`; a reward call (or an
+        episode's environment) that fails gives its sample `scoring.error_value` instead of crashing
+        the run (`titanrl.rewards.scoring`); all samples of a request are scored concurrently
+        (`titanrl.rewards.batch_scoring`). The engine runs `rollout.engine` in the generator dtype (the
+        trainer's compute dtype, which pushed weights arrive in), through `titanrl.kernels` under
+        `batch_invariant`. `busy_flags`: the run's `titanrl.busy_flags` file; the engine raises this
+        worker's byte while it samples (train.compute.threads_when_rollouts_idle)."""
+        config = resolved.config
+        rc = config.rollout
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(rc.kv_cache_gib)))
-        torch.set_num_threads(rc.threads_per_worker)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(rc.engine.kv_cache_gib)))
+        torch.set_num_threads(rc.engine.threads)
         # vLLM's CPU worker replaces torch.set_num_threads with a stub that warns on every
         # call (its tokenizer path calls it per request); the thread count is set here.
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(
             lambda record: "set_num_threads" not in record.getMessage()
         )
-        from titanrl.config.resolve import engine_logprobs, records_routed_experts
         from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
-        # A run's config comes resolved (titanrl.config.resolve); a worker built by hand (eval, tests)
-        # from a RolloutConfig with record_routed_experts=None resolves it by the same rule.
-        record_routing = rc.record_routed_experts
-        if record_routing is None:
-            from titanrl.models.architectures import spec_for
-            from titanrl.models.hf_checkpoint import read_config
-
-            record_routing = records_routed_experts(rc, spec_for(read_config(model_config.checkpoint)).is_moe)
-        self.worker_id, self.cfg, self.prompt_field = worker_id, rc, prompt_field
-        self.rewards = [resolve_reward(r, i) for i, r in enumerate(rewards)]
+        self.worker_id, self.cfg, self.prompt_field = worker_id, rc, config.data.prompt_field
+        self.rewards = [resolve_reward(r, i) for i, r in enumerate(config.rewards)]
         # Helper threads start on first use, so an episode worker (EnvRunner scores) pays nothing.
-        self.scorer = RewardScorer(self.rewards, timeout_s=reward_timeout_s, error_value=reward_error_value,
-                                   concurrency=rc.reward_concurrency, weights=reward_weights)
-        self.engine = VllmEngine(
-            VllmEngineConfig(
-                checkpoint=model_config.checkpoint,
-                dtype=dtype or model_config.dtype,
-                max_model_len=rc.max_model_len,
-                max_num_seqs=rc.max_num_seqs,
-                kv_cache_gib=rc.kv_cache_gib,
-                seed=seed + 1000 * worker_id,
-                multiprocess=rc.vllm_multiprocess,
-                vllm_kernels=rc.vllm_kernels,
-                batch_invariant=batch_invariant,
-                logprobs=engine_logprobs(rc),
-                record_routed_experts=record_routing,
-            )
-        )
+        self.scorer = run_scorer(self.rewards, config)
+        self.engine = VllmEngine(VllmEngineConfig(
+            checkpoint=config.model.checkpoint, dtype=config.generator_dtype, settings=rc.engine,
+            seed=config.seed + 1000 * worker_id, batch_invariant=config.batch_invariant,
+            logprobs=rc.sampling.logprobs,
+        ))
         self.engine.activity = BusySlot.open(busy_flags, worker_id)
         self.eos_id = self.engine.model_config.eos_token_id
-        self.single_turn = SingleTurn(prompt_field, [self.eos_id] if self.eos_id is not None else None,
+        self.single_turn = SingleTurn(self.prompt_field, [self.eos_id] if self.eos_id is not None else None,
                                       OverlongPenalty.of(rc))
         from titanrl.rollout.weight_receiver import WeightReceiver
 
         # object_store needs no set-up; the other transports are joined with open_weight_sync.
         self.weight_receiver = WeightReceiver(self.engine)
-        self.env_config = env_config or EnvConfig()
-        factory = self.env_config.factory
+        factory = config.env.factory
         self.env_factory = resolve_env_factory(factory) if factory is not None else None
         if self.env_factory is not None:
             from titanrl.rollout.env_runner import EnvRunner
 
-            self.env_runner = EnvRunner(
-                self.engine, self.env_factory, self.env_config, rc, self.rewards, prompt_field, worker_id,
-                reward_timeout_s=reward_timeout_s, reward_error_value=reward_error_value, reward_weights=reward_weights,
-            )
+            self.env_runner = EnvRunner(self.engine, self.env_factory, config, self.rewards, worker_id)
             self._start_environments()
 
     def _start_environments(self) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from titanrl.atomic_io import write_text_atomically
 from titanrl.config import RunConfig
 from titanrl.config.record import config_record
+from titanrl.config.renamed import current_key
 from titanrl.errors import ConfigError
 from titanrl.jsonl import read_json_lines
 from titanrl.rundir.checkpoints import RunCheckpoint, latest_checkpoint, remove_stale_temporaries
@@ -19,11 +20,16 @@ CONFIG_FILE = "config.json"
 RESOLVED_CONFIG_FILE = "config.resolved.json"
 RESUMABLE_SECTIONS = ("output",)
 """Config sections a resumed run may change; everything else must match the checkpointed run."""
-RESUMABLE_KEYS = ("train.steps", "train.compile", "train.threads_when_rollouts_idle", "train.cpu_matmul")
+RESUMABLE_KEYS = (
+    "train.steps",
+    "train.compute.compile",
+    "train.compute.threads_when_rollouts_idle",
+    "train.compute.cpu_matmul",
+)
 """Single keys a resumed run may change: a longer or shorter run of the same job, and compiled
 blocks or the CPU matmul library switched (the same training, not the same bits: other kernels
 round differently)."""
-RESUMABLE_PREFIXES = ("train.parallel.", "train.device")
+RESUMABLE_PREFIXES = ("train.parallel.", "train.compute.device")
 """Keys a resumed run may change because checkpoints reshard on load: a run saved with
 dp_shard=2 can continue with tp=2 (the same training, not the same bits: reduction orders differ)."""
 
@@ -61,7 +67,7 @@ def reopen_run_dir(config: RunConfig) -> tuple[Path, RunCheckpoint]:
         raise ConfigError(
             f"cannot resume {str(run_dir)!r} with a different config ({shown}). A resumed run may only change "
             f"{', '.join(RESUMABLE_KEYS)}, the {', '.join(RESUMABLE_SECTIONS)} section and the trainer layout "
-            "(train.parallel, train.device); start a new run instead"
+            "(train.parallel, train.compute.device); start a new run instead"
         )
     remove_stale_temporaries(run_dir)
     checkpoint = latest_checkpoint(run_dir)
@@ -79,10 +85,13 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[t
     """(dotted key, saved value, new value) for every key a resume may not change.
 
     A setting added to TitanRL after the run was saved is absent from its record; it matches
-    when the new value is that setting's default (what the saved run computed with).
+    when the new value is that setting's default (what the saved run computed with). Keys renamed
+    since (`titanrl.config.renamed`) are read under their new names.
     """
-    flat_saved, flat_current = _flatten(saved), _flatten(current)
     defaults = _flatten(config_record(RunConfig()))
+    # A record saved before the config had sections names its keys the old way.
+    flat_saved = {current_key(key, defaults.keys()): value for key, value in _flatten(saved).items()}
+    flat_current = _flatten(current)
     out = []
     for key in sorted(flat_saved.keys() | flat_current.keys()):
         if key.split(".")[0] in RESUMABLE_SECTIONS or key in RESUMABLE_KEYS or key.startswith(RESUMABLE_PREFIXES):

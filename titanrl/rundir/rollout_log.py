@@ -29,7 +29,7 @@ def summarize_groups(groups: list[Group]) -> dict[str, float]:
     return {
         **env_stats,
         "reward/mean": mean,
-        # Samples whose reward (or environment) failed and got RunConfig.reward_error_value.
+        # Samples whose reward (or environment) failed and got scoring.error_value.
         "reward/errors": sum(s.reward_error is not None for g in groups for s in g.samples),
         "reward/std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
         "reward/group_any_positive_frac": solved / len(groups),

@@ -20,7 +20,7 @@ computes its shard's logits per chunk; the log-sum-exp (max, then sum of exp), t
 all-reduces over the group; the backward all-reduces the hidden states' gradient. No rank holds
 full-vocabulary logits.
 
-Truncated sampling (`truncation`, rollout.top_k / top_p with rollout.logprobs='sampled'): each
+Truncated sampling (`truncation`, rollout.sampling.top_k / top_p with rollout.sampling.logprobs='sampled'): each
 token's log p is z_y - logsumexp(z over the kept set) and the entropy is the truncated
 distribution's, where the kept set is decided per chunk on the same float32 scaled logits z as
 vLLM decides it (`titanrl.trainer.truncation.kept_mask`, no gradient; the gradient flows through

@@ -1,4 +1,4 @@
-"""`train.threads_when_rollouts_idle`: the trainer takes the cores of rollout workers that wait.
+"""`train.compute.threads_when_rollouts_idle`: the trainer takes the cores of rollout workers that wait.
 
 With `train.max_staleness >= 1` the trainer trains step k while the workers sample step k+1;
 each worker then waits for the weights of step k+1 and its cores sit idle for the rest of the

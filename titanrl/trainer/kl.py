@@ -7,7 +7,7 @@ log r = log pi_ref(token) - log pi(token) (http://joschu.net/blog/kl-approx.html
     k2 = (log r)^2 / 2       biased, >= 0
     k3 = (r - 1) - log r     unbiased, >= 0
 
-`train.kl_in_reward=False` adds kl_coef x the token-mean estimate, with the trainer's logprobs
+`train.kl.in_reward=False` adds kl_coef x the token-mean estimate, with the trainer's logprobs
 and their gradient, to the loss (`kl_loss_sum`); True subtracts kl_coef x each completion's summed
 estimate, with the generator's logprobs, from its reward before the advantages
 (`kl_reward_penalty`), as PPO-RLHF does.
@@ -32,12 +32,12 @@ def token_kl(logprobs_BT: torch.Tensor, reference_BT: torch.Tensor, mask_BT: tor
         return 0.5 * log_r * log_r
     if estimator == "k3":
         return torch.expm1(log_r) - log_r
-    raise ValueError(f"unknown train.kl_estimator {estimator!r}: use 'k1', 'k2' or 'k3'")
+    raise ValueError(f"unknown train.kl.estimator {estimator!r}: use 'k1', 'k2' or 'k3'")
 
 
 def kl_in_loss(cfg: TrainConfig) -> bool:
     """Whether the loss carries the KL term (a reference is held and the KL is not in the reward)."""
-    return cfg.kl_coef > 0 and not cfg.kl_in_reward
+    return cfg.kl.coef > 0 and not cfg.kl.in_reward
 
 
 def kl_loss_sum(logprobs_BT: torch.Tensor, sub: PackedBatch, cfg: TrainConfig) -> torch.Tensor | float:
@@ -47,8 +47,8 @@ def kl_loss_sum(logprobs_BT: torch.Tensor, sub: PackedBatch, cfg: TrainConfig) -
     if not kl_in_loss(cfg):
         return 0.0
     if sub.reference_BT is None:
-        raise RuntimeError("train.kl_coef > 0 but the batch has no reference logprobs (PackedBatch.reference_BT)")
-    return cfg.kl_coef * token_kl(logprobs_BT, sub.reference_BT, sub.loss_mask_BT, cfg.kl_estimator).sum()
+        raise RuntimeError("train.kl.coef > 0 but the batch has no reference logprobs (PackedBatch.reference_BT)")
+    return cfg.kl.coef * token_kl(logprobs_BT, sub.reference_BT, sub.loss_mask_BT, cfg.kl.estimator).sum()
 
 
 def sequence_kl(batch: PackedBatch, estimator: str) -> torch.Tensor:
@@ -59,22 +59,22 @@ def sequence_kl(batch: PackedBatch, estimator: str) -> torch.Tensor:
 
 
 def kl_reward_penalty(batch: PackedBatch, cfg: TrainConfig) -> torch.Tensor:
-    """[B] what train.kl_in_reward subtracts from each sample's reward: kl_coef x its sequence KL."""
-    return cfg.kl_coef * sequence_kl(batch, cfg.kl_estimator)
+    """[B] what train.kl.in_reward subtracts from each sample's reward: kl_coef x its sequence KL."""
+    return cfg.kl.coef * sequence_kl(batch, cfg.kl.estimator)
 
 
 def kl_metrics(batch: PackedBatch, cfg: TrainConfig) -> dict[str, float]:
     """kl/mean and kl/max: token-mean and max over the batch's trained tokens of the estimate, from
     the generator's logprobs (the policy that sampled them: the weights before this step's update,
-    up to staleness), in either mode; with train.kl_in_reward, kl/reward_penalty: the mean over
+    up to staleness), in either mode; with train.kl.in_reward, kl/reward_penalty: the mean over
     samples of what their rewards lost."""
     mask = batch.loss_mask_BT
-    kl = token_kl(batch.old_logprobs_BT, batch.reference_BT, mask, cfg.kl_estimator)
+    kl = token_kl(batch.old_logprobs_BT, batch.reference_BT, mask, cfg.kl.estimator)
     trained = mask > 0
     out = {
         "kl/mean": (kl.sum() / mask.sum().clamp(min=1.0)).item(),
         "kl/max": kl[trained].max().item() if trained.any() else 0.0,
     }
-    if cfg.kl_in_reward:
-        out["kl/reward_penalty"] = (cfg.kl_coef * kl.sum(1)).mean().item()
+    if cfg.kl.in_reward:
+        out["kl/reward_penalty"] = (cfg.kl.coef * kl.sum(1)).mean().item()
     return out

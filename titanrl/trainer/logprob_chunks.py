@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 CHUNK_LOGITS_BYTES = 128 << 20
-"""Default size of one chunk's float32 logits (train.logprob_chunk_tokens=None)."""
+"""Default size of one chunk's float32 logits (train.memory.logprob_chunk_tokens=None)."""
 
 
 def chunk_tokens_for(vocab_rows: int, chunk_tokens: int | None = None) -> int:

@@ -43,14 +43,17 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch
     """LambdaLR over the run's optimizer steps; call its `step()` after each optimizer step taken."""
     total = total_optimizer_steps(cfg)
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_multiplier(s, total, cfg.warmup_steps, cfg.lr_decay, cfg.min_lr_ratio)
+        optimizer,
+        lambda s: lr_multiplier(
+            s, total, cfg.lr_schedule.warmup_steps, cfg.lr_schedule.decay, cfg.lr_schedule.min_lr_ratio
+        ),
     )
 
 
 def load_scheduler_state(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict) -> None:
     """`scheduler.load_state_dict` for a state saved with any number of param groups.
 
-    Every group follows the one schedule of train.lr, so per-group lists of another length
+    Every group follows the one schedule of train.optimizer.lr, so per-group lists of another length
     (an older checkpoint with a single param group, before decay / no_decay) are spread over
     this optimizer's groups.
     """

@@ -38,11 +38,11 @@ class MoeSettings:
     sparse_layers: list[int]
     """Decoder layer index of each sparse layer; position i is `Sample.routed_experts[:, i]`."""
     replay: bool
-    """train.router_replay."""
+    """train.moe.router_replay."""
     aux_loss_coef: float
     """Weight of the auxiliary loss in the training loss; 0.0 leaves it out (measured only)."""
     bias_update_rate: float | None
-    """train.moe_bias_update_rate with moe_load_balance='bias'; None: no expert bias."""
+    """train.moe.bias_update_rate with moe_load_balance='bias'; None: no expert bias."""
 
 
 def moe_settings(cfg: TrainConfig, config: DecoderConfig) -> MoeSettings | None:
@@ -50,10 +50,10 @@ def moe_settings(cfg: TrainConfig, config: DecoderConfig) -> MoeSettings | None:
     if getattr(config, "num_experts", None) is None:
         return None
     coef = 0.0
-    if cfg.moe_load_balance == "aux_loss":
-        coef = config.router_aux_loss_coef if cfg.moe_aux_loss_coef is None else cfg.moe_aux_loss_coef
-    rate = cfg.moe_bias_update_rate if cfg.moe_load_balance == "bias" else None
-    return MoeSettings(config.num_experts, config.sparse_layers, cfg.router_replay, coef, rate)
+    if cfg.moe.load_balance == "aux_loss":
+        coef = config.router_aux_loss_coef if cfg.moe.aux_loss_coef is None else cfg.moe.aux_loss_coef
+    rate = cfg.moe.bias_update_rate if cfg.moe.load_balance == "bias" else None
+    return MoeSettings(config.num_experts, config.sparse_layers, cfg.moe.router_replay, coef, rate)
 
 
 def real_tokens(mask_BT: torch.Tensor) -> torch.Tensor:
@@ -109,7 +109,7 @@ class MoeStats:
     tokens_compared: float
     """Completion tokens x sparse layers compared."""
     used_agreement: float
-    """The same fraction for the experts the forward used: 1.0 with train.router_replay (the
+    """The same fraction for the experts the forward used: 1.0 with train.moe.router_replay (the
     replay's check), equal to route_agreement without it."""
     aux_loss: float
     """HF's load-balancing loss of the batch (micro-batch values weighted by real tokens), unscaled."""
@@ -132,7 +132,7 @@ class MicroBatchRouting:
         self.routers: list[tuple[int, Router]] = [(index[r.layer_id], r) for r in routers(module)]
 
     def begin(self, routed_BTLK: torch.Tensor | None) -> None:
-        """Before the forward: replay the recorded experts (with train.router_replay) and keep the routing."""
+        """Before the forward: replay the recorded experts (with train.moe.router_replay) and keep the routing."""
         for i, router in self.routers:
             router.keep_routing = True
             if self.settings.replay and routed_BTLK is not None:
@@ -153,7 +153,7 @@ class MicroBatchRouting:
                 raise NotImplementedError(
                     f"router of layer {router.layer_id} routed {routing.logits.shape[0]} tokens of a micro-batch of "
                     f"{real_N.numel()}: a layout that splits a micro-batch's tokens inside the layer has no MoE "
-                    f"routing metrics, auxiliary loss or replay (set train.moe_load_balance='none')")
+                    f"routing metrics, auxiliary loss or replay (set train.moe.load_balance='none')")
             router.keep_routing, router.last_routing = False, None
             logits.append(routing.logits)
             used.append(routing.chosen)

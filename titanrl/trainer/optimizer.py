@@ -38,13 +38,13 @@ checkpoint from another layout never overrides them."""
 
 def param_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], train_config: TrainConfig,
                  config: DecoderConfig) -> list[dict]:
-    """AdamW param groups 'decay' (train.weight_decay) and 'no_decay' (0.0, the family's no-decay
+    """AdamW param groups 'decay' (train.optimizer.weight_decay) and 'no_decay' (0.0, the family's no-decay
     names: `StateDictAdapter.decays`); empty ones left out."""
     adapter = spec_for(config).state_dict_adapter
     groups = {DECAY: [], NO_DECAY: []}
     for name, p in named_parameters:
         groups[DECAY if adapter.decays(name, config.tie_word_embeddings) else NO_DECAY].append(p)
-    weight_decay = {DECAY: train_config.weight_decay, NO_DECAY: 0.0}
+    weight_decay = {DECAY: train_config.optimizer.weight_decay, NO_DECAY: 0.0}
     return [{"params": params, GROUP_NAME: group, "weight_decay": weight_decay[group]}
             for group, params in groups.items() if params]
 
@@ -56,7 +56,7 @@ def build_optimizers(pm: ParallelModel, train_config: TrainConfig) -> list[torch
     for part in pm.parts:
         groups = param_groups(part.named_parameters(), train_config, pm.config)
         params = [p for g in groups for p in g["params"]]
-        optimizers.append(torch.optim.AdamW(groups, lr=train_config.lr, betas=train_config.betas,
+        optimizers.append(torch.optim.AdamW(groups, lr=train_config.optimizer.lr, betas=train_config.optimizer.betas,
                                             **implementation(params, pm.device)))
     return optimizers
 

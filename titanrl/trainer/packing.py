@@ -152,7 +152,7 @@ def _share_prefixes(loss_mask_BT: torch.Tensor, real_BT: torch.Tensor, input_ids
 def pad_fraction(loss_mask_BT: torch.Tensor, micro_batch_rows: int) -> float:
     """The share of the token slots a right-padded forward computes that are not real tokens,
     with micro-batches of `micro_batch_rows` rows each trimmed to its last trained target (what
-    the trainer computes with `train.pack_sequences` off)."""
+    the trainer computes with `train.compute.pack_sequences` off)."""
     real = computed = 0
     for lo in range(0, loss_mask_BT.shape[0], micro_batch_rows):
         part = loss_mask_BT[lo:lo + micro_batch_rows]

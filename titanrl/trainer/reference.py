@@ -1,10 +1,10 @@
-"""The frozen reference policy of the KL penalty (train.kl_coef > 0): the run's initial weights.
+"""The frozen reference policy of the KL penalty (train.kl.coef > 0): the run's initial weights.
 
 Held only when the penalty is on. Built through the policy's own path (`build_policy`: the same
 layout, shards, storage and compute dtypes), then frozen: eval mode, no gradients, no optimizer.
 Its logprobs come from the policy's micro-batch forward (`GRPOStep.batch_logprobs`), once
 per step before the micro-batch loop, into `PackedBatch.reference_BT`; a mixture-of-experts
-reference routes as that forward does (through the generator's experts with train.router_replay).
+reference routes as that forward does (through the generator's experts with train.moe.router_replay).
 
 Saved with the run as the path of its checkpoint (trainer_state.pt's `REFERENCE_STATE_KEY`), not
 as a second copy of the weights: `GRPOTrainer.load_state`, under any layout, rebuilds the
@@ -74,9 +74,9 @@ def build_reference(checkpoint: str, recorded_in: str | None = None, *, policy: 
     if not Path(checkpoint).is_dir():
         where = f" (recorded in {recorded_in})" if recorded_in else ""
         raise CheckpointError(
-            f"the KL reference policy's checkpoint {checkpoint!r}{where} does not exist: train.kl_coef > 0 "
+            f"the KL reference policy's checkpoint {checkpoint!r}{where} does not exist: train.kl.coef > 0 "
             f"needs the run's initial weights there (they are not copied into training checkpoints); "
-            f"restore that directory, or set train.kl_coef=0"
+            f"restore that directory, or set train.kl.coef=0"
         )
     pm, config, _ = build_policy(checkpoint, dtype, policy.parallel, policy.mesh, device_type, **layout_options)
     if config != policy.config:

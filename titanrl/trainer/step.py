@@ -5,7 +5,7 @@ contiguous share of its rows (zero-mask rows pad the batch to a multiple of the 
 TP ranks share rows and compute identically; CP ranks share rows and take sequence chunks;
 pipeline ranks share rows and run their stages. Every rank divides its loss sum by the token
 count of the *whole* batch, and FSDP sums (not averages) gradients, so the gradient is the
-token-mean's over the batch whatever the layout. Other aggregations (train.loss_aggregation)
+token-mean's over the batch whatever the layout. Other aggregations (train.loss.aggregation)
 weigh each row by a constant computed from the whole batch before the split
 (titanrl/trainer/losses/aggregation.py), and sums over a whole sequence (GSPO's ratio, sequence
 corrections) are all-reduced over the cp ranks that hold its chunks, so they too are the same
@@ -178,11 +178,11 @@ class GRPOStep:
     dp_shard / pp) only change which rows share a kernel call, so they keep those bits; tp and
     cp are refused (validate.check_batch_invariant says why).
 
-    The LM head runs in `chunked_token_logprobs` (train.logprob_chunk_tokens tokens at a time,
+    The LM head runs in `chunked_token_logprobs` (train.memory.logprob_chunk_tokens tokens at a time,
     with its own backward): the model returns final-norm hidden states and no rank ever holds a
     micro-batch's full [rows, T, V] logits.
 
-    truncation: the generator's top-k / top-p (rollout.logprobs='sampled'); logprobs and entropy
+    truncation: the generator's top-k / top-p (rollout.sampling.logprobs='sampled'); logprobs and entropy
     are then those of the truncated, renormalised distribution it sampled from.
     """
 
@@ -198,10 +198,10 @@ class GRPOStep:
         self._outside_BT: torch.Tensor | None = None
         """The last head call's targets outside the truncated kept set (read by `_count_outside`)."""
         self.seq_multiple = sequence_multiple(pm.parallel)
-        # train.pack_sequences: pipelines run fixed-shape micro-batches, ring attention has no packed
+        # train.compute.pack_sequences: pipelines run fixed-shape micro-batches, ring attention has no packed
         # layout, and XLA compiles one program per padded shape bucket.
-        self.packing = train_config.pack_sequences and xla is None and not pm.pipelined and not pm.context
-        self.share_prompts = self.packing and train_config.share_prompts
+        self.packing = train_config.compute.pack_sequences and xla is None and not pm.pipelined and not pm.context
+        self.share_prompts = self.packing and train_config.compute.share_prompts
         if batch_invariant:
             check_batch_invariant(pm.parallel)
         for part in pm.parts:  # the whole model, or pipeline stages (their LM head included)
@@ -214,13 +214,15 @@ class GRPOStep:
         split_tokens = pm.parallel.tp > 1 and pm.parallel.sequence_parallel
         if self.moe is not None and (pm.pipelined or split_tokens):
             if self.moe.replay:
-                raise NotImplementedError("train.router_replay is not implemented with pp > 1 or sequence parallelism")
+                raise NotImplementedError(
+                    "train.moe.router_replay is not implemented with pp > 1 or sequence parallelism"
+                )
             self.moe = None
         # The unchunked reference of what `_head` computes (for callers that hold logits).
         self.token_logprobs = kernels.token_logprobs if batch_invariant else token_logprobs
         self.loss = loss_settings(train_config)
         if self.loss.sequence_level and pm.pipelined and pm.context:
-            raise NotImplementedError("sequence-level losses and corrections (train.loss='gspo', train."
+            raise NotImplementedError("sequence-level losses and corrections (train.loss.objective='gspo', train."
                                       "off_policy_correction='*_sequence'/'mis_geometric') with pp > 1 and cp > 1")
         # A sequence's sum spans its chunks on every cp rank.
         self.cp_group = pm.mesh["cp"].get_group() if pm.context else None
@@ -228,12 +230,12 @@ class GRPOStep:
     # ------------------------------------------------------------------------- gradients
 
     def accumulate_gradients(self, batch: PackedBatch) -> GradStats:
-        """Leaves in `.grad` the gradient of the whole batch's loss (the train.loss_aggregation
+        """Leaves in `.grad` the gradient of the whole batch's loss (the train.loss.aggregation
         average, token-mean by default); returns global stats.
 
         Forward/backward runs in micro-batches of `micro_batch_size` rows (per data-parallel
         rank); each backward is divided by the whole batch's token count, so the sum is the
-        token-mean's gradient. With `train.decoupled_loss`, `batch.proximal_BT` holds the
+        token-mean's gradient. With `train.off_policy.decoupled_loss`, `batch.proximal_BT` holds the
         logprobs before this step's first update (None: this forward is at those weights).
         """
         totals, scale = self._gradients(batch)
@@ -268,8 +270,8 @@ class GRPOStep:
         norm_t = sq.sqrt()
         loss_t = torch.stack(totals.loss_sums).sum() / scale.tokens.to(norm_t.device)
         finite = torch.isfinite(loss_t) & torch.isfinite(norm_t)
-        if self.cfg.grad_clip > 0:
-            coef = (self.cfg.grad_clip / (norm_t + 1e-6)).clamp(max=1.0)
+        if self.cfg.optimizer.grad_clip > 0:
+            coef = (self.cfg.optimizer.grad_clip / (norm_t + 1e-6)).clamp(max=1.0)
             for p in self.pm.parameters():
                 if p.grad is not None:
                     p.grad.mul_(coef)
@@ -330,7 +332,7 @@ class GRPOStep:
         batch to a multiple of the dp degree) and the index of its first row."""
         if self.xla is not None:
             # One program per bucket: every micro-batch at the bucket's length (SPMD splits rows).
-            rows, _ = row_bucket(batch.input_ids_BT.shape[0], self.cfg.micro_batch_size)
+            rows, _ = row_bucket(batch.input_ids_BT.shape[0], self.cfg.memory.micro_batch_size)
             T = length_bucket(trimmed_len(batch.loss_mask_BT), self.seq_multiple)
             return 0, _fit_length(_pad_rows(batch, rows), T)
         dp_rank, dp_size = dp_rank_and_size(self.pm.mesh)
@@ -405,7 +407,7 @@ class GRPOStep:
                 outside_N = torch.zeros(targets_N.shape, dtype=torch.bool, device=hidden_BTD.device)
             logprobs, entropy = chunked_token_logprobs(
                 hidden_ND, weight_VD, targets_N, self.temperature,
-                chunk_tokens_for(vocab_rows, self.cfg.logprob_chunk_tokens), self.batch_invariant,
+                chunk_tokens_for(vocab_rows, self.cfg.memory.logprob_chunk_tokens), self.batch_invariant,
                 truncation=self.truncation, outside_N=outside_N)
             if mask_BT is None:
                 if outside_N is not None:
@@ -428,7 +430,7 @@ class GRPOStep:
     def _loss(self, logprobs: torch.Tensor, entropy: torch.Tensor, sub: PackedBatch, totals: _Totals,
               scale: _BatchScale) -> torch.Tensor:
         """Summed loss of one micro-batch (its tensors on the device), weighted so that dividing
-        by `scale.tokens` gives the train.loss_aggregation average; records its stats."""
+        by `scale.tokens` gives the train.loss.aggregation average; records its stats."""
         mask, old, adv, s = sub.loss_mask_BT, sub.old_logprobs_BT, sub.advantages_B, self.loss
         anchor, weights, stats = old, None, {}
         if s.at_proximal:
@@ -446,7 +448,7 @@ class GRPOStep:
         if s.entropy_coef:
             per_token = entropy * mask if rows_B1 is None else entropy * mask * rows_B1
             loss_sum = loss_sum - s.entropy_coef * per_token.sum()
-        # train.kl_coef: KL to the reference (kl.py), a token-mean whatever the aggregation.
+        # train.kl.coef: KL to the reference (kl.py), a token-mean whatever the aggregation.
         loss_sum = loss_sum + kl_loss_sum(logprobs, sub, self.cfg)
         with torch.no_grad():  # the mismatch stats stay trainer vs generator
             gap = (logprobs - old).abs() * mask
@@ -480,7 +482,7 @@ class GRPOStep:
         its weighted auxiliary loss, whose measurements go to `moe`. Router replay stays set
         until the consumer asks for the next micro-batch, i.e. through its backward."""
         (model,) = self.pm.parts
-        mb = self.cfg.micro_batch_size
+        mb = self.cfg.memory.micro_batch_size
         if self.xla is not None:  # a batch below one micro-batch is at its own row bucket
             mb = row_bucket(local.input_ids_BT.shape[0], mb)[1]
         starts = list(range(0, local.input_ids_BT.shape[0], mb))
@@ -534,9 +536,9 @@ class GRPOStep:
     def _pipelined(self, local: PackedBatch, scale: _BatchScale, totals: _Totals, backward: bool) -> None:
         pm = self.pm
         if local.proximal_BT is not None:
-            raise NotImplementedError("the pipelined trainer has no decoupled loss (train.decoupled_loss)")
+            raise NotImplementedError("the pipelined trainer has no decoupled loss (train.off_policy.decoupled_loss)")
         rows = local.input_ids_BT.shape[0]
-        n_micro = max(-(-rows // self.cfg.micro_batch_size), pm.parallel.pp)
+        n_micro = max(-(-rows // self.cfg.memory.micro_batch_size), pm.parallel.pp)
         n_micro = -(-n_micro // pm.parallel.pp) * pm.parallel.pp  # interleaving wants a multiple of pp
         local = _pad_rows(local, -(-rows // n_micro) * n_micro)
         # Every micro-batch of a pipeline runs at one shape: the longest trained length.
@@ -680,8 +682,8 @@ class GRPOStep:
         norm = self.grad_norm()
         taken = math.isfinite(loss) and math.isfinite(norm)
         if taken:
-            if self.cfg.grad_clip > 0:
-                coef = min(self.cfg.grad_clip / (norm + 1e-6), 1.0)
+            if self.cfg.optimizer.grad_clip > 0:
+                coef = min(self.cfg.optimizer.grad_clip / (norm + 1e-6), 1.0)
                 if coef < 1.0:
                     for p in self.pm.parameters():
                         if p.grad is not None:

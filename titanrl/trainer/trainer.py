@@ -43,8 +43,8 @@ from titanrl.trainer.parallel.mesh import barrier, build_mesh, global_rank, init
 from titanrl.trainer.step import GRPOStep
 from titanrl.trainer.policy import build_policy
 from titanrl.trainer.reference import REFERENCE_STATE_KEY, ReferencePolicy, build_reference, reference_source
+from titanrl.trainer.setup import TrainerSetup
 from titanrl.trainer.stats import GradStats, LogprobParity
-from titanrl.trainer.truncation import Truncation
 from titanrl.types import Group, PolicyVersion
 from titanrl.weight_sync.plain_tensors import PlainTensors
 from titanrl.models.qwen3.moe import routing_buffers, zero_routing_buffers
@@ -61,58 +61,53 @@ class GRPOTrainer:
 
     `model_config.checkpoint` is an HF checkpoint directory or a training checkpoint written by
     `save_state` (then the policy is rebuilt from it; call `load_state` for the rest). With
-    train.kl_coef > 0 the trainer also holds the frozen reference policy (`reference`).
+    train.kl.coef > 0 the trainer also holds the frozen reference policy (`reference`).
     """
 
-    def __init__(
-        self, model_config: ModelConfig, train_config: TrainConfig, temperature: float, seed: int,
-        batch_invariant: bool = False, *, device_type: str | None = None, truncation: Truncation | None = None,
-        busy_flags: str | None = None,
-    ) -> None:
-        """Loads the policy onto the device; for a parallel layout, joins the world (blocks until
-        every rank has) and loads only this rank's shards (no rank holds the full model).
+    def __init__(self, setup: TrainerSetup, *, busy_flags: str | None = None) -> None:
+        """Loads `setup.model`'s policy onto the device; for a parallel layout, joins the world (blocks
+        until every rank has) and loads only this rank's shards (no rank holds the full model).
 
-        batch_invariant: run the model and the logprobs through `titanrl.kernels`, so they match
-        a batch-invariant generator bit for bit.
-        device_type: 'cpu', 'cuda' or 'xla'; None resolves `train.device` ('auto': CUDA when present).
-        On 'xla' (a process with torch_xla) one process drives the SPMD mesh of train.parallel
+        On device 'xla' (a process with torch_xla) one process drives the SPMD mesh of train.parallel
         (titanrl.trainer.xla) and each optimizer step is one compiled program per shape bucket.
-        truncation: the generator's top-k / top-p when its logprobs are the truncated distribution's
-        (`Truncation.scored_by_trainer(rollout)`); the trainer then scores tokens under it too.
-        busy_flags: the run's `titanrl.busy_flags` file, which train.threads_when_rollouts_idle reads
-        (the driver makes it); None: the trainer keeps train.threads.
+        busy_flags: the run's `titanrl.busy_flags` file, which train.compute.threads_when_rollouts_idle reads
+        (the driver makes it); None: the trainer keeps train.compute.threads.
         A parallel layout (`train.parallel.world_size > 1`) needs the torch.distributed env vars
         (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) set: `ParallelTrainerRank` does.
         """
-        device_type = resolve_device_type(train_config.device if device_type is None else device_type)
+        model_config, train_config, temperature, seed = setup.model, setup.train, setup.temperature, setup.seed
+        batch_invariant, truncation = setup.batch_invariant, setup.truncation
+        device_type = resolve_device_type(
+            train_config.compute.device if setup.device_type is None else setup.device_type
+        )
         if device_type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("train.device='cuda' but this process sees no GPU (torch.cuda.is_available() is "
-                              "False): set train.device='cpu' or 'auto'")
+            raise ConfigError("train.compute.device='cuda' but this process sees no GPU (torch.cuda.is_available() is "
+                              "False): set train.compute.device='cpu' or 'auto'")
         check_compile(train_config, batch_invariant, device_type)
         check_idle_threads(train_config, batch_invariant, device_type)
         onednn_linears = uses_onednn_linears(train_config, batch_invariant, device_type,
                                              compute_dtype(model_config, train_config))
         # Same order on every rank, so rank 0 matches a single-process run.
         torch.manual_seed(seed)
-        torch.set_num_threads(train_config.threads)
+        torch.set_num_threads(train_config.compute.threads)
         # Before the first large tensor. Auto (None) holds the large-model value while the weights
         # load and settles once the policy's size is known (below).
-        threshold = train_config.heap_mmap_threshold_mib
+        threshold = train_config.memory.heap_mmap_threshold_mib
         set_heap_mmap_threshold(auto_heap_mmap_threshold_mib(LARGE_MODEL_PARAMS) if threshold is None else threshold)
         self.cfg = train_config
         self.temperature = temperature
         self.dtype = getattr(torch, model_config.dtype)
         """Storage dtype (model.dtype): parameters, optimizer state, checkpoints and HF exports."""
         self.compute_dtype = getattr(torch, compute_dtype(model_config, train_config))
-        """Dtype of the forward/backward (train.compute_dtype, else model.dtype) and of the weights
+        """Dtype of the forward/backward (train.compute.dtype, else model.dtype) and of the weights
         pushed to the generators, which compute in it too."""
         layout_options = dict(compute_dtype=self.compute_dtype,
-                              activation_checkpointing=train_config.activation_checkpointing,
-                              activation_checkpointing_every=train_config.activation_checkpointing_every,
-                              compile_blocks=train_config.compile, onednn_linears=onednn_linears)
+                              activation_checkpointing=train_config.memory.activation_checkpointing,
+                              activation_checkpointing_every=train_config.memory.activation_checkpointing_every,
+                              compile_blocks=train_config.compute.compile, onednn_linears=onednn_linears)
         parallel = train_config.parallel
         self.xla = None
-        """The XLA runtime (titanrl.trainer.xla.runtime.XlaRuntime) on train.device='xla', else None."""
+        """The XLA runtime (titanrl.trainer.xla.runtime.XlaRuntime) on train.compute.device='xla', else None."""
         if device_type == "xla":
             self.xla = _open_xla(model_config, train_config, batch_invariant)
             parallel = ParallelConfig()  # torch sees one process; the degrees shape the SPMD mesh
@@ -129,7 +124,7 @@ class GRPOTrainer:
         if self.xla is not None:
             self.xla.check_model(self.model_config)
             self.xla.shard_model(self.pm.parts[0])
-        if train_config.heap_mmap_threshold_mib is None:
+        if train_config.memory.heap_mmap_threshold_mib is None:
             set_heap_mmap_threshold(heap_mmap_threshold_mib(train_config, self.pm.parts))
         self.pad_id = self.model_config.eos_token_id or 0
         self.rank = global_rank()
@@ -143,14 +138,14 @@ class GRPOTrainer:
                                                   batch_invariant=batch_invariant, truncation=truncation,
                                                   device_type=device_type, **layout_options)
         self.reference: ReferencePolicy | None = (
-            self._build_reference(*reference_source(model_config.checkpoint)) if train_config.kl_coef > 0 else None)
-        """The frozen reference policy of train.kl_coef (titanrl.trainer.reference); None when 0."""
+            self._build_reference(*reference_source(model_config.checkpoint)) if train_config.kl.coef > 0 else None)
+        """The frozen reference policy of train.kl.coef (titanrl.trainer.reference); None when 0."""
         self._init_expert_bias()
         self.idle_cores: IdleCores | None = None
-        """train.threads_when_rollouts_idle at work (None: off, or no busy_flags file)."""
-        if busy_flags is not None and train_config.threads_when_rollouts_idle is not None:
-            self.idle_cores = IdleCores(BusyFlags(busy_flags), train_config.threads,
-                                        train_config.threads_when_rollouts_idle)
+        """train.compute.threads_when_rollouts_idle at work (None: off, or no busy_flags file)."""
+        if busy_flags is not None and train_config.compute.threads_when_rollouts_idle is not None:
+            self.idle_cores = IdleCores(BusyFlags(busy_flags), train_config.compute.threads,
+                                        train_config.compute.threads_when_rollouts_idle)
             self.idle_cores.install(self.pm.parts[0].decoder_layers(),
                                     spec_for(self.pm.config).parallel_plan.attention_core)
         self.version: PolicyVersion = 0
@@ -193,9 +188,9 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------- gradients
 
     def accumulate_gradients(self, batch: PackedBatch, proximal_BT: torch.Tensor | None = None) -> GradStats:
-        """Leaves in `.grad` the gradient of the batch's loss (train.loss_aggregation); no optimizer step.
+        """Leaves in `.grad` the gradient of the batch's loss (train.loss.aggregation); no optimizer step.
 
-        With `train.decoupled_loss`, `proximal_BT` holds the logprobs before this step's first
+        With `train.off_policy.decoupled_loss`, `proximal_BT` holds the logprobs before this step's first
         update (None: this forward is at those weights). See `GRPOStep.accumulate_gradients`.
         """
         if proximal_BT is not None:
@@ -204,7 +199,7 @@ class GRPOTrainer:
 
     def proximal_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """The current weights' logprobs of every target token (the proximal policy of the
-        decoupled loss and of train.off_policy_correction)."""
+        decoupled loss and of train.off_policy.correction)."""
         return self.grpo.batch_logprobs(batch)
 
     def measure_parity(self, batch: PackedBatch) -> LogprobParity:
@@ -237,14 +232,14 @@ class GRPOTrainer:
 
     def prepare_batch(self, groups: list[Group]) -> PackedBatch:
         """The groups packed for `step`: tokens, masks, generator logprobs and advantages; with a
-        reference policy (train.kl_coef > 0) its logprobs (one no-grad forward), and with
-        train.kl_in_reward the advantages of the rewards less kl_coef x each sample's KL."""
-        scale = self.grpo.loss.scale_by_std  # train.scale_advantages_by_std, resolved for train.loss
+        reference policy (train.kl.coef > 0) its logprobs (one no-grad forward), and with
+        train.kl.in_reward the advantages of the rewards less kl_coef x each sample's KL."""
+        scale = self.grpo.loss.scale_by_std  # train.loss.scale_advantages_by_std, resolved for train.loss.objective
         batch = pack(groups, self.pad_id, scale, current_version=self.version)
         if self.reference is None:
             return batch
         batch = dataclasses.replace(batch, reference_BT=self.reference.logprobs(batch))
-        if self.cfg.kl_in_reward:
+        if self.cfg.kl.in_reward:
             batch = dataclasses.replace(batch, advantages_B=advantages(groups, scale, kl_reward_penalty(batch, self.cfg)))
         return batch
 
@@ -254,13 +249,13 @@ class GRPOTrainer:
         Advantages come once per group; the old logprobs of the PPO ratio are the generator's.
         The call makes `ppo_epochs` passes; each splits the groups into `minibatches` contiguous
         parts of whole groups and takes one optimizer step per part (its loss averaged as
-        train.loss_aggregation says).
+        train.loss.aggregation says).
         An optimizer step whose loss or gradient norm is not finite is skipped; if all are, the
         call is a skipped step: the version stays and `train/skipped` is 1.
 
         Metrics:
           loss, grad_norm: mean over the call's optimizer steps taken of the minibatch loss (its
-            train.loss_aggregation average, entropy bonus included) and of the pre-clip gradient
+            train.loss.aggregation average, entropy bonus included) and of the pre-clip gradient
             norm; in a skipped call, mean over the skipped ones
             (non-finite, which is why they were skipped).
           lr: learning rate of the call's last optimizer step (the one it would have used, if skipped).
@@ -272,9 +267,9 @@ class GRPOTrainer:
             every forward of the call (all passes).
           train/truncation_outside_frac (top-k / top-p only): the share of those tokens whose target
             was outside the trainer's kept set (scored over the kept set plus the target).
-          train/rollouts_idle_frac (train.threads_when_rollouts_idle, with the run's busy flags): the
+          train/rollouts_idle_frac (train.compute.threads_when_rollouts_idle, with the run's busy flags): the
             share of the call's thread checks (one per decoder layer, forward and backward) that found
-            every rollout worker idle, so ran on train.threads_when_rollouts_idle threads.
+            every rollout worker idle, so ran on train.compute.threads_when_rollouts_idle threads.
           train/mismatch_mean_abs, train/mismatch_max_abs: |trainer - generator| logprob on the
             first minibatch of the first pass, the only forward at the generator's weights.
           train/tokens: trained tokens in the groups; train/advantage_nonzero_frac.
@@ -282,11 +277,11 @@ class GRPOTrainer:
           train/skipped: 1.0 when the call was skipped; train/skipped_steps: skipped calls so far;
           train/consecutive_skipped: skipped calls since the last update; policy_version: after it.
           memory/trainer_peak_gib: peak resident memory of this (rank 0's) process so far.
-          xla/compiles, xla/compile_s (train.device='xla'): programs torch_xla compiled since the
+          xla/compiles, xla/compile_s (train.compute.device='xla'): programs torch_xla compiled since the
             trainer was built, and their seconds (one per shape bucket, plus the first step's).
-          With train.kl_coef > 0 (titanrl.trainer.kl.kl_metrics): kl/mean, kl/max: token-mean and
-            max of the train.kl_estimator estimate of KL(pi || pi_ref) over the batch's trained
-            tokens, pi's logprobs being the generator's; with train.kl_in_reward,
+          With train.kl.coef > 0 (titanrl.trainer.kl.kl_metrics): kl/mean, kl/max: token-mean and
+            max of the train.kl.estimator estimate of KL(pi || pi_ref) over the batch's trained
+            tokens, pi's logprobs being the generator's; with train.kl.in_reward,
             kl/reward_penalty: mean over samples of kl_coef x their summed KL (taken off the rewards).
           Mixture-of-experts policies (not pipelined) add (titanrl.trainer.moe):
           moe/route_agreement: fraction of the generator-recorded completion tokens (x sparse
@@ -297,7 +292,7 @@ class GRPOTrainer:
           moe/load_max_over_mean: max over experts of the tokens routed to it over their mean, per
             sparse layer, averaged over the layers, over every forward of the call.
           moe/aux_loss: HF's load-balancing loss (unscaled by its coefficient), mean over the
-            call's gradient passes (measured whatever train.moe_load_balance).
+            call's gradient passes (measured whatever train.moe.load_balance).
         In a parallel layout every rank must call it; rank 0 returns the metrics, the others None.
         """
         if not groups:
@@ -390,9 +385,9 @@ class GRPOTrainer:
     def state_dict_for_push(self) -> dict[str, torch.Tensor] | None:
         """HF-named full CPU tensors for rollout workers in the generator's dtype (the compute
         dtype; tied head omitted, as in HF files), gathered bucket by bucket in a parallel layout:
-        rank 0 gets them, the others None. With train.moe_load_balance='bias' the routers'
+        rank 0 gets them, the others None. With train.moe.load_balance='bias' the routers'
         float32 expert biases come too (`_pushed_buffers`). They cross to the workers as plain bytes
-        (`PlainTensors`): this actor may run on another torch version (train.device='xla')."""
+        (`PlainTensors`): this actor may run on another torch version (train.compute.device='xla')."""
         out = self._full_state_dict(self.compute_dtype)
         if out is not None:
             out.update({k: v.detach().to("cpu", copy=True) for k, v in self._pushed_buffers().items()})
@@ -416,7 +411,7 @@ class GRPOTrainer:
         path = None
         if self.rank == 0 and any(bool(b.any()) for b in self._pushed_buffers().values()):
             # An HF Qwen3-MoE checkpoint has no tensor for it: the export routes without it.
-            warnings.warn("the HF export leaves out the routers' expert biases (train.moe_load_balance='bias'): "
+            warnings.warn("the HF export leaves out the routers' expert biases (train.moe.load_balance='bias'): "
                           "Qwen3-MoE checkpoints have no such tensor, so the exported model chooses experts "
                           "without them; resume from a training checkpoint (save_state) to keep them",
                           stacklevel=2)
@@ -562,15 +557,15 @@ class GRPOTrainer:
         return self.xla.to_host if self.xla is not None else None
 
     def _pushed_buffers(self) -> dict[str, torch.Tensor]:
-        """Non-parameter tensors the generators need: with train.moe_load_balance='bias', the
+        """Non-parameter tensors the generators need: with train.moe.load_balance='bias', the
         routers' expert biases (float32; the generator's routers choose experts with them too)."""
-        if self.cfg.moe_load_balance != "bias":
+        if self.cfg.moe.load_balance != "bias":
             return {}
         return {name: buf for part in self.pm.parts for name, buf in routing_buffers(part).items()}
 
 
 def _open_xla(model_config: ModelConfig, train_config: TrainConfig, batch_invariant: bool) -> Any:
-    """The XLA runtime for train.device='xla', after refusing what the XLA trainer does not run."""
+    """The XLA runtime for train.compute.device='xla', after refusing what the XLA trainer does not run."""
     from titanrl.config.xla_env import check_xla_training
 
     check_xla_training(train_config, batch_invariant)
@@ -598,8 +593,8 @@ def _moe_metrics(passes: list) -> dict[str, float]:
 
 
 def heap_mmap_threshold_mib(train_config: TrainConfig, parts: list[torch.nn.Module]) -> int:
-    """train.heap_mmap_threshold_mib, with None (auto) resolved by the parameters of `parts` (the
+    """train.memory.heap_mmap_threshold_mib, with None (auto) resolved by the parameters of `parts` (the
     policy's modules on this rank; a DTensor counts at its full size)."""
-    if train_config.heap_mmap_threshold_mib is not None:
-        return train_config.heap_mmap_threshold_mib
+    if train_config.memory.heap_mmap_threshold_mib is not None:
+        return train_config.memory.heap_mmap_threshold_mib
     return auto_heap_mmap_threshold_mib(sum(p.numel() for part in parts for p in part.parameters()))

@@ -5,7 +5,7 @@ torch.distributed environment (GRPOTrainer joins the world and shards the policy
 `train.parallel` asks for more than one process).
 
 The driver starts `TrainerGroup` exactly as it starts `GRPOTrainer`
-(`ray.remote(TrainerGroup).options(num_cpus=0).remote(model, train, temperature, seed, ...)`),
+(`ray.remote(TrainerGroup).options(num_cpus=0).remote(setup, ...)`),
 so the loop's `trainer.step.remote(groups)` etc. work unchanged. The group starts
 `train.parallel.world_size` `ParallelTrainerRank` actors, which rendezvous with torch.distributed
 on the Ray address of rank 0's node (127.0.0.1 when Ray runs on loopback) and a port free there,
@@ -17,14 +17,14 @@ run on the group's own node.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from typing import Any
 
-from titanrl.config.schema import ModelConfig, TrainConfig
 from titanrl.errors import ConfigError
+from titanrl.trainer.setup import TrainerSetup
 from titanrl.trainer.trainer import GRPOTrainer
-from titanrl.trainer.truncation import Truncation
 from titanrl.types import Group, PolicyVersion
 
 RENDEZVOUS_TIMEOUT_S = 120.0
@@ -56,7 +56,7 @@ def rank0_rendezvous_point(rank0_options: dict[str, Any]) -> tuple[str, int]:
 
 
 def trainer_device_type(device: str, world_size: int, cluster_gpus: float) -> str:
-    """'cpu' or 'cuda' for a `train.device` setting, given the GPUs Ray can hand out.
+    """'cpu' or 'cuda' for a `train.compute.device` setting, given the GPUs Ray can hand out.
 
     'auto' picks CUDA only when every rank can have its own GPU.
     """
@@ -65,13 +65,13 @@ def trainer_device_type(device: str, world_size: int, cluster_gpus: float) -> st
     if device == "cuda":
         if cluster_gpus < world_size:
             raise ConfigError(
-                f"train.device='cuda' with {world_size} trainer ranks needs {world_size} GPUs; Ray has "
-                f"{cluster_gpus:g}: lower the train.parallel degrees or set train.device='cpu'"
+                f"train.compute.device='cuda' with {world_size} trainer ranks needs {world_size} GPUs; Ray has "
+                f"{cluster_gpus:g}: lower the train.parallel degrees or set train.compute.device='cpu'"
             )
         return "cuda"
     if device == "auto":
         return "cuda" if cluster_gpus >= world_size else "cpu"
-    raise ConfigError(f"train.device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    raise ConfigError(f"train.compute.device must be 'auto', 'cpu' or 'cuda', got {device!r}")
 
 
 class ParallelTrainerRank(GRPOTrainer):
@@ -81,21 +81,16 @@ class ParallelTrainerRank(GRPOTrainer):
     rank 0 and None elsewhere, except get_version and load_state, which every rank answers.
     """
 
-    def __init__(
-        self, rank: int, world_size: int, master_addr: str, master_port: int, device_type: str,
-        model_config: ModelConfig, train_config: TrainConfig, temperature: float, seed: int,
-        batch_invariant: bool = False, truncation: Truncation | None = None,
-    ) -> None:
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, setup: TrainerSetup) -> None:
         """Loads the full policy, joins the world (blocks until every rank has), then shards it.
 
-        device_type: 'cpu' (gloo) or 'cuda' (NCCL; the actor holds one GPU, so LOCAL_RANK is 0).
+        setup.device_type: 'cpu' (gloo) or 'cuda' (NCCL; the actor holds one GPU, so LOCAL_RANK is 0).
         """
         os.environ.update(
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size),
-            LOCAL_RANK="0" if device_type == "cuda" else str(rank),
+            LOCAL_RANK="0" if setup.device_type == "cuda" else str(rank),
         )
-        super().__init__(model_config, train_config, temperature, seed, batch_invariant, device_type=device_type,
-                         truncation=truncation)
+        super().__init__(setup)
 
     def ready(self) -> int:
         """This actor's rank, once the world is joined and the model sharded."""
@@ -105,24 +100,22 @@ class ParallelTrainerRank(GRPOTrainer):
 class TrainerGroup:
     """GRPOTrainer's interface over a torch.distributed world of Ray actors (run it as a Ray actor)."""
 
-    def __init__(
-        self, model_config: ModelConfig, train_config: TrainConfig, temperature: float, seed: int,
-        batch_invariant: bool = False, *, rank_options: list[dict[str, Any]] | None = None,
-        device_type: str | None = None, truncation: Truncation | None = None,
-    ) -> None:
+    def __init__(self, setup: TrainerSetup, *, rank_options: list[dict[str, Any]] | None = None) -> None:
         """Starts the rank actors and waits until every one has joined the world and sharded the model.
 
         rank_options: Ray actor options per rank (resources and a scheduling strategy that pins
         it, e.g. `Placement.rank_options(r)`); None runs every rank on this actor's node.
-        device_type: 'cpu' or 'cuda' (what the placement reserved); None decides by
-        `trainer_device_type` from the cluster's GPUs.
+        setup.device_type: 'cpu' or 'cuda' (what the placement reserved); None decides by
+        `trainer_device_type` from the cluster's GPUs (a group built by hand).
         """
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        n = train_config.parallel.world_size
+        n = setup.train.parallel.world_size
+        device_type = setup.device_type
         if device_type is None:
-            device_type = trainer_device_type(train_config.device, n, ray.cluster_resources().get("GPU", 0))
+            device_type = trainer_device_type(setup.train.compute.device, n, ray.cluster_resources().get("GPU", 0))
+            setup = dataclasses.replace(setup, device_type=device_type)
         if rank_options is None:
             # One machine: this node's address (127.0.0.1 on a loopback Ray) is rank 0's.
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -133,10 +126,7 @@ class TrainerGroup:
                 raise ValueError(f"rank_options has {len(rank_options)} entries for a world of {n} ranks")
             addr, port = rank0_rendezvous_point(rank_options[0])
         self.ranks = [
-            ray.remote(ParallelTrainerRank).options(**rank_options[r]).remote(
-                r, n, addr, port, device_type, model_config, train_config, temperature, seed, batch_invariant,
-                truncation,
-            )
+            ray.remote(ParallelTrainerRank).options(**rank_options[r]).remote(r, n, addr, port, setup)
             for r in range(n)
         ]
         self.broken: str | None = None

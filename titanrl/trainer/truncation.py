@@ -1,6 +1,6 @@
 """The generator's truncated sampling distribution (top-k, then top-p), decided as vLLM decides it.
 
-With `rollout.top_k > 0` or `rollout.top_p < 1` vLLM samples from softmax(z) renormalised over a
+With `rollout.sampling.top_k > 0` or `rollout.sampling.top_p < 1` vLLM samples from softmax(z) renormalised over a
 kept set of tokens, z = logits / temperature in float32, and (logprobs_mode='processed_logprobs')
 reports log p_trunc(y) = z_y - logsumexp(z over the kept set). The trainer scores the same
 quantity on its own logits, so at equal weights the PPO ratio is 1, not the nucleus mass Z < 1.
@@ -54,9 +54,9 @@ class Truncation:
     @classmethod
     def scored_by_trainer(cls, rollout: RolloutConfig) -> Truncation | None:
         """What the trainer must truncate for `rollout`: None when nothing is truncated or when
-        `rollout.logprobs='raw'` (both sides then score the full softmax)."""
-        truncation = cls(rollout.top_k, rollout.top_p)
-        return truncation if truncation.active and rollout.logprobs == "sampled" else None
+        `rollout.sampling.logprobs='raw'` (both sides then score the full softmax)."""
+        truncation = cls(rollout.sampling.top_k, rollout.sampling.top_p)
+        return truncation if truncation.active and rollout.sampling.logprobs == "sampled" else None
 
 
 @torch.no_grad()

@@ -1,7 +1,7 @@
 """Tensors as plain bytes at process boundaries: a uint8 NumPy view, a dtype name and a shape.
 
 The trainer may run on another torch version than the driver and the workers (torch_xla's venv,
-`train.device='xla'`), so nothing it returns is a pickled torch object. Pickle protocol 5 hands
+`train.compute.device='xla'`), so nothing it returns is a pickled torch object. Pickle protocol 5 hands
 the NumPy views to Ray as out-of-band buffers, written straight into the object store.
 """
 

@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling (`rollout.dynamic_sampling`): a step trains on groups that carry a signal.
+"""DAPO's dynamic sampling (`rollout.shaping.dynamic_sampling`): a step trains on groups that carry a signal.
 
 A group whose rewards are all equal (`titanrl.rewards.health.rewards_all_equal`) has zero GRPO
 advantage for every sample, so it only dilutes the batch. `informative_groups` keeps a step's

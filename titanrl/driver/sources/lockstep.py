@@ -16,7 +16,7 @@ queued request, same rows, seeds and group ids. A part issued with the current w
 part, with max_staleness=0) yields the very samples the dead worker would have; one issued with
 an older policy is generated from the current weights instead (fresher, not the same bits).
 
-Dynamic sampling (`rollout.dynamic_sampling`, `sources.dynamic_sampling`) asks for extra
+Dynamic sampling (`rollout.shaping.dynamic_sampling`, `sources.dynamic_sampling`) asks for extra
 requests of fresh prompts while a step waits for its rollouts, with the current weights. They draw
 from the stream after every queued request and before the next one is queued, so a queued
 request's recorded stream position stays right, and a resume draws them again in the same order.

@@ -178,7 +178,7 @@ class Router(nn.Module):
     routing for the auxiliary loss and the metrics when `keep_routing` is set.
 
     `expert_bias` [E] (float32, zeros unless the trainer balances load without an auxiliary
-    loss, `train.moe_load_balance='bias'`) is added to the probabilities for the top-k choice
+    loss, `train.moe.load_balance='bias'`) is added to the probabilities for the top-k choice
     only, never to the combine weights (DeepSeek-V3's auxiliary-loss-free balancing). It is a
     non-persistent buffer: HF checkpoints have no such tensor, so state_dict (HF files, shape
     checks, exports) leaves it out; training checkpoints and weight pushes carry it by name

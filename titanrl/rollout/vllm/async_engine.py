@@ -356,7 +356,7 @@ class AsyncGenerator:
         queued = {request_id for request_id, _, _ in self._to_add}
         in_engine = sum(len(samples) for request_id, samples in self._versions.items() if request_id not in queued)
         released = sum(n for needed, n in self._waiting.items() if self.engine.policy_version < needed <= version)
-        startable = min(released, self.engine.config.max_num_seqs - in_engine)
+        startable = min(released, self.engine.config.settings.max_num_seqs - in_engine)
         return in_engine == 0 or startable >= in_engine
 
     def _running_tokens(self) -> dict[tuple[str, int], int]:

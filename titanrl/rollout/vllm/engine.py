@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from titanrl.busy_flags import BusySlot
+from titanrl.config.schema import EngineConfig
 from titanrl.rollout.vllm.names import BATCH_INVARIANT_KEY, VLLM_KERNELS_KEY
 from titanrl.rollout.vllm.plugin import register
 from titanrl.rollout.vllm.routing_record import ROUTING_KEY, fit_routing
@@ -48,12 +49,9 @@ class VllmEngineConfig:
     """HF checkpoint directory (config.json + safetensors + tokenizer) to start from."""
     dtype: str = "float32"
     """Weight/activation dtype; float32 is faster than bfloat16 on CPUs without bf16 units."""
-    max_model_len: int = 1024
-    """Longest prompt + completion a request may have (bounds KV-cache use per request)."""
-    max_num_seqs: int = 64
-    """Sequences decoded together; must cover prompts x n of a generate call for full speed."""
-    kv_cache_gib: float = 1.0
-    """KV-cache size in GiB (vLLM's kv_cache_memory_bytes; 1 GiB is plenty for tiny models)."""
+    settings: EngineConfig = field(default_factory=EngineConfig)
+    """The run's `rollout.engine` section: lengths, batch, KV cache, threads, kernels, multiprocess,
+    routing capture. `record_routed_experts` must be resolved (`titanrl.config.resolve`): None is off."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may use on GPU (ignored on CPU)."""
     enforce_eager: bool = True
@@ -74,28 +72,18 @@ class VllmEngineConfig:
     contexts arrive at once. Off, a prompt waits until it fits one step's token budget."""
     seed: int = 0
     """Engine seed (requests without their own seed draw from it)."""
-    multiprocess: bool = False
-    """Run the engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1); needs the
-    titanrl `vllm.general_plugins` entry point installed. In-process starts ~5x faster."""
     batch_invariant: bool = False
     """Run our model through `titanrl.kernels` (including attention over the paged cache), so
     its logprobs equal the trainer's bit for bit; see `titanrl.rollout.vllm.paged_attention`."""
     logprobs: str = "sampled"
     """Which logprobs generated tokens carry: 'sampled' (vLLM's processed logprobs, after
-    temperature and top-k / top-p) or 'raw' (vLLM's raw logprobs, before both); rollout.logprobs."""
-    record_routed_experts: bool = False
-    """Record the experts each token was routed through (mixture-of-experts checkpoints only):
-    every Completion then carries `routed_experts`; see `titanrl.rollout.vllm.routing_record`."""
+    temperature and top-k / top-p) or 'raw' (vLLM's raw logprobs, before both); rollout.sampling.logprobs."""
     extra_llm_kwargs: dict = field(default_factory=dict)
     """Passed to `vllm.LLM(...)` last, for options not surfaced here."""
     warm_up: bool = True
     """Generate two short requests (greedy and sampled) before the engine serves anything, so the
     one-time costs of the first generation (vLLM's sampler is compiled by inductor on first use,
     2-5 s on CPU) are paid at start-up instead of inside the first training step."""
-    vllm_kernels: bool = True
-    """On CPU, outside batch-invariant mode, run our model's linear layers, RMSNorms and rotary
-    through vLLM's own kernels (oneDNN on prepacked weights; `titanrl.models.common.vllm_kernels`);
-    False keeps torch's. Same weights and parameter names either way; pushes repack."""
 
     def __post_init__(self) -> None:
         if not (Path(self.checkpoint) / "config.json").is_file():
@@ -104,8 +92,9 @@ class VllmEngineConfig:
             raise ValueError(f"VllmEngineConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.logprobs not in ("sampled", "raw"):
             raise ValueError(f"VllmEngineConfig.logprobs must be 'sampled' or 'raw', got {self.logprobs!r}")
-        if self.max_model_len <= 0 or self.max_num_seqs <= 0 or self.kv_cache_gib <= 0:
-            raise ValueError("VllmEngineConfig.max_model_len, max_num_seqs and kv_cache_gib must be positive")
+        s = self.settings
+        if s.max_model_len <= 0 or s.max_num_seqs <= 0 or s.kv_cache_gib <= 0:
+            raise ValueError("VllmEngineConfig.settings' max_model_len, max_num_seqs and kv_cache_gib must be positive")
 
 
 @dataclass
@@ -206,7 +195,7 @@ class VllmEngine:
     with `generate` and in-place `update_weights`."""
 
     def __init__(self, config: VllmEngineConfig) -> None:
-        if config.multiprocess and not _has_entry_point():
+        if config.settings.multiprocess and not _has_entry_point():
             raise RuntimeError(
                 "VllmEngineConfig.multiprocess=True needs the titanrl 'vllm.general_plugins' entry point "
                 "(spawned engine processes cannot see a registration made here): `pip install -e .` "
@@ -221,7 +210,7 @@ class VllmEngine:
         self.config = config
         self.model_config = read_config(config.checkpoint)
         self.spec = spec_for(self.model_config)
-        if config.record_routed_experts and not self.spec.is_moe:
+        if config.settings.record_routed_experts and not self.spec.is_moe:
             raise ValueError(f"VllmEngineConfig.record_routed_experts=True needs a mixture-of-experts checkpoint; "
                              f"{config.checkpoint!r} is {self.model_config.HF_ARCHITECTURE}")
         self.policy_version = 0
@@ -229,16 +218,19 @@ class VllmEngine:
         self.last_push_views = 0
         """Tensors of the last push that the engine took as views of a shared-memory segment (zero copy)."""
         t0 = time.perf_counter()
-        with _env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if config.multiprocess else "0"}):
+        with _env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if config.settings.multiprocess else "0"}):
             kwargs = dict(
                 model=str(config.checkpoint),
                 tokenizer=str(config.checkpoint),
-                hf_overrides={"architectures": [self.spec.vllm_architecture],
-                              BATCH_INVARIANT_KEY: config.batch_invariant, VLLM_KERNELS_KEY: config.vllm_kernels},
+                hf_overrides={
+                    "architectures": [self.spec.vllm_architecture],
+                    BATCH_INVARIANT_KEY: config.batch_invariant,
+                    VLLM_KERNELS_KEY: config.settings.vllm_kernels,
+                },
                 dtype=config.dtype,
-                max_model_len=config.max_model_len,
-                max_num_seqs=config.max_num_seqs,
-                kv_cache_memory_bytes=int(config.kv_cache_gib * 2**30),
+                max_model_len=config.settings.max_model_len,
+                max_num_seqs=config.settings.max_num_seqs,
+                kv_cache_memory_bytes=int(config.settings.kv_cache_gib * 2**30),
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 enforce_eager=config.enforce_eager,
                 enable_prefix_caching=config.enable_prefix_caching,
@@ -250,11 +242,11 @@ class VllmEngine:
             )
             if not config.enable_chunked_prefill:
                 # Whole prompts only, so one step must fit the longest one.
-                kwargs["max_num_batched_tokens"] = max(config.max_model_len, 4096)  # vLLM's CPU default
+                kwargs["max_num_batched_tokens"] = max(config.settings.max_model_len, 4096)  # vLLM's CPU default
             self.llm = LLM(**{**kwargs, **config.extra_llm_kwargs})
         self.routing_layers = 0
         """Sparse layers whose routing is recorded (0: not recording)."""
-        if config.record_routed_experts:
+        if config.settings.record_routed_experts:
             self.routing_layers = self.llm.collective_rpc("titanrl_record_routing", args=(True,))[0]
         self._routing_keys = itertools.count()
         if config.warm_up:
@@ -265,8 +257,8 @@ class VllmEngine:
         self._closed = False
         self.activity = BusySlot.none()
         """Raised while the engine samples (`generate`, or `AsyncGenerator`'s steps), so the trainer
-        can take this worker's cores while it waits (the worker sets it: train.threads_when_rollouts_idle)."""
-        if not config.multiprocess:
+        can take this worker's cores while it waits (the worker sets it: train.compute.threads_when_rollouts_idle)."""
+        if not config.settings.multiprocess:
             global _in_process_engines
             _in_process_engines += 1
 
@@ -400,7 +392,7 @@ class VllmEngine:
             if name == self.spec.state_dict_adapter.head and self.model_config.tie_word_embeddings:
                 continue
             tensors[name] = t.detach().to("cpu").contiguous()
-        if self.config.multiprocess:
+        if self.config.settings.multiprocess:
             # Tensors in collective_rpc arguments do not survive its serialisation: the engine
             # core maps them from a shared-memory segment of this process instead (no file format).
             from titanrl.weight_sync.source import TensorsWeights
@@ -484,10 +476,10 @@ class VllmEngine:
             self._local_sender.close()
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
-        if not self.config.multiprocess:
+        if not self.config.settings.multiprocess:
             global _in_process_engines
             _in_process_engines -= 1
-        if not self.config.multiprocess and _in_process_engines == 0:
+        if not self.config.settings.multiprocess and _in_process_engines == 0:
             # In-process engines leave process-wide state behind: torch.distributed groups, a
             # frozen GC heap, cached vLLM env vars, a patched torch.set_num_threads (vLLM binds
             # its threads). Another engine still open in this process needs all of it.

@@ -29,10 +29,10 @@ def row_weights(aggregation: str, row_tokens_B: torch.Tensor, total_tokens: torc
         per_row = row_tokens_B
     elif aggregation == "seq-mean-token-sum-norm":
         if length_norm is None:
-            raise ValueError("train.loss_length_norm is None: set it (the driver sets rollout.max_new_tokens)")
+            raise ValueError("train.loss.length_norm is None: set it (the driver sets rollout.sampling.max_new_tokens)")
         per_row = torch.full_like(row_tokens_B, float(length_norm))
     else:
-        raise ValueError(f"unknown train.loss_aggregation {aggregation!r}")
+        raise ValueError(f"unknown train.loss.aggregation {aggregation!r}")
     weights = total_tokens / (sequences.clamp(min=1) * per_row.clamp(min=1))
     return torch.where(row_tokens_B > 0, weights, torch.zeros_like(weights))
 

@@ -63,7 +63,7 @@ def correction_weights(mode: str, proximal_BT: torch.Tensor, behaviour_BT: torch
         keep = (w >= low) & (w <= cap)
         weights, masked = torch.where(keep, w, torch.zeros_like(w)), trained & ~keep
     else:
-        raise ValueError(f"unknown train.off_policy_correction {mode!r}")
+        raise ValueError(f"unknown train.off_policy.correction {mode!r}")
     neg_inf = torch.full_like(w, float("-inf"))
     return weights, {
         "offpolicy_ratio_sum": (w * mask_BT).sum(),

@@ -1,4 +1,4 @@
-"""The policy-gradient term of each train.loss, summed over a micro-batch's weighted tokens.
+"""The policy-gradient term of each train.loss.objective, summed over a micro-batch's weighted tokens.
 
 Each returns (loss_sum, stats): loss_sum = sum over trained tokens of token_weight * loss_t
 (token_weights: aggregation and off-policy weights, constants; None is 1), which the step
@@ -27,7 +27,7 @@ def policy_loss(s: LossSettings, logprobs_BT: torch.Tensor, anchor_BT: torch.Ten
                                      token_weights_BT, row_sum, row_tokens_B)
     if s.loss == "cispo":
         return clipped_weight_loss(logprobs_BT, anchor_BT, advantages_B, mask_BT, s.clip_high, token_weights_BT)
-    raise ValueError(f"unknown train.loss {s.loss!r}")
+    raise ValueError(f"unknown train.loss.objective {s.loss!r}")
 
 
 def sequence_clipped_loss(logprobs_BT: torch.Tensor, anchor_BT: torch.Tensor, advantages_B: torch.Tensor,

@@ -18,17 +18,17 @@ class LossSettings:
     """What `GRPOStep._loss` computes, resolved from train.* fields."""
 
     loss: str
-    """train.loss."""
+    """train.loss.objective."""
     aggregation: str
-    """train.loss_aggregation, or the loss's own."""
+    """train.loss.aggregation, or the loss's own."""
     clip_low: float
     """Ratio clip below 1 (token ratio; gspo: sequence ratio; cispo: unused)."""
     clip_high: float
     """Ratio clip above 1 (cispo: the weight's truncation above 1)."""
     entropy_coef: float
-    """train.entropy_coef."""
+    """train.loss.entropy_coef."""
     length_norm: int | None
-    """train.loss_length_norm (seq-mean-token-sum-norm)."""
+    """train.loss.length_norm (seq-mean-token-sum-norm)."""
     correction: str
     """Off-policy correction ('none', 'tis_token', ...); decoupled_loss is 'tis_token'."""
     cap: float
@@ -51,17 +51,31 @@ class LossSettings:
 
 def loss_settings(cfg: TrainConfig) -> LossSettings:
     """`cfg`'s loss with each None resolved to the loss's own default."""
-    if cfg.loss == "gspo":
-        low, high = cfg.gspo_clip_eps
+    if cfg.loss.objective == "gspo":
+        low, high = cfg.loss.gspo_clip_eps
     else:
-        default_high = DAPO_CLIP_EPS_HIGH if cfg.loss in ("dapo", "cispo") else None
-        high = cfg.clip_eps_high if cfg.clip_eps_high is not None else default_high
-        low, high = cfg.clip_eps, cfg.clip_eps if high is None else high
-    if cfg.decoupled_loss and cfg.off_policy_correction == "none":
-        correction, cap, lo = "tis_token", cfg.behaviour_weight_cap, 0.0
+        default_high = DAPO_CLIP_EPS_HIGH if cfg.loss.objective in ("dapo", "cispo") else None
+        high = cfg.loss.clip_eps_high if cfg.loss.clip_eps_high is not None else default_high
+        low, high = cfg.loss.clip_eps, cfg.loss.clip_eps if high is None else high
+    if cfg.off_policy.decoupled_loss and cfg.off_policy.correction == "none":
+        correction, cap, lo = "tis_token", cfg.off_policy.behaviour_weight_cap, 0.0
     else:
-        correction, cap = cfg.off_policy_correction, cfg.off_policy_cap
-        lo = 1.0 / cap if cfg.off_policy_low is None else cfg.off_policy_low
-    scale = cfg.loss != "dr_grpo" if cfg.scale_advantages_by_std is None else cfg.scale_advantages_by_std
-    return LossSettings(cfg.loss, cfg.loss_aggregation or DEFAULT_AGGREGATION.get(cfg.loss, "token-mean"),
-                        low, high, cfg.entropy_coef, cfg.loss_length_norm, correction, cap, lo, scale)
+        correction, cap = cfg.off_policy.correction, cfg.off_policy.cap
+        lo = 1.0 / cap if cfg.off_policy.low is None else cfg.off_policy.low
+    scale = (
+        cfg.loss.objective != "dr_grpo"
+        if cfg.loss.scale_advantages_by_std is None
+        else cfg.loss.scale_advantages_by_std
+    )
+    return LossSettings(
+        cfg.loss.objective,
+        cfg.loss.aggregation or DEFAULT_AGGREGATION.get(cfg.loss.objective, "token-mean"),
+        low,
+        high,
+        cfg.loss.entropy_coef,
+        cfg.loss.length_norm,
+        correction,
+        cap,
+        lo,
+        scale,
+    )

@@ -1,4 +1,4 @@
-"""Activation checkpointing per decoder block (`train.activation_checkpointing`).
+"""Activation checkpointing per decoder block (`train.memory.activation_checkpointing`).
 
 A checkpointed block stores only its inputs during forward and recomputes its internals in
 backward (`torch.utils.checkpoint`, non-reentrant: it works under FSDP2, DTensor TP, pipeline
@@ -20,14 +20,14 @@ from titanrl.config.schema import ActivationCheckpointing
 def checkpointed_layers(num_layers: int, mode: ActivationCheckpointing, every: int) -> list[int]:
     """Indices (0-based, global) of the decoder blocks `mode` checkpoints in a model of `num_layers`."""
     if every < 1:
-        raise ValueError(f"train.activation_checkpointing_every must be >= 1, got {every}")
+        raise ValueError(f"train.memory.activation_checkpointing_every must be >= 1, got {every}")
     if mode == "none":
         return []
     if mode == "full":
         return list(range(num_layers))
     if mode == "every_nth":
         return [i for i in range(num_layers) if (i + 1) % every == 0]
-    raise ValueError(f"unknown train.activation_checkpointing {mode!r}: use 'none', 'full' or 'every_nth'")
+    raise ValueError(f"unknown train.memory.activation_checkpointing {mode!r}: use 'none', 'full' or 'every_nth'")
 
 
 def apply_activation_checkpointing(layers: Sequence[nn.Module], mode: ActivationCheckpointing, every: int) -> None:

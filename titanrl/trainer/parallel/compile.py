@@ -1,4 +1,4 @@
-"""`train.compile`: each decoder block through `torch.compile` (regional compilation).
+"""`train.compute.compile`: each decoder block through `torch.compile` (regional compilation).
 
 The eager block spends a third of a CPU step outside its matmuls, in chains of memory-bound
 elementwise ops (RMSNorm, rotary, SiLU-and-mul) and their backward, each reading and writing
@@ -19,7 +19,7 @@ grouped matmul has no float32 meta kernel for the compiler to trace).
 
 Inductor's CPU kernels take their thread count at run time (`cpp.dynamic_threads`), not the one
 `torch.get_num_threads()` gave at compile time: a block compiled while the trainer ran 1 thread
-(`train.threads_when_rollouts_idle`, during generation) was otherwise single-threaded for good,
+(`train.compute.threads_when_rollouts_idle`, during generation) was otherwise single-threaded for good,
 with no OpenMP region at all, when the idle workers' cores came free.
 """
 

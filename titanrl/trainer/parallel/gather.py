@@ -131,7 +131,7 @@ class GatheredWeights:
     an NCCL broadcast, sends it from there). On XLA they are host copies (`to_host`), made a bucket at a time.
 
     `extra` are tensors that are not parameters, sent after them as they are (the routers'
-    float32 expert biases with train.moe_load_balance='bias'; replicated, so rank 0 holds them).
+    float32 expert biases with train.moe.load_balance='bias'; replicated, so rank 0 holds them).
     """
 
     def __init__(self, pm: ParallelModel, dtype: torch.dtype, gather_bucket_bytes: int = 64 << 20,

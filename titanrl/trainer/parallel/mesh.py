@@ -41,7 +41,7 @@ def resolve_device_type(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda", "xla"):
-        raise ValueError(f"train.device must be 'auto', 'cpu', 'cuda' or 'xla', got {device!r}")
+        raise ValueError(f"train.compute.device must be 'auto', 'cpu', 'cuda' or 'xla', got {device!r}")
     return device
 
 

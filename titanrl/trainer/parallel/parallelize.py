@@ -2,8 +2,9 @@
 
 Order: context parallel (swap attention backends), activation checkpointing flags, pipeline
 split, then per stage tensor parallel, expert parallel (experts split over the ep ranks),
-torch.compile of each block (train.compile) and finally FSDP2 / HSDP over the data-parallel (x context-parallel) ranks. A tied embedding split across pipeline stages gets its
-gradient-summing group last (tied.py). The optimizers are built from the result
+torch.compile of each block (train.compute.compile) and finally FSDP2 / HSDP over the data-parallel
+(x context-parallel) ranks. A tied embedding split across pipeline stages gets its gradient-summing
+group last (tied.py). The optimizers are built from the result
 (titanrl.trainer.optimizer).
 """
 
@@ -108,8 +109,8 @@ def parallelize(model: DecoderForCausalLM, parallel: ParallelConfig, mesh: Devic
     compute_dtype: forward/backward dtype when it differs from the parameters' (mixed precision:
     FSDP2's MixedPrecisionPolicy, or mixed_precision.py's casts in a layout without FSDP); None or
     the parameters' dtype computes in that dtype.
-    compile_blocks: each decoder block through torch.compile (train.compile; compile.py).
-    onednn_linears: the linear layers' GEMMs through oneDNN (train.cpu_matmul; one CPU process only).
+    compile_blocks: each decoder block through torch.compile (train.compute.compile; compile.py).
+    onednn_linears: the linear layers' GEMMs through oneDNN (train.compute.cpu_matmul; one CPU process only).
     """
     if mesh is None and parallel.world_size != 1:
         raise ValueError(f"a layout of {parallel.world_size} ranks needs a device mesh (see mesh.build_mesh)")

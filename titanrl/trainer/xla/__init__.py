@@ -1,6 +1,6 @@
 """The trainer on torch_xla: what runs inside the XLA trainer process.
 
-`GRPOTrainer` with `train.device='xla'` keeps its one loss path (`GRPOStep`, which pads
+`GRPOTrainer` with `train.compute.device='xla'` keeps its one loss path (`GRPOStep`, which pads
 batches to `titanrl.trainer.shape_buckets` there so a run compiles a bounded number of
 programs); this package adds what XLA needs around it: the runtime and its SPMD mesh
 (runtime.py), the optimizer update without a host round trip (update.py), and CPU copies for the

@@ -31,8 +31,8 @@ try:
     import torch_xla.runtime as xr
 except ImportError as e:  # pragma: no cover - the main venv has no torch_xla
     raise ConfigError(
-        f"train.device='xla' needs torch_xla in the trainer's Python environment ({e}); build it with "
-        f"`make xla-venv` and run the trainer there, or set train.device='cpu'") from e
+        f"train.compute.device='xla' needs torch_xla in the trainer's Python environment ({e}); build it with "
+        f"`make xla-venv` and run the trainer there, or set train.compute.device='cpu'") from e
 
 from titanrl.trainer.xla.transfer import host_tree  # noqa: E402 (after the torch_xla check)
 
@@ -62,7 +62,7 @@ class XlaRuntime:
         inside the step; not ported to XLA)."""
         if spec_for(config).is_moe:
             raise ConfigError(f"a mixture-of-experts model (model.checkpoint holds {config.FAMILY}) is not supported "
-                              "with train.device='xla': use a dense checkpoint or train.device='cpu'")
+                              "with train.compute.device='xla': use a dense checkpoint or train.compute.device='cpu'")
 
     # ------------------------------------------------------------------ sharding
 
