@@ -9,7 +9,7 @@
 # Each part has its own time limit so one slow part cannot eat the other's.
 # --smoke: OUT_DIR is a fresh temporary folder, pytest only collects the CUDA tests (they need a
 # GPU to run), and trainer_step.py runs both calls with --smoke on the CPU (the tiny model; the
-# compile arm compiles it with Inductor, ~15 s on 2 cores with a cold cache).
+# compiled arm's Inductor compile takes ~27 s on 2 cores with a cold cache, ~5 s warm).
 # A machine whose Python lacks titanrl's pure-Python needs (the lent H200's image lacks tyro,
 # docstring_parser and typeguard) takes them as wheels in .whl/, fetched where pip works:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \

@@ -116,6 +116,13 @@ def run_arm(ckpt: str, overrides: dict, rows: int, completion: int, threads: int
     )
 
 
+def settings(overrides: dict) -> dict:
+    """An arm's TrainConfig overrides as JSON: the fields each section sets away from its default,
+    by field name (`{"activation_checkpointing": "full"}`, as the result files have them)."""
+    return {f.name: getattr(section, f.name) for section in overrides.values() for f in dataclasses.fields(section)
+            if getattr(section, f.name) != getattr(type(section)(), f.name)}
+
+
 def estimate(ckpt: str, overrides: dict, rows: int, completion: int) -> int:
     """`titanrl plan`'s estimate of the same single-process step (bytes)."""
     from titanrl.config import TrainConfig
@@ -182,7 +189,7 @@ def main() -> None:
                    "--completion", str(args.completion), "--threads", str(args.threads)]
             out = subprocess.run(cmd, capture_output=True, text=True)
             line = {"benchmark": "trainer_memory", "arm": arm, "layers": hf["num_hidden_layers"], "rows": args.rows,
-                    "seq_len": PROMPT_LEN + args.completion - 1, **ARMS[arm]}
+                    "seq_len": PROMPT_LEN + args.completion - 1, **settings(ARMS[arm])}
             if out.returncode != 0:
                 line["error"] = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
             else:
