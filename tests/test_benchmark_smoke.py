@@ -48,7 +48,7 @@ SECONDS_ALONE = {
     "moe_step.py": 19, "moe_replay.py": 17, "request_options.py": 15,
     "engine_thread.py": 14, "heap_threshold.py": 14, "trainer_memory.py": 16, "parallel_layouts.py": 11,
     "chunked_logprobs.py": 10, "gpu_kernels_check.py": 7, "trainer_step.py": 7, "gpu_model_check.py": 4,
-    "sandbox_pool.py": 1,
+    "sandbox_pool.py": 1, "shm_page_release.py": 2,
 }
 """Seconds of each smoke run alone on the 2-core AMD EPYC (AVX-512): only the order they start in
 (longest first, so neither queue ends with a long one; a script not listed counts as 30)."""
@@ -283,6 +283,13 @@ def check_weight_sync(records: list[dict]) -> None:
     summary = _one(records, summary="weight_sync")
     assert {"object_store", "shared_memory", "broadcast", "gloo_floor"} <= {k.split("/")[0] for k in summary["ratios"]}
     assert all(map(_positive, summary["ratios"].values()))
+
+
+def check_shm_page_release(records: list[dict]) -> None:
+    summary = _summary(records)
+    assert _positive(summary["release_over_keep"])
+    # Without the release the sender keeps the pushed segment resident; with it, much less.
+    assert min(summary["rss_growth_mib"]["keep"]) > max(summary["rss_growth_mib"]["release"])
 
 
 CHECKS: dict[str, Callable[[list[dict]], None]] = {

@@ -136,3 +136,27 @@ def test_stacked_rows_is_a_view_when_the_weights_lie_back_to_back():
     assert torch.equal(apart, torch.cat([q, flat[40:48].view(2, 4)])) and apart.data_ptr() != q.data_ptr()
     separate = [torch.randn(2, 4), torch.randn(3, 4)]
     assert torch.equal(stacked_rows(separate), torch.cat(separate))
+
+
+def test_written_segments_leave_the_senders_resident_memory_and_keep_their_data():
+    """After a push of 64 MiB, the sender's resident memory holds none of the segment (the pages
+    stay in /dev/shm: a process that maps the segment reads the pushed values)."""
+    from titanrl.memory import current_rss_bytes
+    from titanrl.weight_sync.segment import Segment
+
+    weights = {"w": torch.randn(16 << 20, generator=torch.Generator().manual_seed(0))}  # 64 MiB of float32
+    sender = SharedMemorySender(num_receivers=1, timeout_s=10)
+    try:
+        source = TensorsWeights(weights)
+        before = current_rss_bytes()
+        ann = sender.publish(1, source)
+        sender.send(1, source)
+        grown = current_rss_bytes() - before
+        assert grown < 8 << 20, f"the sender kept {grown / 2**20:.0f} MiB of the segment resident"
+        seg = Segment.attach(ann.segment)
+        try:
+            assert torch.equal(seg.data.view(torch.float32), weights["w"])
+        finally:
+            seg.close()
+    finally:
+        sender.close()

@@ -112,6 +112,13 @@ class Segment:
         """The flat weight buffer (uint8 view of the mapping)."""
         return self._buf[HEADER_BYTES : HEADER_BYTES + self.data_bytes]
 
+    def release_data_pages(self) -> None:
+        """Drops this process's resident pages of the data area. The segment keeps them (a shared
+        mapping of /dev/shm: the pages stay in the file, for every process that maps it), and this
+        process maps them back on its next access. The sender calls it after writing a version,
+        so a pushed model does not stay in the trainer's resident memory."""
+        self._mm.madvise(mmap.MADV_DONTNEED, HEADER_BYTES, len(self._mm) - HEADER_BYTES)
+
     def begin(self, version: int) -> None:
         """Sender: about to write `version`; nobody has loaded it yet."""
         self._buf[_DONE : _DONE + self.num_receivers] = 0

@@ -13,6 +13,10 @@ Ray's messaging orders the rest. Segments are reused once every receiver has loa
 hold: steady state writes into memory already mapped everywhere (a fresh tmpfs segment costs
 ~10x a memory copy in page faults).
 
+Memory: the trainer's pages of a segment are dropped after each write (`release_data_pages`):
+the data stays in /dev/shm for the workers, and the trainer's resident memory does not grow by a
+model per segment. The next write into the segment maps its pages back (minor faults, no zeroing).
+
 Lifetime: a segment's name is removed as soon as every receiver has mapped it (by the last
 receiver, or by the sender on its next publish); the memory lives while someone maps it and
 goes with the last process. So a crashed driver leaves names behind only for segments a
@@ -108,6 +112,9 @@ class SharedMemorySender:
                 write_piece(dst, first, flat[first : first + count])
                 seg.set_written(spec.offset + (first + count) * spec.itemsize)
         seg.set_written(layout.total_bytes)
+        # The workers read the version from /dev/shm; the trainer keeps none of it resident (a
+        # model-sized push would otherwise count in its memory until the segment is rewritten).
+        seg.release_data_pages()
 
     def _free_segment(self, data_bytes: int) -> Segment:
         deadline = time.monotonic() + self.timeout_s
