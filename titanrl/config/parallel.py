@@ -152,12 +152,10 @@ def check_compile(train: TrainConfig, batch_invariant: bool, device: str | None 
         return
     if batch_invariant:
         raise ConfigError("train.compute.compile=True with batch_invariant=True: inductor's fused kernels would "
-                          "replace the "
-                          "batch-invariant ones the generator's bits depend on. Set one of them to False")
+                          "replace the batch-invariant ones the generator's bits depend on. Set one of them to False")
     if (device or train.compute.device) == "xla":
         raise ConfigError("train.compute.compile=True with train.compute.device='xla': the XLA trainer compiles "
-                          "each step itself; "
-                          "set train.compute.compile=False")
+                          "each step itself; set train.compute.compile=False")
     p = train.parallel
     if p.world_size > 1 or p.ep > 1:
         degrees = ", ".join(f"{d}={getattr(p, d)}" for d in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")

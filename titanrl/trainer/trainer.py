@@ -26,6 +26,7 @@ import torch
 from titanrl.models.architectures import spec_for
 from titanrl.busy_flags import BusyFlags
 from titanrl.config.parallel import check_compile, check_idle_threads, uses_onednn_linears
+from titanrl.config.resolve import heap_mmap_threshold_mib as resolved_heap_threshold
 from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig, compute_dtype
 from titanrl.errors import ConfigError
 from titanrl.memory import LARGE_MODEL_PARAMS, auto_heap_mmap_threshold_mib, peak_rss_gib, set_heap_mmap_threshold
@@ -593,8 +594,7 @@ def _moe_metrics(passes: list) -> dict[str, float]:
 
 
 def heap_mmap_threshold_mib(train_config: TrainConfig, parts: list[torch.nn.Module]) -> int:
-    """train.memory.heap_mmap_threshold_mib, with None (auto) resolved by the parameters of `parts` (the
-    policy's modules on this rank; a DTensor counts at its full size)."""
-    if train_config.memory.heap_mmap_threshold_mib is not None:
-        return train_config.memory.heap_mmap_threshold_mib
-    return auto_heap_mmap_threshold_mib(sum(p.numel() for part in parts for p in part.parameters()))
+    """train.memory.heap_mmap_threshold_mib by `resolve`'s rule, counting the parameters of `parts` (the
+    policy's modules on this rank; a DTensor counts at its full size). A run's config arrives resolved;
+    a trainer built by hand with None gets the same value here."""
+    return resolved_heap_threshold(train_config, sum(p.numel() for part in parts for p in part.parameters()))
