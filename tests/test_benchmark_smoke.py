@@ -40,7 +40,7 @@ RESULTS = BENCHMARKS / "results"
 SCRIPTS = sorted([*BENCHMARKS.glob("*.py"), *BENCHMARKS.glob("*.sh")])
 TIMEOUT_S = 600
 """Per script; a smoke run takes seconds to about a minute here (AVX2 machines run this suite 2-3x slower)."""
-RAY_SCRIPTS = {"async_speedup.py", "continuous_vs_lockstep.py", "vs_trl.py", "weight_sync.py"}
+RAY_SCRIPTS = {"async_speedup.py", "continuous_vs_lockstep.py", "vs_trl.py", "weight_sync.py", "actor_memory.py"}
 """Scripts that start a Ray instance (titanrl.train or actors of their own): one at a time."""
 SECONDS_ALONE = {
     "continuous_vs_lockstep.py": 57, "async_speedup.py": 48, "vs_trl.py": 44, "weight_sync.py": 40,
@@ -48,7 +48,7 @@ SECONDS_ALONE = {
     "moe_step.py": 19, "moe_replay.py": 17, "request_options.py": 15,
     "engine_thread.py": 14, "heap_threshold.py": 14, "trainer_memory.py": 16, "parallel_layouts.py": 11,
     "chunked_logprobs.py": 10, "gpu_kernels_check.py": 7, "trainer_step.py": 7, "gpu_model_check.py": 4,
-    "sandbox_pool.py": 1, "shm_page_release.py": 2,
+    "sandbox_pool.py": 1, "shm_page_release.py": 2, "actor_memory.py": 40,
 }
 """Seconds of each smoke run alone on the 2-core AMD EPYC (AVX-512): only the order they start in
 (longest first, so neither queue ends with a long one; a script not listed counts as 30)."""
@@ -255,6 +255,15 @@ def check_sandbox_pool(records: list[dict]) -> None:
     line = _one(records, benchmark="sandbox_pool")
     assert _positive(line["latency"]["ratio_one_shot_over_pool_median"])
     assert _positive(line["throughput"]["ratio_pool_over_one_shot"])
+
+
+def check_actor_memory(records: list[dict]) -> None:
+    arm = _one(records, arm="smoke")
+    # The plan chose every memory setting, and both actors' estimates are near what they measured.
+    assert set(arm["chosen"]) == {"train.memory.activation_checkpointing", "train.memory.micro_batch_size",
+                                  "rollout.engine.vllm_kernels", "rollout.engine.kv_cache_gib"}
+    assert 0.5 < arm["trainer_ratio"] < 2 and 0.5 < arm["worker_ratio"] < 2
+    assert _summary(records)["failed"] == 0
 
 
 def check_trainer_memory(records: list[dict]) -> None:

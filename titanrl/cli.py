@@ -302,9 +302,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.print_config:
         from titanrl.config import validate
         from titanrl.config.resolve import resolve
+        from titanrl.planning.fit import with_memory_plan
 
         validate(config)
-        print(resolve(config).to_json(), end="")
+        resolved = with_memory_plan(resolve(config))
+        print("\n".join(resolved.memory_summary), file=sys.stderr)  # the JSON on stdout stays parseable
+        print(resolved.to_json(), end="")
         return EXIT_OK
     try:
         result = titanrl.driver.train.train(config, resume=args.resume)

@@ -32,7 +32,6 @@ config = titanrl.RunConfig(
         # Generate the next batch while training on this one: both CPU cores stay busy, and the
         # PPO clip then bounds each step. On-policy (0) this lr collapses; see README.md.
         max_staleness=1,
-        memory=titanrl.MemoryConfig(micro_batch_size=512),
     ),
     eval=titanrl.EvalConfig(every_steps=25),
     rewards=[reward],

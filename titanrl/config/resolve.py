@@ -17,7 +17,10 @@ through its model spec, so the driver, the actors, `config.resolved.json` in the
   against the GPUs Ray has) and `rollout.weight_transport` ('auto' against the cluster and
   /dev/shm);
 - `generator_dtype`: the dtype the generators compute in (the trainer's compute dtype, which the
-  pushed weights arrive in).
+  pushed weights arrive in);
+- then `titanrl.planning.fit.with_memory_plan` chooses the `auto` memory settings
+  (train.memory.activation_checkpointing and micro_batch_size, rollout.engine.vllm_kernels and
+  kv_cache_gib) from the memory plan, or refuses the run; `ResolvedRunConfig.memory` keeps the plan.
 
 `ResolvedRunConfig.model` records what the checkpoint is (family, size), so a printed config
 says which model a run trains without opening the checkpoint.
@@ -66,6 +69,11 @@ class ResolvedRunConfig:
     trainer_device: str | None = None
     """'cpu', 'cuda' or 'xla': what the run's placement reserved for the trainer (`placed`); None
     until Ray has started (`--print-config` shows the config before that)."""
+    memory: dict[str, Any] | None = None
+    """The memory plan the `auto` memory settings were chosen from (`titanrl.planning.fit.MemoryFit.record`:
+    the settings, each actor's estimate by term, the node's budget); None when not planned."""
+    memory_summary: tuple[str, ...] = ()
+    """What start-up prints about memory: the plan's lines, or why there is none."""
 
     def placed(self, trainer_device: str, weight_transport: str) -> ResolvedRunConfig:
         """This config once the cluster is known: the trainer's device and the concrete weight
@@ -81,9 +89,11 @@ class ResolvedRunConfig:
 
     def record(self) -> dict[str, Any]:
         """JSON-ready: the config as `config.json` records it, plus the model facts."""
+        memory = self.memory if self.memory is not None else {"planned": False, "why": " ".join(self.memory_summary)}
         return {**config_record(self.config), "resolved": {"model": dataclasses.asdict(self.model),
                                                            "generator_dtype": self.generator_dtype,
-                                                           "trainer_device": self.trainer_device}}
+                                                           "trainer_device": self.trainer_device,
+                                                           "memory": memory}}
 
     def to_json(self) -> str:
         return json.dumps(self.record(), indent=2) + "\n"
@@ -131,7 +141,8 @@ def model_facts(checkpoint: str) -> ModelFacts:
 
 
 def resolve(config: RunConfig) -> ResolvedRunConfig:
-    """`config` (already validated) with its derived settings filled, and what its checkpoint holds."""
+    """`config` (already validated) with its derived settings filled, and what its checkpoint holds.
+    Its `auto` memory settings are still 'auto': `titanrl.planning.fit.with_memory_plan` chooses them."""
     facts = model_facts(config.model.checkpoint)
     rc, tc = config.rollout, config.train
     engine = dataclasses.replace(rc.engine, record_routed_experts=records_routed_experts(rc, facts.is_moe))

@@ -24,6 +24,8 @@ PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
 """Pipeline schedules (config/parallel.py knows how many stages each runs per rank)."""
 ActivationCheckpointing = Literal["none", "full", "every_nth"]
 """Which decoder blocks recompute their activations in backward instead of storing them."""
+Auto = Literal["auto"]
+"""A memory setting resolved from the run's memory plan before any actor starts (titanrl/planning/fit.py)."""
 CpuMatmul = Literal["auto", "mkl", "onednn"]
 """Which library runs the CPU trainer's float32 linear layers (train.compute.cpu_matmul)."""
 MoeLoadBalance = Literal["aux_loss", "bias", "none"]
@@ -114,15 +116,20 @@ class EngineConfig:
     """Longest prompt + completion the engine accepts."""
     max_num_seqs: int = 256
     """Sequences the engine batches at once; should cover prompts_per_step * group_size."""
-    kv_cache_gib: float = 1.0
-    """KV-cache memory per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    kv_cache_gib: float | Auto = "auto"
+    """KV-cache memory per engine on CPU (VLLM_CPU_KVCACHE_SPACE). 'auto' (resolved from the memory
+    plan before start-up): room for the worker's share of a step's sequences at max_model_len
+    tokens each, at least 1 GiB; less, down to one max_model_len sequence, only when the node's
+    memory cannot hold the run otherwise (generation then runs fewer sequences at once)."""
     multiprocess: bool = False
     """Run vLLM's engine core in its own process (slower start on CPU, isolates crashes)."""
-    vllm_kernels: bool = True
+    vllm_kernels: bool | Auto = "auto"
     """On CPU, outside batch-invariant mode, run the model's linear layers and rotary through
     vLLM's own kernels (oneDNN on prepacked weights): faster generation, but every weight push
-    repacks (~4 memory copies of the model per worker, measured). False: torch's kernels on the
-    Parameters themselves, so a zero-copy shared-memory push costs the trainer's one copy."""
+    repacks (~4 memory copies' time of the model per worker, measured) and the packed copies take
+    the linear weights' memory once more. False: torch's kernels on the Parameters themselves, so
+    a zero-copy shared-memory push costs the trainer's one copy. 'auto' (resolved from the memory
+    plan before start-up): on, unless the node's memory needs the packed copies' room."""
     threads: int = 1
     """Intra-op threads of each worker; 1 is robust on a busy 2-core machine."""
     record_routed_experts: bool | None = None
@@ -441,18 +448,23 @@ class ComputeConfig:
 class MemoryConfig:
     """What the trainer holds at once: micro-batches, logit chunks, activations, heap."""
 
-    micro_batch_size: int = 64
-    """Sequences per forward/backward; gradients accumulate to one step per batch."""
+    micro_batch_size: int | Auto = "auto"
+    """Sequences per forward/backward; gradients accumulate to one step per batch. 'auto' (resolved
+    from the memory plan before start-up, with activation_checkpointing): the fastest setting that
+    fits the node, that is a data-parallel rank's whole batch in one micro-batch when it fits, else
+    the largest power of two that does; 64 for a trainer built by hand, with no plan."""
     logprob_chunk_tokens: int | None = None
     """Tokens whose LM-head logits exist at once: the head, log-softmax and its backward run over
     chunks of this many tokens (logits recomputed in backward), so a micro-batch never holds its
     full [tokens, vocab] logits. None (the default): as many tokens as fit 128 MiB of float32 logits
     (220 at Qwen3's 151,936-token vocabulary; a tiny vocabulary's micro-batch is one chunk). A
     chunk's backward holds ~3 such buffers; smaller saves memory, at a little speed."""
-    activation_checkpointing: ActivationCheckpointing = "none"
+    activation_checkpointing: ActivationCheckpointing | Auto = "auto"
     """Decoder blocks that keep only their input for backward and recompute the rest there
     (saves activation memory for about one more forward): 'none', 'full' (every block) or
-    'every_nth' (every activation_checkpointing_every-th block). Gradients are unchanged."""
+    'every_nth' (every activation_checkpointing_every-th block). Gradients are unchanged. 'auto'
+    (resolved from the memory plan before start-up): 'none' when some micro-batch size fits the
+    node without it, else 'full'; 'none' for a trainer built by hand, with no plan."""
     activation_checkpointing_every: int = 2
     """With activation_checkpointing='every_nth': checkpoint blocks N, 2N, ... (1-based), N >= 1."""
     heap_mmap_threshold_mib: int | None = None

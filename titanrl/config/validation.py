@@ -65,7 +65,7 @@ def _dotted(config: RunConfig, dotted: str) -> Any:
 def _positive(config: RunConfig, *dotted: str) -> None:
     for d in dotted:
         value = _dotted(config, d)
-        if value <= 0:
+        if value != "auto" and value <= 0:  # 'auto': a memory setting the plan resolves
             raise ConfigError(f"{d} must be > 0, got {value}")
 
 

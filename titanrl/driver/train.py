@@ -31,6 +31,7 @@ from titanrl.driver.ray_runtime import init_ray, ship_user_code_by_value
 from titanrl.driver.signals import SigtermAsInterrupt
 from titanrl.driver.weight_transport import choose_weight_transport, shm_free_bytes
 from titanrl.errors import RunStopped, RunTerminated
+from titanrl.planning.fit import with_memory_plan
 from titanrl.rundir.driver_state import read_driver_state
 from titanrl.rundir.layout import create_run_dir, reopen_run_dir, set_aside_after, write_resolved_config
 from titanrl.rundir.checkpoints import RunCheckpoint
@@ -67,7 +68,9 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
     started = time.perf_counter()
     show_messages()
     validate(config)
-    resolved = resolve(config)
+    resolved = with_memory_plan(resolve(config))  # refuses a run the memory plan says cannot fit
+    for line in resolved.memory_summary:
+        log.info(line)
     train_rows, eval_rows = load_run_rows(config)
     checkpoint, driver_state = None, None
     if resume:

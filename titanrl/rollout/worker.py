@@ -17,6 +17,7 @@ import torch
 from titanrl.busy_flags import BusySlot
 from titanrl.config import resolve_env_factory, resolve_reward
 from titanrl.config.resolve import ResolvedRunConfig
+from titanrl.config.unplanned import concrete_engine
 from titanrl.memory import peak_rss_gib
 from titanrl.rollout.run_scorer import run_scorer
 from titanrl.rollout.single_turn import OverlongPenalty, SingleTurn, scored_summary
@@ -38,7 +39,7 @@ class RolloutWorker:
         config = resolved.config
         rc = config.rollout
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(rc.engine.kv_cache_gib)))
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(concrete_engine(rc.engine).kv_cache_gib)))
         torch.set_num_threads(rc.engine.threads)
         # vLLM's CPU worker replaces torch.set_num_threads with a stub that warns on every
         # call (its tokenizer path calls it per request); the thread count is set here.

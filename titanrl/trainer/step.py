@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from titanrl import kernels
 from titanrl.config.schema import TrainConfig
+from titanrl.config.unplanned import concrete_train
 from titanrl.trainer.batch import PackedBatch
 from titanrl.trainer.chunked_logprobs import chunked_token_logprobs
 from titanrl.models.packed_sequences import packed_attention_layout
@@ -189,7 +190,8 @@ class GRPOStep:
     def __init__(self, pm: ParallelModel, optimizers: list[torch.optim.Optimizer], train_config: TrainConfig,
                  temperature: float, batch_invariant: bool = False, truncation: Truncation | None = None,
                  xla: Any = None) -> None:
-        self.pm, self.optimizers, self.cfg, self.temperature = pm, optimizers, train_config, temperature
+        self.pm, self.optimizers, self.temperature = pm, optimizers, temperature
+        self.cfg = concrete_train(train_config)  # 'auto' memory settings a driver did not plan
         self.xla = xla
         """The XLA runtime (titanrl.trainer.xla.runtime.XlaRuntime) when the model is on XLA:
         batches run at bucketed shapes, sharded over its SPMD mesh, and nothing is read back

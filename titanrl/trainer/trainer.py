@@ -28,6 +28,7 @@ from titanrl.busy_flags import BusyFlags
 from titanrl.config.parallel import check_compile, check_idle_threads, uses_onednn_linears
 from titanrl.config.resolve import heap_mmap_threshold_mib as resolved_heap_threshold
 from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig, compute_dtype
+from titanrl.config.unplanned import concrete_train
 from titanrl.errors import ConfigError
 from titanrl.memory import LARGE_MODEL_PARAMS, auto_heap_mmap_threshold_mib, peak_rss_gib, set_heap_mmap_threshold
 from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
@@ -76,7 +77,8 @@ class GRPOTrainer:
         A parallel layout (`train.parallel.world_size > 1`) needs the torch.distributed env vars
         (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) set: `ParallelTrainerRank` does.
         """
-        model_config, train_config, temperature, seed = setup.model, setup.train, setup.temperature, setup.seed
+        model_config, temperature, seed = setup.model, setup.temperature, setup.seed
+        train_config = concrete_train(setup.train)  # 'auto' memory settings a driver did not plan
         batch_invariant, truncation = setup.batch_invariant, setup.truncation
         device_type = resolve_device_type(
             train_config.compute.device if setup.device_type is None else setup.device_type

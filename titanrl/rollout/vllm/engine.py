@@ -31,6 +31,7 @@ import torch
 
 from titanrl.busy_flags import BusySlot
 from titanrl.config.schema import EngineConfig
+from titanrl.config.unplanned import concrete_engine
 from titanrl.rollout.vllm.names import BATCH_INVARIANT_KEY, VLLM_KERNELS_KEY
 from titanrl.rollout.vllm.plugin import register
 from titanrl.rollout.vllm.routing_record import ROUTING_KEY, fit_routing
@@ -92,7 +93,7 @@ class VllmEngineConfig:
             raise ValueError(f"VllmEngineConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.logprobs not in ("sampled", "raw"):
             raise ValueError(f"VllmEngineConfig.logprobs must be 'sampled' or 'raw', got {self.logprobs!r}")
-        s = self.settings
+        s = self.settings = concrete_engine(self.settings)  # an 'auto' KV cache a driver did not plan
         if s.max_model_len <= 0 or s.max_num_seqs <= 0 or s.kv_cache_gib <= 0:
             raise ValueError("VllmEngineConfig.settings' max_model_len, max_num_seqs and kv_cache_gib must be positive")
 
