@@ -19,6 +19,9 @@ set, getrusage, over the steps), and prints one JSON line per arm:
   trainer_estimate_gib   the plan's trainer peak (it includes the final export's copy of the
                          weights, which comes after the last step's metric: see trainer_note)
   trainer_measured_gib   the highest memory/trainer_peak_gib of the steps
+  trainer_estimate_trained_gib: the same estimate for the sequences the steps really trained
+                         (train/tokens / sequences per step, instead of max_model_len): the memory
+                         model's own error, apart from the plan's bound on sequence length
   worker_estimate_gib, worker_measured_gib: the same for the rollout worker
   *_ratio                estimate / measured (goal: within 0.75-1.25)
   step_s                 seconds per step (mean of the two)
@@ -31,7 +34,9 @@ absolute numbers depend on the CPU and the vLLM build (say which).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import platform
 import subprocess
@@ -60,6 +65,23 @@ def cpu_name() -> str:
     return platform.processor()
 
 
+def trained_estimate_gib(checkpoint: Path, args: list[str], chosen: dict, trained_tokens: float) -> float:
+    """The plan's trainer peak at the chosen settings for sequences of the trained length."""
+    from titanrl.cli import _load
+    from titanrl.planning.fit import layout_of, trainer_workload
+    from titanrl.planning.memory import estimate
+    from titanrl.planning.shape import ModelShape
+
+    overrides = [a.removeprefix("--") for a in args] + [f"model.checkpoint={checkpoint}"]
+    config = _load(str(ROOT / "examples" / "arithmetic" / "config.py"), overrides)
+    work = trainer_workload(config)
+    rows = work.batch
+    work = dataclasses.replace(work, seq_len=max(1, math.ceil(trained_tokens / rows)),
+                               micro_batch=chosen["train.memory.micro_batch_size"],
+                               activation_checkpointing=chosen["train.memory.activation_checkpointing"])
+    return estimate(ModelShape.from_config_json(checkpoint), layout_of(config), work).peak / (1 << 30)
+
+
 def run_arm(name: str, checkpoint: Path, args: list[str], work: Path) -> dict:
     out = work / f"run-{name}"
     command = [sys.executable, "-m", "titanrl.cli", "train", str(ROOT / "examples" / "arithmetic" / "config.py"),
@@ -78,11 +100,14 @@ def run_arm(name: str, checkpoint: Path, args: list[str], work: Path) -> dict:
     worker_measured = max(s["memory/worker_peak_gib"] for s in steps)
     trainer_estimate = memory["trainer"]["peak"] / gib
     worker_estimate = memory["worker"]["peak"] / gib
+    trained = trained_estimate_gib(checkpoint, args, memory["settings"], max(s["train/tokens"] for s in steps))
     return {
         "arm": name, "parameters": resolved["model"]["parameters"], "chosen": memory["settings"],
         "plan_total_gib": round(memory["total_bytes"] / gib, 2), "budget_gib": round(memory["budget_bytes"] / gib, 2),
         "trainer_estimate_gib": round(trainer_estimate, 2), "trainer_measured_gib": round(trainer_measured, 2),
         "trainer_ratio": round(trainer_estimate / trainer_measured, 3),
+        "trainer_estimate_trained_gib": round(trained, 2), "trainer_trained_ratio": round(trained / trainer_measured, 3),
+        "trained_tokens_per_step": max(s["train/tokens"] for s in steps),
         "trainer_export_copy_gib": round(memory["trainer"]["export_copy"] / gib, 2),
         "trainer_note": "the estimate's peak includes the final export's copy; the measured steps end before it",
         "worker_estimate_gib": round(worker_estimate, 2), "worker_measured_gib": round(worker_measured, 2),
@@ -112,6 +137,7 @@ def main() -> None:
     ok = [r for r in records if "error" not in r]
     summary = {"summary": True, "cpu": cpu_name(), "arms": len(records), "failed": len(records) - len(ok),
                "trainer_ratios": {r["arm"]: r["trainer_ratio"] for r in ok},
+               "trainer_trained_ratios": {r["arm"]: r["trainer_trained_ratio"] for r in ok},
                "worker_ratios": {r["arm"]: r["worker_ratio"] for r in ok}}
     lines = [json.dumps(r) for r in records + [summary]]
     print("\n".join(lines))

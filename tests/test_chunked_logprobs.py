@@ -191,3 +191,56 @@ def test_no_saved_tensor_holds_more_than_a_chunk_of_logits(case):
     unchunked = _vocab_sized_saves(
         lambda: token_logprobs(trainer.model(b.input_ids_BT), b.targets_BT, 0.8).sum().backward(), vocab)
     assert max(torch.Size(s).numel() // vocab for s in unchunked) >= b.input_ids_BT.numel() > chunk
+
+
+class _ShapesMade(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shape of every new tensor an op returns while active (not an in-place op's input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.data_ptr() for a in [*args, *(kwargs or {}).values()] if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in inputs:
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+def _two_micro_batches(weight: torch.nn.Parameter) -> list[list[tuple[int, ...]]]:
+    """Backward of two micro-batches into `weight.grad`; the shapes each backward made."""
+    gen = torch.Generator().manual_seed(3)
+    made = []
+    for _ in range(2):
+        hidden = torch.randn(24, weight.shape[1], generator=gen).to(weight.dtype)
+        targets = torch.randint(weight.shape[0], (24,), generator=gen)
+        logprobs, entropy = chunked_token_logprobs(hidden, weight, targets, chunk_tokens=8)
+        loss = logprobs.sum() + 0.1 * entropy.sum()
+        with _ShapesMade() as mode:
+            loss.backward()
+        made.append(mode.shapes)
+    return made
+
+
+def test_a_later_micro_batch_adds_the_head_gradient_in_place(monkeypatch):
+    """The second micro-batch's head gradient goes straight into weight.grad: no [V, D] tensor is
+    made in its backward, and the accumulated gradient equals float64's sum of both."""
+    import titanrl.trainer.chunked_logprobs as module
+
+    V, D = 1000, 16
+    start = torch.randn(V, D, generator=torch.Generator().manual_seed(0)) * 0.1
+    weight = torch.nn.Parameter(start.clone())
+    made = _two_micro_batches(weight)
+    assert (V, D) in made[0]  # the first micro-batch's gradient is a fresh tensor (there is no .grad yet)
+    assert (V, D) not in made[1]
+    reference = torch.nn.Parameter(start.double())  # float64: never in place, the returned gradients summed
+    _two_micro_batches(reference)
+    torch.testing.assert_close(weight.grad, reference.grad.float(), rtol=1e-5, atol=1e-6)
+
+    # Negative control: without the in-place path the second backward makes its [V, D] gradient.
+    monkeypatch.setattr(module, "grad_accumulates_in_place", lambda weight, group: False)
+    plain = torch.nn.Parameter(start.clone())
+    assert (V, D) in _two_micro_batches(plain)[1]
+    torch.testing.assert_close(plain.grad, weight.grad, rtol=1e-6, atol=1e-7)

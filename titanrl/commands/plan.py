@@ -78,7 +78,8 @@ def _table(p: Plan, hints: list[str], top: int | None) -> str:
         "params: stored shards (+ float32 master copy, + the KL reference's shards with --kl-reference);",
         "grads: float32 shards; optim: AdamW's two float32 moments;",
         "fsdp: gathered compute-dtype units, unsharded gradients and their accumulation over micro-batches;",
-        "peak: params + grads + optim + max(fsdp + act + logit, AdamW step temporaries) + CUDA context (1 GiB).",
+        "peak: params + grads + optim + max(fsdp + act + logit (+ a later micro-batch's embedding and head",
+        "gradients beside .grad, without FSDP), AdamW step temporaries) + CUDA context (1 GiB).",
         "",
     ]
     rows = [[name for name, _ in COLUMNS]] + [_row(c) for c in p.candidates[:top]]

@@ -149,8 +149,9 @@ class MemoryFit:
         return [
             f"memory plan, trainer ({self.trainer_ranks} rank(s)): {self._chosen('train.')}; estimate "
             f"{t.peak / GiB:.2f} GiB per rank (weights, gradients and AdamW {t.resident / GiB:.2f}; then the larger "
-            f"of a step's activations {t.activations / GiB:.2f} + logits {t.logits / GiB:.2f} and a checkpoint "
-            f"export's copy {t.export_copy / GiB:.2f}; process {t.baseline / GiB:.2f})",
+            f"of a step's activations {t.activations / GiB:.2f} + logits {t.logits / GiB:.2f} + embedding "
+            f"gradients {t.embedding_gradients / GiB:.2f} and a checkpoint export's copy {t.export_copy / GiB:.2f}; "
+            f"process {t.baseline / GiB:.2f})",
             f"memory plan, rollout worker (x{self.workers}): {self._chosen('rollout.')}; estimate {w.peak / GiB:.2f} "
             f"GiB each (weights {w.weights / GiB:.2f}, packed kernels {w.packed / GiB:.2f}, KV cache "
             f"{w.kv_cache / GiB:.2f}, sampler {w.sampler / GiB:.2f}, process {w.baseline / GiB:.2f})",
@@ -256,13 +257,18 @@ def worker_options(config: RunConfig, shape: ModelShape, dtype: str) -> list[Wor
     return [WorkerOption(k, sizes[0]) for k in kernels] + [WorkerOption(kernels[-1], s) for s in sizes[1:]]
 
 
-def _candidates(config: RunConfig, shape: ModelShape, node: NodeMemory) -> Iterator[MemoryFit]:
-    layout = layout_of(config)
-    generator_dtype = config.generator_dtype
-    work = Workload(seq_len=planned_seq_len(config), batch=config.rollout.prompts_per_step * config.rollout.group_size,
+def trainer_workload(config: RunConfig) -> Workload:
+    """One step of this run as the plan sees it (sequences at `planned_seq_len`, on CPU)."""
+    return Workload(seq_len=planned_seq_len(config), batch=config.rollout.prompts_per_step * config.rollout.group_size,
                     dtype=config.model.dtype, compute_dtype=compute_dtype(config.model, config.train),
                     logprob_chunk_tokens=config.train.memory.logprob_chunk_tokens, device="cpu",
                     kl_reference=config.train.kl.coef > 0)
+
+
+def _candidates(config: RunConfig, shape: ModelShape, node: NodeMemory) -> Iterator[MemoryFit]:
+    layout = layout_of(config)
+    generator_dtype = config.generator_dtype
+    work = trainer_workload(config)
     weights = shape.total_params * (2 if generator_dtype != "float32" else 4)
     transport = weights * (2 if config.rollout.continuous else 1)
     auto = auto_keys(config)

@@ -213,6 +213,14 @@ class MemoryEstimate:
     """Gathered compute-dtype parameters of the units in use and their unsharded gradients."""
     gradient_accumulation: int
     """Unsharded float32 gradients FSDP keeps across micro-batches (it reduce-scatters once, after the last)."""
+    embedding_gradients: int
+    """Without FSDP, from the second micro-batch on: the micro-batch's dense float32 gradients of
+    the embedding and of the LM head (tied or not) exist beside the accumulated .grad before they
+    are added to it. Fitted on two real runs at Qwen3-0.6B's shape (4 and 8 micro-batches): the
+    trainer's step peak exceeded the other terms by 1.1-1.6 GiB; these two [vocab, hidden] copies
+    are 1.16 GiB. One copy where the head's gradient is added in place (one float32 process:
+    `titanrl.trainer.chunked_logprobs.grad_accumulates_in_place`). (FSDP's unsharded gradients of
+    the root unit are in fsdp_buffers.)"""
     activations_stored: int
     """Activations autograd keeps with no checkpointing, for the micro-batches in flight."""
     activations_checkpointed: int
@@ -248,7 +256,7 @@ class MemoryEstimate:
 
     @property
     def forward_backward(self) -> int:
-        return self.activations + self.logits + self.fsdp_buffers + self.gradient_accumulation
+        return self.activations + self.logits + self.fsdp_buffers + self.gradient_accumulation + self.embedding_gradients
 
     @property
     def peak(self) -> int:
@@ -452,6 +460,10 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
     if sharded and sched.micro_batches > 1:
         unsharded = -(-p.tp_split // layout.tp) + p.replicated + -(-p.expert_elements // layout.ep)
         accumulation = 4 * unsharded
+    embedding_gradients = 0
+    if not sharded and sched.micro_batches > 1 and any(stage_holds(layout, stage)):
+        head_in_place = layout.world_size == 1 and not cast and b == 4
+        embedding_gradients = (1 if head_in_place else 2) * 4 * -(-shape.vocab_size // layout.tp) * shape.hidden_size
     stored, checkpointed = stage_activations(shape, layout, work, stage, sched)
     full, chunked = logits_bytes(shape, layout, work, sched, stage)
     # Fused AdamW (titanrl.trainer.optimizer.implementation) updates each tensor in place: no
@@ -468,6 +480,7 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
         optimizer_state=8 * n,
         fsdp_buffers=fsdp,
         gradient_accumulation=accumulation,
+        embedding_gradients=embedding_gradients,
         activations_stored=stored,
         activations_checkpointed=checkpointed,
         logits_full=full,
