@@ -74,7 +74,7 @@ def trained_estimate_gib(checkpoint: Path, args: list[str], chosen: dict, traine
 
     overrides = [a.removeprefix("--") for a in args] + [f"model.checkpoint={checkpoint}"]
     config = _load(str(ROOT / "examples" / "arithmetic" / "config.py"), overrides)
-    work = trainer_workload(config)
+    work = trainer_workload(config)  # the trained length replaces the planned one below
     rows = work.batch
     work = dataclasses.replace(work, seq_len=max(1, math.ceil(trained_tokens / rows)),
                                micro_batch=chosen["train.memory.micro_batch_size"],

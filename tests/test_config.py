@@ -211,7 +211,7 @@ def test_non_positive_fields(good_config, section, name, value):
             "train.memory",
             "activation_checkpointing",
             "some",
-            "train.memory.activation_checkpointing must be 'none', 'full' or",
+            "train.memory.activation_checkpointing must be 'auto', 'none', 'full' or",
         ),
         ("model", "dtype", "float16", "model.dtype must be 'float32' or 'bfloat16'"),
     ],

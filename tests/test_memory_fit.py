@@ -191,3 +191,21 @@ def test_the_worker_estimate_counts_packed_copies_only_with_vllm_kernels():
     # Every decoder linear, no embedding and no norms: 440M of Qwen3-0.6B's 596M parameters.
     assert 4 * (shape.total_params - embedding) > on.packed > 4 * (shape.total_params - embedding) * 0.99
     assert on.peak - off.peak == on.packed
+
+
+def test_sequences_are_planned_at_the_longest_prompt_plus_max_new_tokens(tiny, tmp_path):
+    """The driver counts the prompts: the plan's sequences are the longest prompt + max_new_tokens
+    (not max_model_len), and a run with longer prompts is planned longer."""
+    from titanrl.data import load_run_rows, load_tokenizer, longest_prompt_tokens
+    from titanrl.planning.fit import planned_seq_len
+
+    config = _config(tiny, tmp_path)
+    rows, _ = load_run_rows(config)
+    longest = longest_prompt_tokens(config, rows)
+    tokenizer = load_tokenizer(str(tiny))
+    assert longest == max(len(tokenizer(r["prompt"])["input_ids"]) for r in rows) > 0
+    assert planned_seq_len(config, longest) == longest + 128 < 256
+    assert planned_seq_len(config) == 256  # prompts not counted: max_model_len bounds a sequence
+    shape = ModelShape.from_config_json(str(tiny))
+    short = fit_memory(config, shape, node_with_budget(20), longest)
+    assert short.seq_len == longest + 128 and short.trainer.peak < fit_memory(config, shape, node_with_budget(20)).trainer.peak

@@ -291,6 +291,17 @@ def load_run_rows(config: RunConfig) -> tuple[list[dict[str, Any]], list[dict[st
     return train_rows, load_eval_rows(config, tokenizer)
 
 
+def longest_prompt_tokens(config: RunConfig, rows: list[dict[str, Any]]) -> int | None:
+    """Tokens of the longest prompt among `rows` (rendered, as `load_run_rows` returns them), counted
+    in batches by the checkpoint's tokenizer; None for environment runs (the environment writes
+    the prompt) or no rows. The memory plan sizes sequences by it."""
+    if config.env.factory is not None or not rows:
+        return None
+    tokenizer = load_tokenizer(config.model.checkpoint)
+    texts = [row[config.data.prompt_field] for row in rows]
+    return max(max(len(ids) for ids in tokenizer(texts[i : i + 4096])["input_ids"]) for i in range(0, len(texts), 4096))
+
+
 def write_rows(path: str | Path, rows: list[dict[str, Any]]) -> None:
     """Writes rows as JSON lines (used by examples to materialize generated datasets)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,8 @@ ActivationCheckpointing = Literal["none", "full", "every_nth"]
 """Which decoder blocks recompute their activations in backward instead of storing them."""
 Auto = Literal["auto"]
 """A memory setting resolved from the run's memory plan before any actor starts (titanrl/planning/fit.py)."""
+ActivationCheckpointingSetting = Literal["auto", "none", "full", "every_nth"]
+"""train.memory.activation_checkpointing: a mode, or 'auto' (chosen by the memory plan)."""
 CpuMatmul = Literal["auto", "mkl", "onednn"]
 """Which library runs the CPU trainer's float32 linear layers (train.compute.cpu_matmul)."""
 MoeLoadBalance = Literal["aux_loss", "bias", "none"]
@@ -459,7 +461,7 @@ class MemoryConfig:
     full [tokens, vocab] logits. None (the default): as many tokens as fit 128 MiB of float32 logits
     (220 at Qwen3's 151,936-token vocabulary; a tiny vocabulary's micro-batch is one chunk). A
     chunk's backward holds ~3 such buffers; smaller saves memory, at a little speed."""
-    activation_checkpointing: ActivationCheckpointing | Auto = "auto"
+    activation_checkpointing: ActivationCheckpointingSetting = "auto"
     """Decoder blocks that keep only their input for backward and recompute the rest there
     (saves activation memory for about one more forward): 'none', 'full' (every block) or
     'every_nth' (every activation_checkpointing_every-th block). Gradients are unchanged. 'auto'

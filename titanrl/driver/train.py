@@ -21,7 +21,7 @@ from titanrl.busy_flags import BusyFlags
 from titanrl.config import RunConfig, validate
 from titanrl.config.record import config_record
 from titanrl.config.resolve import ResolvedRunConfig, resolve
-from titanrl.data import load_run_rows
+from titanrl.data import load_run_rows, longest_prompt_tokens
 from titanrl.driver.actors import shut_down, start_rollouts, start_trainer
 from titanrl.driver.log import show_messages
 from titanrl.driver.loop import GRPOLoop
@@ -68,10 +68,12 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
     started = time.perf_counter()
     show_messages()
     validate(config)
-    resolved = with_memory_plan(resolve(config))  # refuses a run the memory plan says cannot fit
+    resolved = resolve(config)
+    train_rows, eval_rows = load_run_rows(config)
+    # Refuses a run the memory plan says cannot fit, before anything starts.
+    resolved = with_memory_plan(resolved, longest_prompt=longest_prompt_tokens(config, train_rows))
     for line in resolved.memory_summary:
         log.info(line)
-    train_rows, eval_rows = load_run_rows(config)
     checkpoint, driver_state = None, None
     if resume:
         run_dir, checkpoint = reopen_run_dir(config)

@@ -26,8 +26,9 @@ never changed: it is the only option of its setting. When nothing fits, a run wi
 setting on `auto` is refused (`MemoryFit.refusal`); a run with an explicit value that the plan
 says cannot fit starts with a warning that names the numbers.
 
-Sequences are planned at their longest: rollout.engine.max_model_len tokens (env.max_total_tokens
-for environment runs), so a run whose completions stop early holds less than planned.
+Sequences are planned at their longest: the data's longest prompt plus max_new_tokens (when the
+driver has counted the prompts; else rollout.engine.max_model_len; env.max_total_tokens for
+environment runs), so a run whose completions stop early holds less than planned.
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ class MemoryFit:
     node: NodeMemory
     auto: tuple[str, ...]
     """The settings that were 'auto' (dotted keys)."""
+    seq_len: int
+    """Tokens per sequence the trainer's step was planned at (`planned_seq_len`)."""
 
     @property
     def total(self) -> int:
@@ -147,7 +150,8 @@ class MemoryFit:
         """The start-up lines: one per actor kind, then the node's total."""
         t, w = self.trainer, self.worker
         return [
-            f"memory plan, trainer ({self.trainer_ranks} rank(s)): {self._chosen('train.')}; estimate "
+            f"memory plan, trainer ({self.trainer_ranks} rank(s), sequences of up to {self.seq_len} tokens): "
+            f"{self._chosen('train.')}; estimate "
             f"{t.peak / GiB:.2f} GiB per rank (weights, gradients and AdamW {t.resident / GiB:.2f}; then the larger "
             f"of a step's activations {t.activations / GiB:.2f} + logits {t.logits / GiB:.2f} + embedding "
             f"gradients {t.embedding_gradients / GiB:.2f} and a checkpoint export's copy {t.export_copy / GiB:.2f}; "
@@ -161,7 +165,7 @@ class MemoryFit:
 
     def record(self) -> dict:
         """JSON-ready: what config.resolved.json keeps under resolved.memory."""
-        return {"settings": self.settings(), "auto": list(self.auto), "fits": self.fits,
+        return {"settings": self.settings(), "auto": list(self.auto), "fits": self.fits, "seq_len": self.seq_len,
                 "total_bytes": self.total, "budget_bytes": self.node.budget, "node_total_bytes": self.node.total,
                 "node_in_use_bytes": self.node.in_use, "transport_bytes": self.transport,
                 "trainer_ranks": self.trainer_ranks, "workers": self.workers,
@@ -199,11 +203,15 @@ def auto_keys(config: RunConfig) -> tuple[str, ...]:
     return tuple(k for k, v in values.items() if v == "auto")
 
 
-def planned_seq_len(config: RunConfig) -> int:
-    """The longest sequence a sample can be (what the plan assumes every sequence is)."""
+def planned_seq_len(config: RunConfig, longest_prompt: int | None = None) -> int:
+    """The longest sequence a sample can be (what the plan assumes every sequence is): the longest
+    prompt of the data plus max_new_tokens when the prompts were counted, else max_model_len."""
+    e = config.rollout.engine
     if config.env.factory is not None:
-        return min(config.env.max_total_tokens, config.rollout.engine.max_model_len)
-    return config.rollout.engine.max_model_len
+        return min(config.env.max_total_tokens, e.max_model_len)
+    if longest_prompt is not None:
+        return min(e.max_model_len, longest_prompt + config.rollout.sampling.max_new_tokens)
+    return e.max_model_len
 
 
 def layout_of(config: RunConfig) -> Layout:
@@ -257,18 +265,19 @@ def worker_options(config: RunConfig, shape: ModelShape, dtype: str) -> list[Wor
     return [WorkerOption(k, sizes[0]) for k in kernels] + [WorkerOption(kernels[-1], s) for s in sizes[1:]]
 
 
-def trainer_workload(config: RunConfig) -> Workload:
+def trainer_workload(config: RunConfig, longest_prompt: int | None = None) -> Workload:
     """One step of this run as the plan sees it (sequences at `planned_seq_len`, on CPU)."""
-    return Workload(seq_len=planned_seq_len(config), batch=config.rollout.prompts_per_step * config.rollout.group_size,
+    return Workload(seq_len=planned_seq_len(config, longest_prompt), batch=config.rollout.prompts_per_step * config.rollout.group_size,
                     dtype=config.model.dtype, compute_dtype=compute_dtype(config.model, config.train),
                     logprob_chunk_tokens=config.train.memory.logprob_chunk_tokens, device="cpu",
                     kl_reference=config.train.kl.coef > 0)
 
 
-def _candidates(config: RunConfig, shape: ModelShape, node: NodeMemory) -> Iterator[MemoryFit]:
+def _candidates(config: RunConfig, shape: ModelShape, node: NodeMemory,
+                longest_prompt: int | None = None) -> Iterator[MemoryFit]:
     layout = layout_of(config)
     generator_dtype = config.generator_dtype
-    work = trainer_workload(config)
+    work = trainer_workload(config, longest_prompt)
     weights = shape.total_params * (2 if generator_dtype != "float32" else 4)
     transport = weights * (2 if config.rollout.continuous else 1)
     auto = auto_keys(config)
@@ -280,21 +289,22 @@ def _candidates(config: RunConfig, shape: ModelShape, node: NodeMemory) -> Itera
             # The plan knows 'none' and 'full'; every_nth stores at most what 'none' does.
             mode = "full" if t.activation_checkpointing == "full" else "none"
             trainer = estimate(shape, layout, replace(work, micro_batch=t.micro_batch_size, activation_checkpointing=mode))
-            yield MemoryFit(t, w, trainer, layout.world_size, worker, config.rollout.num_workers, transport, node, auto)
+            yield MemoryFit(t, w, trainer, layout.world_size, worker, config.rollout.num_workers, transport, node, auto,
+                            work.seq_len)
 
 
-def fit_memory(config: RunConfig, shape: ModelShape, node: NodeMemory) -> MemoryFit:
+def fit_memory(config: RunConfig, shape: ModelShape, node: NodeMemory, longest_prompt: int | None = None) -> MemoryFit:
     """The first candidate that fits (the fastest), else the last one (the smallest), whose
-    `fits` is then False."""
+    `fits` is then False. `longest_prompt`: tokens of the data's longest prompt (None: unknown)."""
     last = None
-    for last in _candidates(config, shape, node):
+    for last in _candidates(config, shape, node, longest_prompt):
         if last.fits:
             return last
     assert last is not None  # every setting has at least one option
     return last
 
 
-def what_would_fit(config: RunConfig, shape: ModelShape, node: NodeMemory) -> list[str]:
+def what_would_fit(config: RunConfig, shape: ModelShape, node: NodeMemory, longest_prompt: int | None = None) -> list[str]:
     """Single changes of the run (not of the memory settings, already at their smallest) that would fit."""
     import dataclasses
 
@@ -318,7 +328,7 @@ def what_would_fit(config: RunConfig, shape: ModelShape, node: NodeMemory) -> li
         changes.append(("rollout.engine.max_num_seqs=16", dataclasses.replace(config, rollout=dataclasses.replace(r, engine=fewer))))
     out = []
     for text, changed in changes:
-        fit = fit_memory(changed, shape, node)
+        fit = fit_memory(changed, shape, node, longest_prompt)
         if fit.fits:
             out.append(f"{text} ({fit.total / GiB:.1f} GiB)")
     return out
@@ -337,10 +347,12 @@ def unplanned_reason(config: RunConfig) -> str:
     return ""
 
 
-def plan_memory(config: RunConfig, node: NodeMemory | None = None) -> tuple[RunConfig, MemoryFit | None, str]:
+def plan_memory(config: RunConfig, node: NodeMemory | None = None, longest_prompt: int | None = None
+                ) -> tuple[RunConfig, MemoryFit | None, str]:
     """`config` with its `auto` memory settings chosen (see the module docstring), the fit, and why
     there is none ('' when there is one). Raises ConfigError when even the smallest settings
-    cannot fit; logs a warning when explicit settings keep the run from fitting."""
+    cannot fit; logs a warning when explicit settings keep the run from fitting. `longest_prompt`:
+    tokens of the data's longest prompt (`titanrl.data.longest_prompt_tokens`; None: unknown)."""
     import dataclasses
 
     reason = unplanned_reason(config)
@@ -354,10 +366,10 @@ def plan_memory(config: RunConfig, node: NodeMemory | None = None) -> tuple[RunC
         rollout = dataclasses.replace(config.rollout, engine=concrete_engine(config.rollout.engine))
         return dataclasses.replace(config, train=concrete_train(config.train), rollout=rollout), None, reason
     node = node or NodeMemory.of_this_host()
-    fit = fit_memory(config, shape, node)
+    fit = fit_memory(config, shape, node, longest_prompt)
     if not fit.fits:
         if len(fit.auto) == len(AUTO_KEYS):  # every memory setting was the plan's to choose
-            raise ConfigError(fit.refusal(what_would_fit(config, shape, node)))
+            raise ConfigError(fit.refusal(what_would_fit(config, shape, node, longest_prompt)))
         log.warning(fit.warning())
     t, w = fit.trainer_option, fit.worker_option
     memory = dataclasses.replace(config.train.memory, activation_checkpointing=t.activation_checkpointing,
@@ -368,11 +380,12 @@ def plan_memory(config: RunConfig, node: NodeMemory | None = None) -> tuple[RunC
     return planned, fit, ""
 
 
-def with_memory_plan(resolved: ResolvedRunConfig, node: NodeMemory | None = None) -> ResolvedRunConfig:
+def with_memory_plan(resolved: ResolvedRunConfig, node: NodeMemory | None = None,
+                     longest_prompt: int | None = None) -> ResolvedRunConfig:
     """`resolved` with its `auto` memory settings chosen (`plan_memory`) and the plan kept."""
     import dataclasses
 
-    planned, fit, reason = plan_memory(resolved.config, node)
+    planned, fit, reason = plan_memory(resolved.config, node, longest_prompt)
     if fit is None:
         summary = (f"memory plan: none ({reason}); the 'auto' memory settings take their unplanned values",)
         return dataclasses.replace(resolved, config=planned, memory_summary=summary)
