@@ -9,6 +9,7 @@ defaults these fields had before they could be planned.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from titanrl.config.schema import EngineConfig, MemoryConfig, TrainConfig
 
@@ -20,7 +21,7 @@ UNPLANNED_VLLM_KERNELS = True
 
 def concrete_memory(memory: MemoryConfig) -> MemoryConfig:
     """`memory` with each 'auto' replaced by its unplanned value (unchanged when nothing is 'auto')."""
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}
     if memory.micro_batch_size == "auto":
         changes["micro_batch_size"] = UNPLANNED_MICRO_BATCH_SIZE
     if memory.activation_checkpointing == "auto":
@@ -36,7 +37,7 @@ def concrete_train(train: TrainConfig) -> TrainConfig:
 
 def concrete_engine(engine: EngineConfig) -> EngineConfig:
     """`engine` with an 'auto' KV cache and kernel choice replaced by their unplanned values."""
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}
     if engine.kv_cache_gib == "auto":
         changes["kv_cache_gib"] = UNPLANNED_KV_CACHE_GIB
     if engine.vllm_kernels == "auto":

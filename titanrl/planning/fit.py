@@ -38,9 +38,10 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from titanrl.config.resolve import ResolvedRunConfig
-from titanrl.config.schema import RunConfig, compute_dtype
+from titanrl.config.schema import ActivationCheckpointing, RunConfig, compute_dtype
 from titanrl.config.unplanned import concrete_engine, concrete_train
 from titanrl.errors import ConfigError
 from titanrl.planning.memory import GiB, Layout, MemoryEstimate, Workload, estimate
@@ -98,7 +99,7 @@ class NodeMemory:
 
 @dataclass(frozen=True)
 class TrainerOption:
-    activation_checkpointing: str
+    activation_checkpointing: ActivationCheckpointing
     micro_batch_size: int
 
 
@@ -153,7 +154,8 @@ class MemoryFit:
             f"memory plan, trainer ({self.trainer_ranks} rank(s), sequences of up to {self.seq_len} tokens): "
             f"{self._chosen('train.')}; estimate "
             f"{t.peak / GiB:.2f} GiB per rank (weights, gradients and AdamW {t.resident / GiB:.2f}; then the larger "
-            f"of a step's activations {t.activations / GiB:.2f} + logits {t.logits / GiB:.2f} + embedding "
+            f"of a step's activations {t.activations / GiB:.2f} (+ heap {t.heap_overhead / GiB:.2f}) + logits "
+            f"{t.logits / GiB:.2f} + embedding "
             f"gradients {t.embedding_gradients / GiB:.2f} and a checkpoint export's copy {t.export_copy / GiB:.2f}; "
             f"process {t.baseline / GiB:.2f})",
             f"memory plan, rollout worker (x{self.workers}): {self._chosen('rollout.')}; estimate {w.peak / GiB:.2f} "
@@ -236,7 +238,8 @@ def trainer_options(config: RunConfig, layout: Layout) -> list[TrainerOption]:
     m = config.train.memory
     rows = -(-config.rollout.prompts_per_step * config.rollout.group_size // layout.dp)
     sizes = _halvings(rows) if m.micro_batch_size == "auto" else [int(m.micro_batch_size)]
-    modes = ["none", "full"] if m.activation_checkpointing == "auto" else [str(m.activation_checkpointing)]
+    modes: list[ActivationCheckpointing] = (["none", "full"] if m.activation_checkpointing == "auto"
+                                            else [m.activation_checkpointing])
     return [TrainerOption(mode, size) for mode in modes for size in sizes]
 
 
@@ -270,7 +273,7 @@ def trainer_workload(config: RunConfig, longest_prompt: int | None = None) -> Wo
     return Workload(seq_len=planned_seq_len(config, longest_prompt), batch=config.rollout.prompts_per_step * config.rollout.group_size,
                     dtype=config.model.dtype, compute_dtype=compute_dtype(config.model, config.train),
                     logprob_chunk_tokens=config.train.memory.logprob_chunk_tokens, device="cpu",
-                    kl_reference=config.train.kl.coef > 0)
+                    kl_reference=config.train.kl.coef > 0, packed=config.train.compute.pack_sequences)
 
 
 def _candidates(config: RunConfig, shape: ModelShape, node: NodeMemory,
@@ -287,7 +290,7 @@ def _candidates(config: RunConfig, shape: ModelShape, node: NodeMemory,
                                  vllm_kernels=w.vllm_kernels and not config.batch_invariant)
         for t in trainer_options(config, layout):
             # The plan knows 'none' and 'full'; every_nth stores at most what 'none' does.
-            mode = "full" if t.activation_checkpointing == "full" else "none"
+            mode: Literal["none", "full"] = "full" if t.activation_checkpointing == "full" else "none"
             trainer = estimate(shape, layout, replace(work, micro_batch=t.micro_batch_size, activation_checkpointing=mode))
             yield MemoryFit(t, w, trainer, layout.world_size, worker, config.rollout.num_workers, transport, node, auto,
                             work.seq_len)

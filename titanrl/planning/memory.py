@@ -79,6 +79,17 @@ OUTSIDE_SAVED_BYTES = {
     4: dict(hidden=8 + 4, rotary=8, token=12),
     2: dict(hidden=6 + 2, rotary=4, token=12),
 }
+PACKED_SAVED_BYTES = dict(q=1, token=8)
+"""Per token of one block, saved by the packed forward beyond BLOCK_SAVED_BYTES: the padded copy of
+q (compute-dtype bytes per q element) and an int64 index. Counted with saved_tensors_hooks on the
+packed forward against the plain one (136 bytes per token per layer at q width 32, float32);
+tests/test_plan.py recounts it."""
+HEAP_OVERHEAD_FRACTION = 0.35
+"""On CPU with several micro-batches per step, resident memory exceeds the live activations by
+this fraction of them: activations of a few MiB each come from glibc's heap (below the 4 MiB mmap
+threshold) and fragment it as micro-batches allocate and free them. Fitted on three real runs at
+Qwen3-0.6B's shape (1, 2 and 4 sequences per micro-batch, 2026-12-06, 2-core EPYC): 32-47 % of the
+activations beyond every other term."""
 LOGITS_COPIES = 2
 """float32 [tokens, vocab] tensors alive at once on the logits path, per chunk (the whole
 micro-batch when one chunk holds it): the trainer's chunked logprobs (trainer/chunked_logprobs.py)
@@ -164,6 +175,10 @@ class Workload:
     kl_reference: bool = False
     """train.kl.coef > 0: the trainer also holds the frozen reference policy, sharded like the
     policy, in `dtype` (no gradients, no optimizer state)."""
+    packed: bool = False
+    """Micro-batches packed into one row (train.compute.pack_sequences) with attention over a padded
+    copy (CPU, `titanrl.models.packed_sequences.packed_attention`): each block also keeps the padded
+    queries and an index per token (PACKED_SAVED_BYTES)."""
 
     def __post_init__(self) -> None:
         for name in ("dtype", "compute_dtype"):
@@ -241,6 +256,8 @@ class MemoryEstimate:
     """Process (CPU) or CUDA context (GPU) memory outside the model."""
     activation_checkpointing: ActivationCheckpointing
     chunked_logprobs: bool
+    heap_fragmentation: bool = False
+    """CPU with several micro-batches: HEAP_OVERHEAD_FRACTION of the activations on top."""
 
     @property
     def activations(self) -> int:
@@ -255,8 +272,13 @@ class MemoryEstimate:
         return self.parameters + self.master_weights + self.reference + self.gradients + self.optimizer_state
 
     @property
+    def heap_overhead(self) -> int:
+        return int(HEAP_OVERHEAD_FRACTION * self.activations) if self.heap_fragmentation else 0
+
+    @property
     def forward_backward(self) -> int:
-        return self.activations + self.logits + self.fsdp_buffers + self.gradient_accumulation + self.embedding_gradients
+        return (self.activations + self.heap_overhead + self.logits + self.fsdp_buffers + self.gradient_accumulation
+                + self.embedding_gradients)
 
     @property
     def peak(self) -> int:
@@ -410,6 +432,9 @@ def stage_activations(shape: ModelShape, layout: Layout, work: Workload, stage: 
     _, has_head = stage_holds(layout, stage)
     outside = outside_saved_bytes(shape, b, T, has_head, layout)
     blocks = [block_saved_bytes(shape, i, b, T, layout) for i in layers]
+    if work.packed:
+        q = shape.num_attention_heads * shape.head_dim // layout.tp
+        blocks = [block + T * (PACKED_SAVED_BYTES["q"] * b * q + PACKED_SAVED_BYTES["token"]) for block in blocks]
     stored = flights * (sum(blocks) + outside)
     # Checkpointed: each block keeps its input [tokens, hidden] (1/tp of it with sequence
     # parallel); backward recomputes one block at a time, whose saved tensors then exist once.
@@ -490,6 +515,7 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
         baseline=baseline,
         activation_checkpointing=work.activation_checkpointing,
         chunked_logprobs=work.logprob_chunk_tokens != 0,
+        heap_fragmentation=work.device == "cpu" and sched.micro_batches > 1,
     )
 
 
