@@ -124,12 +124,16 @@ def test_the_trainer_order_is_no_checkpointing_first_then_halving_micro_batches(
 
 
 def test_kv_cache_sizes_hold_the_workers_share_then_shrink_to_one_sequence(tmp_path):
+    """Whole GiB (vLLM's CPU cache size is an integer): the worker's share of the step's sequences,
+    then halvings down to what one max_model_len sequence needs."""
     config, shape = qwen3_config(tmp_path)
     per_sequence = 256 * kv_bytes_per_token(shape, "float32") / GiB  # 0.055 GiB
-    sizes = kv_sizes_gib(config, shape, "float32")
-    assert sizes[0] == 1.0  # 16 sequences x 0.055 GiB = 0.875 GiB, floored at 1 GiB
-    assert sizes[-1] == 0.25 and sizes[-1] >= per_sequence
-    assert sizes == sorted(sizes, reverse=True)
+    assert kv_sizes_gib(config, shape, "float32") == [1.0]  # 16 x 0.055 GiB: one GiB holds them all
+    config.rollout.engine = dataclasses.replace(config.rollout.engine, max_model_len=8192)
+    config.rollout.prompts_per_step = 8
+    sizes = kv_sizes_gib(config, shape, "float32")  # 32 sequences of 8192 tokens: 56 GiB, one of them 1.75
+    assert sizes[0] == 56.0 and sizes[-1] == 2.0 >= 8192 / 256 * per_sequence
+    assert sizes == sorted(sizes, reverse=True) and all(s == int(s) for s in sizes)
 
 
 def test_an_explicit_value_is_never_overridden_and_a_misfit_warns(tmp_path, caplog):
@@ -140,7 +144,7 @@ def test_an_explicit_value_is_never_overridden_and_a_misfit_warns(tmp_path, capl
     assert not fit.fits
     assert (fit.trainer_option.micro_batch_size, fit.trainer_option.activation_checkpointing) == (16, "none")
     assert fit.auto == ("rollout.engine.vllm_kernels", "rollout.engine.kv_cache_gib")
-    assert fit.worker_option == dataclasses.replace(fit.worker_option, vllm_kernels=False, kv_cache_gib=0.25)
+    assert fit.worker_option == dataclasses.replace(fit.worker_option, vllm_kernels=False, kv_cache_gib=1.0)
     warning = fit.warning()
     assert f"{fit.total / GiB:.1f} GiB against a budget of 12.0 GiB" in warning
     assert "train.memory.activation_checkpointing, train.memory.micro_batch_size are kept" in warning
@@ -158,7 +162,7 @@ def test_plan_memory_keeps_explicit_values_and_logs_the_warning(tiny, tmp_path, 
 
 def test_a_run_that_cannot_fit_is_refused_before_start_up_naming_the_numbers(tmp_path):
     config, shape = qwen3_config(tmp_path)
-    node = node_with_budget(16)
+    node = node_with_budget(17)
     fit = fit_memory(config, shape, node)
     assert not fit.fits and len(fit.auto) == 4
     # resolve() itself, on a checkpoint of the same shape: the refusal is a ConfigError.
@@ -169,7 +173,7 @@ def test_a_run_that_cannot_fit_is_refused_before_start_up_naming_the_numbers(tmp
     with pytest.raises(ConfigError) as refused:
         plan_memory(config, node)
     message = str(refused.value)
-    assert f"estimates {fit.total / GiB:.1f} GiB against a budget of 16.0 GiB" in message
+    assert f"estimates {fit.total / GiB:.1f} GiB against a budget of 17.0 GiB" in message
     assert "activation_checkpointing=full (auto), micro_batch_size=1 (auto)" in message  # the smallest tried
     assert "What would fit: train.compute.dtype=bfloat16" in message
 

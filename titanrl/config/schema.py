@@ -119,10 +119,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     """Sequences the engine batches at once; should cover prompts_per_step * group_size."""
     kv_cache_gib: float | Auto = "auto"
-    """KV-cache memory per engine on CPU (VLLM_CPU_KVCACHE_SPACE). 'auto' (resolved from the memory
-    plan before start-up): room for the worker's share of a step's sequences at max_model_len
-    tokens each, at least 1 GiB; less, down to one max_model_len sequence, only when the node's
-    memory cannot hold the run otherwise (generation then runs fewer sequences at once)."""
+    """KV-cache memory per engine on CPU (VLLM_CPU_KVCACHE_SPACE, whole GiB, at least 1). 'auto'
+    (resolved from the memory plan before start-up): room for the worker's share of a step's
+    sequences at max_model_len tokens each; less, down to what one max_model_len sequence needs,
+    only when the node's memory cannot hold the run otherwise (fewer sequences run at once)."""
     multiprocess: bool = False
     """Run vLLM's engine core in its own process (slower start on CPU, isolates crashes)."""
     vllm_kernels: bool | Auto = "auto"

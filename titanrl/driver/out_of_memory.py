@@ -13,7 +13,8 @@ import re
 _MARKERS = re.compile(r"out of memory|\bOOM\b|NODE_OUT_OF_MEMORY|memory pressure", re.IGNORECASE)
 
 MEMORY_SETTINGS = (
-    "Settings that lower memory: for the trainer, train.memory.micro_batch_size (activations), "
+    "The 'auto' memory settings were chosen from the memory plan printed at start-up; an explicit "
+    "value replaces a choice. Settings that lower memory: for the trainer, train.memory.micro_batch_size (activations), "
     "train.memory.activation_checkpointing='full' (stored activations), train.memory.logprob_chunk_tokens "
     "(logits), train.parallel.* (shards across processes; `titanrl plan` estimates each rank's "
     "share); for each rollout worker, rollout.engine.kv_cache_gib and rollout.engine.max_num_seqs; and "

@@ -18,8 +18,9 @@ The rule is the fastest settings that fit, in this order of giving up speed:
    again from the whole batch down to 1 (checkpointing recomputes each block's forward, about 1/3
    more compute, which costs more than more micro-batches on CPU);
 2. the workers: vLLM's packed-weight kernels on, then off (one copy of the linear weights less);
-3. the KV cache: room for the worker's share of a step's sequences at max_model_len tokens (at
-   least 1 GiB), then halving down to one max_model_len sequence (fewer sequences in flight).
+3. the KV cache: room for the worker's share of a step's sequences at max_model_len tokens, in
+   whole GiB (at least 1: vLLM's CPU cache comes in whole GiB), then halving down to what one
+   max_model_len sequence needs (fewer sequences in flight).
 
 Each worker option is tried with every trainer option before the next. An explicit value is
 never changed: it is the only option of its setting. When nothing fits, a run with every memory
@@ -54,17 +55,16 @@ RAY_KILL_FRACTION_DEFAULT = 0.95
 MARGIN_FRACTION = 0.05
 """Kept free below Ray's line, of the node's memory: the estimate's error, allocator
 fragmentation, and what other processes start during the run."""
-RAY_PROCESSES_BYTES = int(0.75 * GiB)
+RAY_PROCESSES_BYTES = int(0.5 * GiB)
 """Ray's own processes (raylet, GCS, dashboard, idle workers) and the driver's growth after
-start-up: measured 0.44 GiB beside the actors plus the driver's 0.2 GiB growth on the Qwen3-0.6B
-run (2026-12-06, 2-core EPYC), rounded up."""
-log = logging.getLogger("titanrl")
+start-up: on the Qwen3-0.6B run (2026-12-06, 2-core EPYC) the node's used memory exceeded the
+actors' and the driver's resident sets by 0.44 GiB, the operating system's share included (which
+the in-use memory measured before start-up already counts), rounded up."""
+KV_GRANULE_GIB = 1.0
+"""KV-cache sizes are whole GiB: vLLM's CPU backend sizes its cache by VLLM_CPU_KVCACHE_SPACE, an
+integer (a 0.5 GiB request ran with the same resident memory as 1 GiB)."""
 
-KV_GRANULE_GIB = 0.25
-"""KV-cache sizes are rounded up to this."""
-KV_FLOOR_GIB = 1.0
-"""The least KV cache `auto` gives when memory allows (vLLM's CPU default is larger; tiny models
-need less, but 1 GiB costs nothing they would use and keeps their runs as they were)."""
+log = logging.getLogger("titanrl")
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ def kv_sizes_gib(config: RunConfig, shape: ModelShape, dtype: str) -> list[float
     rows = -(-config.rollout.prompts_per_step * config.rollout.group_size // config.rollout.num_workers)
     granule = lambda gib: math.ceil(gib / KV_GRANULE_GIB) * KV_GRANULE_GIB  # noqa: E731
     least = granule(per_sequence)
-    sizes = [max(KV_FLOOR_GIB, granule(min(rows, e.max_num_seqs) * per_sequence))]
+    sizes = [granule(min(rows, e.max_num_seqs) * per_sequence)]
     while sizes[-1] / 2 >= least:
         sizes.append(granule(sizes[-1] / 2))
     if sizes[-1] > least:
