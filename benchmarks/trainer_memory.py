@@ -66,6 +66,13 @@ ARMS: dict[str, dict] = {
     "chunked+checkpointing+heap_16mib": dict(
         memory=MemoryConfig(activation_checkpointing="full", heap_mmap_threshold_mib=16)
     ),
+    # Micro-batches of 4 sequences (what the memory plan picks for Qwen3-0.6B on a 24 GB machine):
+    # each one's activations are allocated and freed again, which fragments the heap below the
+    # mmap threshold (hidden-size activations of 4 x 144 tokens are 2.25 MiB).
+    "micro_batches": dict(memory=MemoryConfig(micro_batch_size=4, activation_checkpointing="none")),
+    "micro_batches+heap_1mib": dict(
+        memory=MemoryConfig(micro_batch_size=4, activation_checkpointing="none", heap_mmap_threshold_mib=1)
+    ),
 }
 
 

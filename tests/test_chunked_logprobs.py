@@ -240,7 +240,7 @@ def test_a_later_micro_batch_adds_the_head_gradient_in_place(monkeypatch):
     torch.testing.assert_close(weight.grad, reference.grad.float(), rtol=1e-5, atol=1e-6)
 
     # Negative control: without the in-place path the second backward makes its [V, D] gradient.
-    monkeypatch.setattr(module, "grad_accumulates_in_place", lambda weight, group: False)
+    monkeypatch.setattr(module, "grad_accumulates_in_place", lambda weight, group=None: False)
     plain = torch.nn.Parameter(start.clone())
     assert (V, D) in _two_micro_batches(plain)[1]
     torch.testing.assert_close(plain.grad, weight.grad, rtol=1e-6, atol=1e-7)

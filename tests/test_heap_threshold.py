@@ -54,11 +54,11 @@ def test_auto_threshold_follows_the_policys_parameter_count(tmp_path, monkeypatc
     from titanrl.trainer.trainer import GRPOTrainer, heap_mmap_threshold_mib
 
     assert auto_heap_mmap_threshold_mib(LARGE_MODEL_PARAMS - 1) == 32
-    assert auto_heap_mmap_threshold_mib(LARGE_MODEL_PARAMS) == 4  # Qwen3-0.6B has ~600M
+    assert auto_heap_mmap_threshold_mib(LARGE_MODEL_PARAMS) == 1  # Qwen3-0.6B has ~600M
     auto = TrainConfig()
     assert auto.memory.heap_mmap_threshold_mib is None
     large = [torch.nn.Linear(10_000, 10_000, device="meta")]  # 100M parameters, never allocated
-    assert heap_mmap_threshold_mib(auto, large) == 4
+    assert heap_mmap_threshold_mib(auto, large) == 1
     for explicit in (0, 4, 16):
         assert (
             heap_mmap_threshold_mib(TrainConfig(memory=MemoryConfig(heap_mmap_threshold_mib=explicit)), large)

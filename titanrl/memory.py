@@ -45,19 +45,24 @@ _M_MMAP_THRESHOLD = -3
 
 
 LARGE_MODEL_PARAMS = 100_000_000
-"""From this many parameters on, `auto_heap_mmap_threshold_mib` keeps the heap small (4 MiB)."""
+"""From this many parameters on, `auto_heap_mmap_threshold_mib` keeps the heap small (1 MiB)."""
 
 
 def auto_heap_mmap_threshold_mib(total_params: int) -> int:
-    """train.memory.heap_mmap_threshold_mib=None: 4 MiB for a model of `LARGE_MODEL_PARAMS` or more, 32 MiB
-    (glibc's largest) below. Measured on a 2-core AVX-512 EPYC (2026-12-05):
+    """train.memory.heap_mmap_threshold_mib=None: 1 MiB for a model of `LARGE_MODEL_PARAMS` or more, 32 MiB
+    (glibc's largest) below. Measured on a 2-core AVX-512 EPYC (2026-12-05, -06):
+    - a real run at Qwen3-0.6B's shape with 4 sequences per micro-batch (what the memory plan
+      picks on a 24 GB machine; benchmarks/actor_memory.py's command): trainer peak 12.72 GiB at
+      4 MiB, 11.66 GiB at 1 MiB (hidden-size activations of 2.2 MB fragmented the heap below
+      4 MiB); trainer alone at 8 layers (benchmarks/trainer_memory.py, micro_batches arms): the
+      same peak, the step 1.014x as long at 1 MiB;
     - at Qwen3-0.6B's shape (2 layers of it, benchmarks/trainer_memory.py) 4 MiB keeps the
       trainer's peak at 0.91x glibc's own heap and 0.93x a 16 MiB threshold; at the full depth
       9.88 GiB against glibc's 12.15;
     - on the 19M model (benchmarks/heap_threshold.py) every activation is a few MiB, and at
       4 MiB each one is a fresh mapping: 565k page faults and 1.0 s of system time per step, a
       step 1.33x slower than at 32 MiB (47k faults)."""
-    return 4 if total_params >= LARGE_MODEL_PARAMS else 32
+    return 1 if total_params >= LARGE_MODEL_PARAMS else 32
 
 
 def set_heap_mmap_threshold(mib: int) -> bool:

@@ -11,7 +11,7 @@ through its model spec, so the driver, the actors, `config.resolved.json` in the
   (router replay trains on what the generator recorded);
 - `rollout.sampling.logprobs`: what the engine returns. Untruncated sampling (top_k 0, top_p 1) makes
   'sampled' and 'raw' the same full softmax at the temperature, so it is 'sampled' there;
-- `train.memory.heap_mmap_threshold_mib` None: by the policy's parameter count (4 MiB from 100M
+- `train.memory.heap_mmap_threshold_mib` None: by the policy's parameter count (1 MiB from 100M
   parameters, 32 below);
 - after placement (`placed`, once Ray is up): the trainer's device (`train.compute.device` 'auto'
   against the GPUs Ray has) and `rollout.weight_transport` ('auto' against the cluster and

@@ -471,11 +471,12 @@ class MemoryConfig:
     """With activation_checkpointing='every_nth': checkpoint blocks N, 2N, ... (1-based), N >= 1."""
     heap_mmap_threshold_mib: int | None = None
     """Host allocations of at least this many MiB get pages of their own from the kernel and give
-    them back when freed (glibc's M_MMAP_THRESHOLD, set in each trainer process). None (auto): 4
+    them back when freed (glibc's M_MMAP_THRESHOLD, set in each trainer process). None (auto): 1
     for models of 100M parameters or more, 32 below (titanrl.memory.auto_heap_mmap_threshold_mib).
     Low keeps memory down: glibc's own threshold rises to 32 MiB as large blocks are freed, after
     which freed tensors stay in its heap, fragmented; at Qwen3-0.6B's shape that held ~2.3 GiB of
-    resident memory no tensor used (trainer peak 12.15 GiB vs 9.88 GiB with 4). High keeps small
+    resident memory no tensor used (trainer peak 12.15 GiB vs 9.88 GiB with 4), and micro-batches
+    of 4 sequences fragmented 1.1 GiB more below 4 MiB (12.72 GiB at 4, 11.66 at 1). High keeps small
     models fast: each allocation above the threshold is faulted in page by page and unmapped when
     freed; the 19M model's step takes 1.33x as long at 4 as at 32 (benchmarks/heap_threshold.py).
     0 leaves glibc's behaviour (and the MALLOC_MMAP_THRESHOLD_ environment variable) alone; no

@@ -154,8 +154,7 @@ class MemoryFit:
             f"memory plan, trainer ({self.trainer_ranks} rank(s), sequences of up to {self.seq_len} tokens): "
             f"{self._chosen('train.')}; estimate "
             f"{t.peak / GiB:.2f} GiB per rank (weights, gradients and AdamW {t.resident / GiB:.2f}; then the larger "
-            f"of a step's activations {t.activations / GiB:.2f} (+ heap {t.heap_overhead / GiB:.2f}) + logits "
-            f"{t.logits / GiB:.2f} + embedding "
+            f"of a step's activations {t.activations / GiB:.2f} + logits {t.logits / GiB:.2f} + embedding "
             f"gradients {t.embedding_gradients / GiB:.2f} and a checkpoint export's copy {t.export_copy / GiB:.2f}; "
             f"process {t.baseline / GiB:.2f})",
             f"memory plan, rollout worker (x{self.workers}): {self._chosen('rollout.')}; estimate {w.peak / GiB:.2f} "

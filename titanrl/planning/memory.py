@@ -84,12 +84,6 @@ PACKED_SAVED_BYTES = dict(q=1, token=8)
 q (compute-dtype bytes per q element) and an int64 index. Counted with saved_tensors_hooks on the
 packed forward against the plain one (136 bytes per token per layer at q width 32, float32);
 tests/test_plan.py recounts it."""
-HEAP_OVERHEAD_FRACTION = 0.35
-"""On CPU with several micro-batches per step, resident memory exceeds the live activations by
-this fraction of them: activations of a few MiB each come from glibc's heap (below the 4 MiB mmap
-threshold) and fragment it as micro-batches allocate and free them. Fitted on three real runs at
-Qwen3-0.6B's shape (1, 2 and 4 sequences per micro-batch, 2026-12-06, 2-core EPYC): 32-47 % of the
-activations beyond every other term."""
 LOGITS_COPIES = 2
 """float32 [tokens, vocab] tensors alive at once on the logits path, per chunk (the whole
 micro-batch when one chunk holds it): the trainer's chunked logprobs (trainer/chunked_logprobs.py)
@@ -233,9 +227,9 @@ class MemoryEstimate:
     the embedding and of the LM head (tied or not) exist beside the accumulated .grad before they
     are added to it. Fitted on two real runs at Qwen3-0.6B's shape (4 and 8 micro-batches): the
     trainer's step peak exceeded the other terms by 1.1-1.6 GiB; these two [vocab, hidden] copies
-    are 1.16 GiB. One copy where the head's gradient is added in place (one float32 process:
-    `titanrl.trainer.chunked_logprobs.grad_accumulates_in_place`). (FSDP's unsharded gradients of
-    the root unit are in fsdp_buffers.)"""
+    are 1.16 GiB. None where both are added in place (one float32 process:
+    `titanrl.models.common.grad_in_place`). (FSDP's unsharded gradients of the root unit are in
+    fsdp_buffers.)"""
     activations_stored: int
     """Activations autograd keeps with no checkpointing, for the micro-batches in flight."""
     activations_checkpointed: int
@@ -256,8 +250,6 @@ class MemoryEstimate:
     """Process (CPU) or CUDA context (GPU) memory outside the model."""
     activation_checkpointing: ActivationCheckpointing
     chunked_logprobs: bool
-    heap_fragmentation: bool = False
-    """CPU with several micro-batches: HEAP_OVERHEAD_FRACTION of the activations on top."""
 
     @property
     def activations(self) -> int:
@@ -272,13 +264,8 @@ class MemoryEstimate:
         return self.parameters + self.master_weights + self.reference + self.gradients + self.optimizer_state
 
     @property
-    def heap_overhead(self) -> int:
-        return int(HEAP_OVERHEAD_FRACTION * self.activations) if self.heap_fragmentation else 0
-
-    @property
     def forward_backward(self) -> int:
-        return (self.activations + self.heap_overhead + self.logits + self.fsdp_buffers + self.gradient_accumulation
-                + self.embedding_gradients)
+        return self.activations + self.logits + self.fsdp_buffers + self.gradient_accumulation + self.embedding_gradients
 
     @property
     def peak(self) -> int:
@@ -487,8 +474,8 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
         accumulation = 4 * unsharded
     embedding_gradients = 0
     if not sharded and sched.micro_batches > 1 and any(stage_holds(layout, stage)):
-        head_in_place = layout.world_size == 1 and not cast and b == 4
-        embedding_gradients = (1 if head_in_place else 2) * 4 * -(-shape.vocab_size // layout.tp) * shape.hidden_size
+        in_place = layout.world_size == 1 and not cast and b == 4  # titanrl.models.common.grad_in_place
+        embedding_gradients = 0 if in_place else 2 * 4 * -(-shape.vocab_size // layout.tp) * shape.hidden_size
     stored, checkpointed = stage_activations(shape, layout, work, stage, sched)
     full, chunked = logits_bytes(shape, layout, work, sched, stage)
     # Fused AdamW (titanrl.trainer.optimizer.implementation) updates each tensor in place: no
@@ -515,7 +502,6 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
         baseline=baseline,
         activation_checkpointing=work.activation_checkpointing,
         chunked_logprobs=work.logprob_chunk_tokens != 0,
-        heap_fragmentation=work.device == "cpu" and sched.micro_batches > 1,
     )
 
 

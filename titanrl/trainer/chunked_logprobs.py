@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titanrl import kernels
+from titanrl.models.common.grad_in_place import grad_accumulates_in_place, holds_gradient
 from titanrl.trainer.truncation import Truncation, kept_mask
 
 
@@ -103,19 +104,6 @@ def _kept_again(z: torch.Tensor, targets: torch.Tensor, low: torch.Tensor, split
     if rows.numel():
         kept[rows] = kept_mask(z[rows], truncation)
     return kept.scatter_(-1, targets[:, None], True)
-
-
-def grad_accumulates_in_place(weight: torch.Tensor, vocab_group: dist.ProcessGroup | None) -> bool:
-    """Whether the backward may add the head's gradient straight into `weight.grad` (when a
-    gradient is already there: a later micro-batch) instead of returning a fresh [V, D] one that
-    autograd then adds: one float32 copy of the head less at the step's peak (0.58 GiB at Qwen3's
-    vocabulary). Only for a plain float32 leaf Parameter in one process, with no hook that reads
-    its accumulated gradient (FSDP, tensor and vocabulary parallelism keep the returned gradient)."""
-    return (
-        type(weight) is torch.nn.Parameter and weight.dtype == torch.float32 and weight.device.type in ("cpu", "cuda")
-        and vocab_group is None and not getattr(weight, "_post_accumulate_grad_hooks", None)
-        and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-    )
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
@@ -184,8 +172,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         param = ctx.weight_param
-        in_place = (need_weight and param is not None and param.grad is not None
-                    and param.grad.dtype == torch.float32 and param.grad.shape == weight.shape
+        in_place = (need_weight and holds_gradient(param, weight)
                     and (grad_logprobs is not None or grad_entropy is not None))
         # Accumulated over chunks in at least float32, cast to the weight's dtype once; or added
         # to the gradient the Parameter already holds (`grad_accumulates_in_place`).

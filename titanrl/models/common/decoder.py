@@ -20,6 +20,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from titanrl import kernels
+from titanrl.models.common.grad_in_place import embed
 from titanrl.models.common.rope import read_rope_scaling, rope_inv_freq
 from titanrl.models.packed_sequences import PackedSequences, packed_attention, varlen_flash_attention
 
@@ -421,7 +422,7 @@ class DecoderForCausalLM(nn.Module):
         """Final-norm hidden states [B, T, hidden]."""
         if positions_BT is None:
             positions_BT = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
-        h = self.model.embed_tokens(input_ids_BT)
+        h = embed(self.model.embed_tokens, input_ids_BT)
         cos, sin = self.model.rotary_emb(positions_BT, h.dtype)
         for layer in self.model.layers:
             h = layer(h, cos, sin)
