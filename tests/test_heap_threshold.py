@@ -35,16 +35,18 @@ def _retained_mib(threshold_mib: int) -> tuple[bool, float]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
 def test_freed_tensors_leave_resident_memory_with_the_threshold_set():
     """With the threshold at 4 MiB, 8 freed 12 MiB tensors between live small ones leave nothing
-    resident; with glibc's default (0: not set) they stay resident, which is what the setting is for."""
+    resident; with glibc's default (0: not set) some stay resident, which is what the setting is
+    for. (How many depends on how far glibc's own threshold has risen, which depends on the
+    process's allocation history: 2 of the 8 or all of them were seen on the same machine.)"""
     applied, retained = _retained_mib(4)
     assert applied and retained < 8, retained
     applied_default, retained_default = _retained_mib(0)
-    assert not applied_default and retained_default >= 64, retained_default
+    assert not applied_default and retained_default >= 16, retained_default
 
 
 def test_auto_threshold_follows_the_policys_parameter_count(tmp_path, monkeypatch):
     """train.memory.heap_mmap_threshold_mib=None: 32 MiB for a small policy (its few-MiB activations stay
-    in the heap), 4 MiB from LARGE_MODEL_PARAMS parameters on; an explicit value, 0 included, wins.
+    in the heap), 1 MiB from LARGE_MODEL_PARAMS parameters on; an explicit value, 0 included, wins.
     A trainer built with the default settles on the small model's value."""
     import torch
 
@@ -71,5 +73,5 @@ def test_auto_threshold_follows_the_policys_parameter_count(tmp_path, monkeypatc
     monkeypatch.setattr(trainer_module, "set_heap_mmap_threshold", applied.append)
     small = write_tiny_checkpoint(tmp_path / "small", seed=0)
     trainer = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=str(small)), auto, temperature=1.0, seed=0))
-    # 4 MiB while the weights load, then the small policy's 32 for its steps.
-    assert applied == [4, 32] and heap_mmap_threshold_mib(auto, trainer.pm.parts) == 32
+    # 1 MiB while the weights load (a large model's value), then the small policy's 32 for its steps.
+    assert applied == [1, 32] and heap_mmap_threshold_mib(auto, trainer.pm.parts) == 32
