@@ -13,6 +13,7 @@ from titanrl.config import ModelConfig
 from titanrl.trainer.chunked_logprobs import chunked_token_logprobs
 from titanrl.trainer.grpo import clipped_surrogate_loss, token_logprobs
 from support.layout_check import make_case
+from support.new_tensors import ShapesMade
 from titanrl.trainer.step import trimmed_len
 from titanrl.trainer.trainer import GRPOTrainer
 from titanrl.trainer.setup import TrainerSetup
@@ -193,22 +194,6 @@ def test_no_saved_tensor_holds_more_than_a_chunk_of_logits(case):
     assert max(torch.Size(s).numel() // vocab for s in unchunked) >= b.input_ids_BT.numel() > chunk
 
 
-class _ShapesMade(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the shape of every new tensor an op returns while active (not an in-place op's input)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.shapes: list[tuple[int, ...]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        inputs = {a.data_ptr() for a in [*args, *(kwargs or {}).values()] if isinstance(a, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.data_ptr() not in inputs:
-                self.shapes.append(tuple(t.shape))
-        return out
-
-
 def _two_micro_batches(weight: torch.nn.Parameter) -> list[list[tuple[int, ...]]]:
     """Backward of two micro-batches into `weight.grad`; the shapes each backward made."""
     gen = torch.Generator().manual_seed(3)
@@ -218,7 +203,7 @@ def _two_micro_batches(weight: torch.nn.Parameter) -> list[list[tuple[int, ...]]
         targets = torch.randint(weight.shape[0], (24,), generator=gen)
         logprobs, entropy = chunked_token_logprobs(hidden, weight, targets, chunk_tokens=8)
         loss = logprobs.sum() + 0.1 * entropy.sum()
-        with _ShapesMade() as mode:
+        with ShapesMade() as mode:
             loss.backward()
         made.append(mode.shapes)
     return made

@@ -8,22 +8,7 @@ from torch import nn
 
 import titanrl.models.common.grad_in_place as module
 from titanrl.models.common.grad_in_place import embed
-
-
-class _ShapesMade(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the shape of every new tensor an op returns while active (not an in-place op's input)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.shapes: list[tuple[int, ...]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        inputs = {a.data_ptr() for a in [*args, *(kwargs or {}).values()] if isinstance(a, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.data_ptr() not in inputs:
-                self.shapes.append(tuple(t.shape))
-        return out
+from support.new_tensors import ShapesMade
 
 
 def _two_micro_batches(embedding: nn.Embedding) -> list[list[tuple[int, ...]]]:
@@ -33,7 +18,7 @@ def _two_micro_batches(embedding: nn.Embedding) -> list[list[tuple[int, ...]]]:
         ids = torch.randint(embedding.num_embeddings, (3, 7), generator=gen)
         scale = torch.randn(3, 7, embedding.embedding_dim, generator=gen).to(embedding.weight.dtype)
         loss = (embed(embedding, ids) * scale).sum()
-        with _ShapesMade() as mode:
+        with ShapesMade() as mode:
             loss.backward()
         made.append(mode.shapes)
     return made
