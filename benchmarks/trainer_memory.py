@@ -135,9 +135,12 @@ def estimate(ckpt: str, overrides: dict, rows: int, completion: int) -> int:
     from titanrl.config import TrainConfig
     from titanrl.planning import ModelShape, Workload, estimate_cpu_process
 
+    from titanrl.config.unplanned import concrete_memory
+
+    memory = concrete_memory(TrainConfig(**overrides).memory)  # what the trainer runs ('auto': unplanned)
     train = TrainConfig(**overrides)
-    work = Workload(seq_len=PROMPT_LEN + completion - 1, batch=rows, micro_batch=rows, dtype="float32",
-                    compute_dtype="float32", activation_checkpointing=train.memory.activation_checkpointing,
+    work = Workload(seq_len=PROMPT_LEN + completion - 1, batch=rows, micro_batch=min(rows, int(memory.micro_batch_size)),
+                    dtype="float32", compute_dtype="float32", activation_checkpointing=memory.activation_checkpointing,
                     logprob_chunk_tokens=train.memory.logprob_chunk_tokens)  # None: the trainer's default rule
     return estimate_cpu_process(ModelShape.from_config_json(Path(ckpt) / "config.json"), work).peak
 

@@ -307,13 +307,15 @@ def reasoning_task() -> Any:
 
 def check_reasoning_recipe(config: Any) -> None:
     """Refuses to run when examples/reasoning/config.py no longer matches REASONING (what TRL gets)."""
+    from titanrl.config.unplanned import concrete_memory
+
     found = dict(
         prompts_per_step=config.rollout.prompts_per_step,
         group_size=config.rollout.group_size,
         max_new_tokens=config.rollout.sampling.max_new_tokens,
         lr=config.train.optimizer.lr,
         warmup_steps=config.train.lr_schedule.warmup_steps,
-        micro_batch_size=config.train.memory.micro_batch_size,
+        micro_batch_size=concrete_memory(config.train.memory).micro_batch_size,
         temperature=config.rollout.sampling.temperature,
         reward_weights=list(config.reward_weights),
     )

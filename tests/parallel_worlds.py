@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titanrl.config.unplanned import concrete_memory
 from titanrl import kernels
 from titanrl.config import ParallelConfig
 from titanrl.models.hf_checkpoint import load_model
@@ -80,7 +81,7 @@ def _setup(case: Case, layout: dict):
     parallel = ParallelConfig(**layout)
     model, _ = load_model(case.checkpoint)
     pm = parallelize(model, parallel, build_mesh(parallel, "cpu"),
-                     activation_checkpointing=case.train.memory.activation_checkpointing,
+                     activation_checkpointing=concrete_memory(case.train.memory).activation_checkpointing,
                      activation_checkpointing_every=case.train.memory.activation_checkpointing_every)
     optimizers = build_optimizers(pm, case.train)
     return pm, optimizers, GRPOStep(pm, optimizers, case.train, case.temperature)

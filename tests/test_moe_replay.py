@@ -26,6 +26,7 @@ from titanrl.config import (
     TrainConfig,
     validate,
 )
+from titanrl.config.unplanned import concrete_memory
 from titanrl.models.qwen3.moe import Router, SparseMoeBlock, routing_buffers
 from titanrl.trainer.batch import pack
 from titanrl.trainer.grpo import clipped_surrogate_loss, token_logprobs
@@ -47,7 +48,7 @@ def case():
 def _step(model, **train):
     cfg = merged(TrainConfig(memory=MemoryConfig(micro_batch_size=2), moe=MoeConfig(load_balance="none")), **train)
     pm = parallelize(copy.deepcopy(model), ParallelConfig(), None,
-                     activation_checkpointing=cfg.memory.activation_checkpointing)
+                     activation_checkpointing=concrete_memory(cfg.memory).activation_checkpointing)
     return GRPOStep(pm, build_optimizers(pm, cfg), cfg, 1.0), pm
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titanrl.config.unplanned import concrete_memory
 from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from titanrl.config import LossConfig, MemoryConfig, OptimizerConfig
 from titanrl.models.hf_checkpoint import load_model
@@ -233,7 +234,7 @@ def check_layout(name: str, case: Case, ref: Reference, device_type: str = "cpu"
     validate_parallel(parallel, config, dist.get_world_size())
     mesh = build_mesh(parallel, device_type)
     compute = case.train.compute.dtype  # mixed precision as GRPOTrainer sets it up (None: parameters' dtype)
-    pm = parallelize(model, parallel, mesh, activation_checkpointing=case.train.memory.activation_checkpointing,
+    pm = parallelize(model, parallel, mesh, activation_checkpointing=concrete_memory(case.train.memory).activation_checkpointing,
                      activation_checkpointing_every=case.train.memory.activation_checkpointing_every,
                      compute_dtype=getattr(torch, compute) if compute else None)
     optimizers = build_optimizers(pm, case.train)
