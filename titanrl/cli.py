@@ -300,16 +300,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     config = _load(args.config, overrides + ([f"output.dir={args.out}"] if args.out else []))
     if args.print_config:
-        from titanrl.config import validate
-        from titanrl.config.resolve import resolve
-        from titanrl.planning.fit import with_memory_plan
-
-        from titanrl.data import load_run_rows, longest_prompt_tokens
-
-        validate(config)
-        resolved = resolve(config)
-        train_rows, _ = load_run_rows(config)
-        resolved = with_memory_plan(resolved, longest_prompt=longest_prompt_tokens(config, train_rows))
+        resolved, _, _ = titanrl.driver.train.resolve_run(config)
         print("\n".join(resolved.memory_summary), file=sys.stderr)  # the JSON on stdout stays parseable
         print(resolved.to_json(), end="")
         return EXIT_OK

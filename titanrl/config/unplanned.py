@@ -19,14 +19,17 @@ UNPLANNED_KV_CACHE_GIB = 1.0
 UNPLANNED_VLLM_KERNELS = True
 
 
+def _with_unplanned(section: Any, unplanned: dict[str, Any]) -> Any:
+    """`section` with each field of `unplanned` that is 'auto' set to its value (the same object
+    when none is)."""
+    changes = {name: value for name, value in unplanned.items() if getattr(section, name) == "auto"}
+    return dataclasses.replace(section, **changes) if changes else section
+
+
 def concrete_memory(memory: MemoryConfig) -> MemoryConfig:
-    """`memory` with each 'auto' replaced by its unplanned value (unchanged when nothing is 'auto')."""
-    changes: dict[str, Any] = {}
-    if memory.micro_batch_size == "auto":
-        changes["micro_batch_size"] = UNPLANNED_MICRO_BATCH_SIZE
-    if memory.activation_checkpointing == "auto":
-        changes["activation_checkpointing"] = UNPLANNED_ACTIVATION_CHECKPOINTING
-    return dataclasses.replace(memory, **changes) if changes else memory
+    """`memory` with each 'auto' replaced by its unplanned value."""
+    return _with_unplanned(memory, {"micro_batch_size": UNPLANNED_MICRO_BATCH_SIZE,
+                                    "activation_checkpointing": UNPLANNED_ACTIVATION_CHECKPOINTING})
 
 
 def concrete_train(train: TrainConfig) -> TrainConfig:
@@ -37,9 +40,4 @@ def concrete_train(train: TrainConfig) -> TrainConfig:
 
 def concrete_engine(engine: EngineConfig) -> EngineConfig:
     """`engine` with an 'auto' KV cache and kernel choice replaced by their unplanned values."""
-    changes: dict[str, Any] = {}
-    if engine.kv_cache_gib == "auto":
-        changes["kv_cache_gib"] = UNPLANNED_KV_CACHE_GIB
-    if engine.vllm_kernels == "auto":
-        changes["vllm_kernels"] = UNPLANNED_VLLM_KERNELS
-    return dataclasses.replace(engine, **changes) if changes else engine
+    return _with_unplanned(engine, {"kv_cache_gib": UNPLANNED_KV_CACHE_GIB, "vllm_kernels": UNPLANNED_VLLM_KERNELS})

@@ -56,6 +56,17 @@ class RunResult:
     """Every record of metrics.jsonl, in order."""
 
 
+def resolve_run(config: RunConfig) -> tuple[ResolvedRunConfig, list[dict[str, Any]], list[dict[str, Any]]]:
+    """The validated config with every derived value filled and its `auto` memory settings chosen
+    (refused here when the memory plan says nothing fits), and its train and eval rows. What
+    `train` and `titanrl train --print-config` both start from; nothing is started."""
+    validate(config)
+    resolved = resolve(config)
+    train_rows, eval_rows = load_run_rows(config)
+    resolved = with_memory_plan(resolved, longest_prompt=longest_prompt_tokens(config, train_rows))
+    return resolved, train_rows, eval_rows
+
+
 def train(config: RunConfig, resume: bool = False) -> RunResult:
     """Runs GRPO as configured and returns where the results are.
 
@@ -67,11 +78,7 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
     """
     started = time.perf_counter()
     show_messages()
-    validate(config)
-    resolved = resolve(config)
-    train_rows, eval_rows = load_run_rows(config)
-    # Refuses a run the memory plan says cannot fit, before anything starts.
-    resolved = with_memory_plan(resolved, longest_prompt=longest_prompt_tokens(config, train_rows))
+    resolved, train_rows, eval_rows = resolve_run(config)
     for line in resolved.memory_summary:
         log.info(line)
     checkpoint, driver_state = None, None

@@ -38,6 +38,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator
+import dataclasses
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -224,12 +225,8 @@ def layout_of(config: RunConfig) -> Layout:
 
 def _halvings(start: int) -> list[int]:
     """start, then the powers of two below it down to 1."""
-    out, n = [start], 1 << max(start - 1, 0).bit_length() >> 1
-    while n >= 1:
-        if n < out[-1]:
-            out.append(n)
-        n >>= 1
-    return out
+    below = 1 << (start.bit_length() - 1)  # the largest power of two <= start
+    return [start] + [1 << k for k in range(below.bit_length() - 1, -1, -1) if 1 << k < start]
 
 
 def trainer_options(config: RunConfig, layout: Layout) -> list[TrainerOption]:
@@ -308,8 +305,6 @@ def fit_memory(config: RunConfig, shape: ModelShape, node: NodeMemory, longest_p
 
 def what_would_fit(config: RunConfig, shape: ModelShape, node: NodeMemory, longest_prompt: int | None = None) -> list[str]:
     """Single changes of the run (not of the memory settings, already at their smallest) that would fit."""
-    import dataclasses
-
     e, r = config.rollout.engine, config.rollout
     changes: list[tuple[str, RunConfig]] = []
     if compute_dtype(config.model, config.train) == "float32":
@@ -355,8 +350,6 @@ def plan_memory(config: RunConfig, node: NodeMemory | None = None, longest_promp
     there is none ('' when there is one). Raises ConfigError when even the smallest settings
     cannot fit; logs a warning when explicit settings keep the run from fitting. `longest_prompt`:
     tokens of the data's longest prompt (`titanrl.data.longest_prompt_tokens`; None: unknown)."""
-    import dataclasses
-
     reason = unplanned_reason(config)
     shape = None
     if not reason:
@@ -385,8 +378,6 @@ def plan_memory(config: RunConfig, node: NodeMemory | None = None, longest_promp
 def with_memory_plan(resolved: ResolvedRunConfig, node: NodeMemory | None = None,
                      longest_prompt: int | None = None) -> ResolvedRunConfig:
     """`resolved` with its `auto` memory settings chosen (`plan_memory`) and the plan kept."""
-    import dataclasses
-
     planned, fit, reason = plan_memory(resolved.config, node, longest_prompt)
     if fit is None:
         summary = (f"memory plan: none ({reason}); the 'auto' memory settings take their unplanned values",)
