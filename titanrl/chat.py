@@ -34,37 +34,39 @@ def chat_turn(role: str, content: str) -> str:
     return f"{IM_START}{role}\n{content}{IM_END}\n"
 
 
-def has_chat_template(tokenizer: Any) -> bool:
-    """Whether the tokenizer carries a chat template of its own."""
-    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+def has_chat_template(tokenizer: Any, chat_template: str | None = None) -> bool:
+    """Whether the tokenizer carries a chat template of its own (or `chat_template` replaces it)."""
+    return bool(chat_template) or (tokenizer is not None and bool(getattr(tokenizer, "chat_template", None)))
 
 
-def template_takes_tools(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template renders a `tools` list (a template that never reads
-    the variable would drop the tool schemas silently)."""
-    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+def template_takes_tools(tokenizer: Any, chat_template: str | None = None) -> bool:
+    """Whether the tokenizer's chat template (or `chat_template`, which replaces it) renders a
+    `tools` list (a template that never reads the variable would drop the tool schemas silently)."""
+    template = chat_template or (getattr(tokenizer, "chat_template", None) if tokenizer is not None else None)
     if isinstance(template, dict):  # named templates: the "tool_use" one, else the default
         template = template.get("tool_use") or template.get("default")
     return isinstance(template, str) and "tools" in template
 
 
 def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
-                add_generation_prompt: bool = True, encoded_with_specials: bool = True) -> str:
+                add_generation_prompt: bool = True, encoded_with_specials: bool = True,
+                chat_template: str | None = None) -> str:
     """Prompt text of `messages` (and `tools`, JSON schemas as `transformers.utils.get_json_schema`
     writes them) under the tokenizer's chat template, or ChatML without one.
 
     `encoded_with_specials`: the text will be encoded with the tokenizer's special tokens added
     (vLLM encodes text prompts so); a BOS the template writes is then left to the tokenizer.
+    `chat_template`: a Jinja template used instead of the tokenizer's (`agent.chat_template`).
     Raises ValueError when tools are given to a template that cannot show them: the caller then
     writes the tools into the system message itself (as `titanrl.envs.ToolEnv` does).
     """
-    if tools and not template_takes_tools(tokenizer):
+    if tools and not template_takes_tools(tokenizer, chat_template):
         raise ValueError("this tokenizer's chat template does not render tools; put them in the system message")
-    if not has_chat_template(tokenizer):
+    if not has_chat_template(tokenizer, chat_template):
         text = "".join(chat_turn(m["role"], m["content"]) for m in messages)
         return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
     text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, chat_template=chat_template)
     return _without_added_bos(tokenizer, text) if encoded_with_specials else text
 
 

@@ -266,7 +266,7 @@ def load_eval_rows(config: RunConfig, tokenizer: Any = None) -> list[dict[str, A
     if dc.eval_rows is None and not dc.eval_file:
         return []
     source, label = _source(dc.eval_rows, dc.eval_file, "eval")
-    env = config.env.factory is not None  # an environment writes its own prompt in reset()
+    env = config.runs_episodes  # an environment (in reset()) or an agent writes its own prompt
     rows = load_rows(source, dc.prompt_field, "" if env else dc.messages_field, label)
     if not env:
         max_new_tokens = config.eval.max_new_tokens or config.rollout.sampling.max_new_tokens
@@ -281,8 +281,8 @@ def load_run_rows(config: RunConfig) -> tuple[list[dict[str, Any]], list[dict[st
     reach an engine."""
     dc = config.data
     source, label = _source(dc.train_rows, dc.train_file, "train")
-    if config.env.factory is not None:
-        # An environment writes the prompt itself in reset(); its episode budget bounds the context.
+    if config.runs_episodes:
+        # An environment (in reset()) or an agent writes the prompt itself; each call fits the context.
         return load_rows(source, dc.prompt_field, label=label), load_eval_rows(config)
     train_rows = load_rows(source, dc.prompt_field, dc.messages_field, label)
     tokenizer = load_tokenizer(config.model.checkpoint)
@@ -295,7 +295,7 @@ def longest_prompt_tokens(config: RunConfig, rows: list[dict[str, Any]]) -> int 
     """Tokens of the longest prompt among `rows` (rendered, as `load_run_rows` returns them), counted
     in batches by the checkpoint's tokenizer; None for environment runs (the environment writes
     the prompt) or no rows. The memory plan sizes sequences by it."""
-    if config.env.factory is not None or not rows:
+    if config.runs_episodes or not rows:
         return None
     tokenizer = load_tokenizer(config.model.checkpoint)
     texts = [row[config.data.prompt_field] for row in rows]

@@ -111,3 +111,18 @@ def shm_names() -> set[str]:
     from titanrl.weight_sync.segment import PREFIX
 
     return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith((PREFIX, FILE_PREFIX))}
+
+
+async def killing_agent(base_url: str, api_key: str, row: dict) -> float:
+    """An OpenAI-client agent (one chat call; reward: the digit share of the reply) that kills its
+    own worker process at episode KILL_AT (and later ones): a worker dying mid-episode."""
+    import openai
+
+    n = count_call()
+    if n == KILL_AT or (KILL_EVERY_LATER_CALL and n > KILL_AT):
+        os.kill(os.getpid(), signal.SIGKILL)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}],
+                                                 max_tokens=8)
+    text = reply.choices[0].message.content or ""
+    return sum(ch.isdigit() for ch in text) / max(len(text), 1)

@@ -166,7 +166,7 @@ def evaluate_checkpoint(
             )
             if k is not None and n is not None:
                 # Seeded as a run with seed config.seed seeds its first request.
-                turns = config.env.max_turns if config.env.factory is not None else 1
+                turns = config.calls_per_episode
                 batch = worker.generate(rows, request_seed(config.seed, 0, n, turns), 0)
                 passing = [sum(is_correct(s.reward, s.reward_error, ec.correct_threshold) for s in g.samples)
                            for g in batch.groups]

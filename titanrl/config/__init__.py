@@ -13,6 +13,7 @@ from titanrl.config.schema import (
     ComputeConfig,
     DataConfig,
     EngineConfig,
+    AgentConfig,
     EnvConfig,
     EvalConfig,
     KlConfig,
@@ -34,7 +35,7 @@ from titanrl.config.schema import (
     ShapingConfig,
     TrainConfig,
 )
-from titanrl.config.validation import resolve_env_factory, resolve_reward, validate
+from titanrl.config.validation import resolve_agent_fn, resolve_env_factory, resolve_reward, validate
 from titanrl.errors import ConfigError
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EngineConfig",
+    "AgentConfig",
     "EnvConfig",
     "EvalConfig",
     "KlConfig",
@@ -63,6 +65,7 @@ __all__ = [
     "ShapingConfig",
     "TrainConfig",
     "apply_overrides",
+    "resolve_agent_fn",
     "resolve_env_factory",
     "resolve_reward",
     "validate",

@@ -103,7 +103,15 @@ def loss_length_norm(config: RunConfig) -> int:
     """train.loss.length_norm, or when None the longest completion a sample can have."""
     if config.train.loss.length_norm is not None:
         return config.train.loss.length_norm
-    return config.env.max_total_tokens if config.env.factory is not None else config.rollout.sampling.max_new_tokens
+    return episode_completion_tokens(config) if config.runs_episodes else config.rollout.sampling.max_new_tokens
+
+
+def episode_completion_tokens(config: RunConfig) -> int:
+    """The longest completion side an episode can have: env.max_total_tokens for an environment; for
+    an agent, whose calls each fit the engine's context, rollout.engine.max_model_len."""
+    if config.env.factory is not None:
+        return config.env.max_total_tokens
+    return config.rollout.engine.max_model_len
 
 
 def records_routed_experts(rollout: RolloutConfig, is_moe: bool) -> bool:

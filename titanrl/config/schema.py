@@ -577,6 +577,34 @@ class EnvConfig:
     """Pre-warmed code sandboxes per rollout worker (0: environments get no sandbox pool)."""
 
 
+@dataclass
+class AgentConfig:
+    """Agents written against the OpenAI API: set `fn` to train an unchanged harness.
+
+    Each rollout worker serves `POST /v1/chat/completions` and `POST /v1/completions` on
+    127.0.0.1 from its own engine; an episode is one call of `fn`, and every call it makes is
+    recorded token for token (titanrl/agents: the rule that turns calls into samples)."""
+
+    fn: Callable[..., Any] | str | None = None
+    """`agent(base_url, api_key, row) -> float` (sync or async, or 'module:function'): runs one
+    episode with any OpenAI client against `base_url` (with `api_key` as its bearer token) and
+    returns the episode's reward. None: no agent (single-turn completions or `env`)."""
+    timeout_s: float = 300.0
+    """Wall-clock limit of one episode: past it the episode is a reward error
+    (scoring.error_value) and the endpoint refuses its later calls."""
+    max_calls: int = 16
+    """Endpoint calls one episode may make (each choice of an n > 1 call counts); later calls get HTTP 429."""
+    chat_template: str | None = None
+    """Path of a Jinja chat template used instead of the checkpoint tokenizer's (as vLLM's
+    --chat-template); it must render `tools` and assistant `tool_calls` for tool-using agents."""
+    served_model_name: str = "policy"
+    """The `model` a request must name (the policy being trained); any other name gets HTTP 404."""
+    sandbox_pool_size: int = 0
+    """Pre-warmed code sandboxes per rollout worker that agents reach through
+    `titanrl.agents.episode_sandbox()` (0: none)."""
+    max_request_bytes: int = 1_000_000
+    """Largest request body the endpoint reads; a larger one gets HTTP 413."""
+
 
 @dataclass
 class RewardHealthConfig:
@@ -636,6 +664,8 @@ class RunConfig:
     sync or async; `@titanrl.batched_reward` ones take lists); summed, weighted by reward_weights."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn environment, episode budgets and sandbox pool size."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """An OpenAI-client agent trained through the rollout workers' endpoint (instead of `env`)."""
     seed: int = 0
     """Seed of sampling and of anything random in the trainer."""
     batch_invariant: bool = False
@@ -650,6 +680,19 @@ class RunConfig:
     Metrics (reward/<name>/mean) show each reward's own, unweighted value."""
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     """Reward concurrency, timeouts, error handling and health checks."""
+
+    @property
+    def runs_episodes(self) -> bool:
+        """Whether rollouts are episodes whose prompts the environment or the agent writes (not the data)."""
+        return self.env.factory is not None or self.agent.fn is not None
+
+    @property
+    def calls_per_episode(self) -> int:
+        """Model calls one sample can be made of (what its seed range covers): env.max_turns,
+        agent.max_calls, or 1 for single-turn completions."""
+        if self.agent.fn is not None:
+            return self.agent.max_calls
+        return self.env.max_turns if self.env.factory is not None else 1
 
     @property
     def generator_dtype(self) -> Dtype:

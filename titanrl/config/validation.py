@@ -57,6 +57,46 @@ def resolve_env_factory(spec: Any) -> Callable[..., Any]:
     return _import_callable(spec, "env.factory", "package.module:make_env", "make_env(context) -> Environment")
 
 
+def resolve_agent_fn(spec: Any) -> Callable[..., Any]:
+    """Turns a callable or a 'module:function' string into an agent function, checking that it
+    takes (base_url, api_key, row)."""
+    import inspect
+
+    fn = _import_callable(spec, "agent.fn", "package.module:agent", "agent(base_url, api_key, row) -> float")
+    try:
+        inspect.signature(fn).bind("http://127.0.0.1:1/v1", "key", {})
+    except TypeError as e:
+        raise ConfigError(f"agent.fn={spec!r} cannot be called as agent(base_url, api_key, row) ({e})") from e
+    except ValueError:
+        pass  # no signature to read (a builtin): the first episode will tell
+    return fn
+
+
+def _validate_agent(config: RunConfig) -> None:
+    """agent.*: an agent replaces the environment and the reward functions (it returns the reward)."""
+    agent = config.agent
+    resolve_agent_fn(agent.fn)
+    if config.env.factory is not None:
+        raise ConfigError("agent.fn and env.factory are both set: an episode is either an environment's or an "
+                          "agent's; set one of them to None")
+    if config.rewards:
+        raise ConfigError("rewards is set, but agent.fn returns each episode's reward itself: set rewards=[] "
+                          "and compute every reward term inside the agent")
+    if config.data.messages_field:
+        raise ConfigError("data.messages_field renders single-turn prompts, but agent.fn is set (the agent writes "
+                          "its own messages from the row): set data.messages_field=''")
+    if config.rollout.shaping.overlong_buffer > 0:
+        raise ConfigError("rollout.shaping.overlong_buffer is for single-turn rollouts; with agent.fn set, "
+                          "put a length penalty into the agent's reward and set it to 0")
+    _positive(config, "agent.timeout_s", "agent.max_calls", "agent.max_request_bytes")
+    if agent.sandbox_pool_size < 0:
+        raise ConfigError("agent.sandbox_pool_size must be >= 0")
+    if agent.chat_template is not None and not Path(agent.chat_template).is_file():
+        raise ConfigError(f"agent.chat_template: {agent.chat_template!r} is not a file (a Jinja chat template)")
+    if not agent.served_model_name:
+        raise ConfigError("agent.served_model_name is empty: requests must name a model")
+
+
 def _dotted(config: RunConfig, dotted: str) -> Any:
     """The value at a dotted key ('train.optimizer.lr')."""
     return functools.reduce(getattr, dotted.split("."), config)
@@ -159,14 +199,17 @@ def validate(config: RunConfig) -> None:
             f"{model_config.HF_ARCHITECTURE}: set rollout.engine.record_routed_experts=None (or False)"
         )
     _validate_data(config)
-    if config.env.factory is not None:
+    if config.agent.fn is not None:
+        _validate_agent(config)
+    elif config.env.factory is not None:
         resolve_env_factory(config.env.factory)
         _positive(config, "env.max_turns", "env.max_total_tokens")
         if config.env.sandbox_pool_size < 0:
             raise ConfigError("env.sandbox_pool_size must be >= 0")
     elif not config.rewards:
         raise ConfigError(
-            "rewards is empty: give at least one reward(prompt, completion, **row_fields) -> float (or an env)"
+            "rewards is empty: give at least one reward(prompt, completion, **row_fields) -> float (or an env, "
+            "or an agent)"
         )
     for i, spec in enumerate(config.rewards):
         resolve_reward(spec, i)

@@ -74,7 +74,7 @@ def start_rollouts(resolved: ResolvedRunConfig, train_rows: list[dict[str, Any]]
     config = resolved.config
     rc, tc = config.rollout, config.train
     stream = PromptStream(train_rows, rc.prompts_per_step, config.data.shuffle_seed + config.seed)
-    turns = config.env.max_turns if config.env.factory is not None else 1
+    turns = config.calls_per_episode
     if not rc.continuous:
         lockstep_cls = ray.remote(RolloutWorker)
 

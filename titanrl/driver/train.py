@@ -114,7 +114,7 @@ def _run(resolved: ResolvedRunConfig, run_dir: Path, checkpoint: RunCheckpoint |
     import ray
 
     config = resolved.config
-    ship_user_code_by_value(config.rewards + ([config.env.factory] if config.env.factory is not None else []))
+    ship_user_code_by_value(config.rewards + [fn for fn in (config.env.factory, config.agent.fn) if fn is not None])
     placement = Placement.create(config)
     try:
         transport = choose_weight_transport(config, placement.layout.rollout_device, shm_free_bytes())

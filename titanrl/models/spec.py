@@ -34,6 +34,11 @@ class ModelSpec:
     """TP/SP plan of a block, compile regions, the attention core, XLA shardings."""
     state_dict_adapter: StateDictAdapter = field(default=DECODER_ADAPTER)
     """The special names of the family's state dict (embedding, head, layer prefix)."""
+    tool_call_format: str = "hermes"
+    """How the family's chat models write tool calls, which the agents' endpoint parses into
+    `tool_calls` (`titanrl.agents.handler.TOOL_CALL_FORMATS`): 'hermes' is
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format of Qwen2/2.5/3 chat
+    models and of SmolLM2 among the Llama-architecture checkpoints."""
 
     @property
     def architecture(self) -> str:

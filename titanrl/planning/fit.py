@@ -42,7 +42,7 @@ import dataclasses
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from titanrl.config.resolve import ResolvedRunConfig
+from titanrl.config.resolve import ResolvedRunConfig, episode_completion_tokens
 from titanrl.config.schema import ActivationCheckpointing, RunConfig, compute_dtype
 from titanrl.config.unplanned import concrete_engine, concrete_train
 from titanrl.errors import ConfigError
@@ -209,8 +209,8 @@ def planned_seq_len(config: RunConfig, longest_prompt: int | None = None) -> int
     """The longest sequence a sample can be (what the plan assumes every sequence is): the longest
     prompt of the data plus max_new_tokens when the prompts were counted, else max_model_len."""
     e = config.rollout.engine
-    if config.env.factory is not None:
-        return min(config.env.max_total_tokens, e.max_model_len)
+    if config.runs_episodes:
+        return min(episode_completion_tokens(config), e.max_model_len)
     if longest_prompt is not None:
         return min(e.max_model_len, longest_prompt + config.rollout.sampling.max_new_tokens)
     return e.max_model_len

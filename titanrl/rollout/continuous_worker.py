@@ -52,8 +52,8 @@ class ContinuousRolloutWorker(GroupStream, RolloutWorker):
         await asyncio.shield(self._started)
 
     async def _start_once(self) -> None:
-        if self.env_factory is not None:
-            await self.env_runner.start()
+        if self.episodes is not None:
+            await self.episodes.start()
         await self.generator.__aenter__()
 
     async def ready(self) -> dict[str, float]:
@@ -71,12 +71,12 @@ class ContinuousRolloutWorker(GroupStream, RolloutWorker):
         await self._start()
         # Tokenized while the group may still wait for its weights (the engine is busy with the
         # last batch then), not after, when the engine waits for this batch to start.
-        prompt_ids = None if self.env_factory is not None else self.engine.tokenize([self.single_turn.prompt(row)])[0]
+        prompt_ids = None if self.episodes is not None else self.engine.tokenize([self.single_turn.prompt(row)])[0]
         await self.generator.wait_for_version(min_version, requests=self.cfg.group_size)
         while True:
             try:
                 if prompt_ids is None:
-                    return await self.env_runner.generate_group(row, seed, group_id, self.generator)
+                    return await self.episodes.generate_group(row, seed, group_id, self.generator)
                 return await self._single_turn_group(row, prompt_ids, seed, group_id)
             except WeightsChanged:
                 continue  # on_weight_update="regenerate": start the group over with the new weights
@@ -123,8 +123,8 @@ class ContinuousRolloutWorker(GroupStream, RolloutWorker):
         await self._start()
         await self.generator.wait_for_version(min_version, requests=len(rows))
         async with self._updates:
-            if self.env_factory is not None:
-                return await self.env_runner.evaluate_async(rows, correct_threshold, self.generator)
+            if self.episodes is not None:
+                return await self.episodes.evaluate_async(rows, correct_threshold, self.generator)
             completions = await asyncio.gather(*(
                 self.generator.generate(self.single_turn.prompt(row), **self.single_turn.greedy(max_new_tokens))
                 for row in rows
@@ -137,6 +137,6 @@ class ContinuousRolloutWorker(GroupStream, RolloutWorker):
         the engine and reward helpers."""
         if self._started is not None and self._started.done() and self._started.exception() is None:
             await self.generator.__aexit__(None, None, None)
-        if self.env_factory is not None:
-            await self.env_runner.close_pool()
+        if self.episodes is not None:
+            await self.episodes.close_pool()
         super().close()

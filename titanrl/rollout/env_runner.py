@@ -29,14 +29,10 @@ from titanrl.rollout.episode import (
 from titanrl.rollout.run_scorer import run_scorer
 from titanrl.rollout.seeds import episode_seed
 from titanrl.rollout.single_turn import Scored, scored_summary
+from titanrl.rollout.stop_tokens import turn_stop_token_ids
 from titanrl.rollout.vllm.async_engine import AsyncGenerator
 from titanrl.rollout.vllm.engine import VllmEngine
 from titanrl.types import Group, RolloutBatch, Sample, group_tokens
-
-
-def _token_id(tokenizer: Any, token: str) -> int | None:
-    token_id = tokenizer.convert_tokens_to_ids(token)
-    return token_id if isinstance(token_id, int) and token_id != tokenizer.unk_token_id else None
 
 
 class EnvRunner:
@@ -54,8 +50,7 @@ class EnvRunner:
         self.scorer = run_scorer(rewards, config)
         self.tokenizer = engine.llm.get_tokenizer()
         # A turn ends at eos, or at <|im_end|> for chat models whose eos is <|endoftext|>.
-        self.stop_token_ids = [t for t in (engine.model_config.eos_token_id, _token_id(self.tokenizer, "<|im_end|>"))
-                               if t is not None]
+        self.stop_token_ids = turn_stop_token_ids(self.tokenizer, engine.model_config.eos_token_id)
         self.pool = None
         if env_config.sandbox_pool_size > 0:
             from titanrl.envs import SandboxPool

@@ -65,17 +65,25 @@ class RolloutWorker:
 
         # object_store needs no set-up; the other transports are joined with open_weight_sync.
         self.weight_receiver = WeightReceiver(self.engine)
-        factory = config.env.factory
-        self.env_factory = resolve_env_factory(factory) if factory is not None else None
-        if self.env_factory is not None:
+        self.episodes: Any = None
+        """Runs this worker's rollouts as episodes: an `EnvRunner` (env.factory) or an `AgentRunner`
+        (agent.fn); None for single-turn completions."""
+        if config.agent.fn is not None:
+            from titanrl.rollout.agent_runner import AgentRunner
+
+            self.episodes = AgentRunner(self.engine, config, worker_id)
+        elif config.env.factory is not None:
             from titanrl.rollout.env_runner import EnvRunner
 
-            self.env_runner = EnvRunner(self.engine, self.env_factory, config, self.rewards, worker_id)
+            self.episodes = EnvRunner(self.engine, resolve_env_factory(config.env.factory), config, self.rewards,
+                                      worker_id)
+        if self.episodes is not None:
             self._start_environments()
 
     def _start_environments(self) -> None:
-        """Starts the env runner's sandboxes now, so a worker that cannot run them fails at start-up."""
-        self.env_runner.start_blocking()
+        """Starts the episode runner's sandboxes (and an agent's endpoint) now, so a worker that
+        cannot run them fails at start-up."""
+        self.episodes.start_blocking()
 
     def ready(self) -> dict[str, float]:
         """Returns once the engine is up (the driver waits on this)."""
@@ -87,8 +95,8 @@ class RolloutWorker:
         `seed` is `titanrl.rollout.seeds.request_seed(run_seed, first_group_id, group_size,
         max_turns)`: sample i of row j uses `seed + j * group_size + i` (episodes: see EnvRunner).
         """
-        if self.env_factory is not None:
-            return self.env_runner.generate(rows, seed, first_group_id)
+        if self.episodes is not None:
+            return self.episodes.generate(rows, seed, first_group_id)
         start = time.perf_counter()
         outputs = self.engine.generate([self.single_turn.prompt(row) for row in rows], n=self.cfg.group_size,
                                        seed=seed, **self.single_turn.sampling(self.cfg))
@@ -102,8 +110,8 @@ class RolloutWorker:
 
     def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int, correct_threshold: float) -> dict[str, Any]:
         """Greedy completions of held-out rows: rewards, how many are correct, how many errored."""
-        if self.env_factory is not None:
-            return self.env_runner.evaluate(rows, correct_threshold)
+        if self.episodes is not None:
+            return self.episodes.evaluate(rows, correct_threshold)
         outputs = self.engine.generate([self.single_turn.prompt(row) for row in rows], n=1,
                                        **self.single_turn.greedy(max_new_tokens))
         scored = self.scorer.score(self.single_turn.to_score(rows, outputs))
@@ -118,8 +126,8 @@ class RolloutWorker:
         return self.engine.policy_version
 
     def close(self) -> None:
-        if self.env_factory is not None:
-            self.env_runner.close()
+        if self.episodes is not None:
+            self.episodes.close()
         self.scorer.close()
         self.engine.close()
 

@@ -28,6 +28,7 @@ def summarize_groups(groups: list[Group]) -> dict[str, float]:
             env_stats["env/tests_pass_rate"] = sum(st.get("tests_passed", 0.0) for st in stats) / total_tests
     return {
         **env_stats,
+        **_agent_metrics(stats),
         "reward/mean": mean,
         # Samples whose reward (or environment) failed and got scoring.error_value.
         "reward/errors": sum(s.reward_error is not None for g in groups for s in g.samples),
@@ -35,6 +36,24 @@ def summarize_groups(groups: list[Group]) -> dict[str, float]:
         "reward/group_any_positive_frac": solved / len(groups),
         "completion/len_mean": sum(lengths) / n,
         "completion/truncated_frac": sum(not s.finished for g in groups for s in g.samples) / n,
+    }
+
+
+def _agent_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
+    """agent/* metrics over the step's agent episodes (each counted once: its first sample's stats)."""
+    episodes = [st for st in stats if st.get("agent_episode") == 1.0]
+    if not episodes:
+        return {}
+    calls = sum(st["agent_calls"] for st in episodes)
+    n = len(episodes)
+    return {
+        "agent/calls_per_episode": calls / n,
+        "agent/prefix_breaks": sum(st["agent_prefix_breaks"] for st in episodes),
+        "agent/tokens_per_call": sum(st["agent_completion_tokens"] for st in episodes) / calls if calls else 0.0,
+        "agent/versions_spanned_mean": sum(st["agent_versions_spanned"] for st in episodes) / n,
+        "agent/samples_per_episode": sum(st["agent_samples"] for st in episodes) / n,
+        "agent/resampled_calls": sum(st["agent_resampled_calls"] for st in episodes),
+        "agent/episode_s_mean": sum(st["agent_seconds"] for st in episodes) / n,
     }
 
 

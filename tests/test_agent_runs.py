@@ -1,0 +1,65 @@
+"""Whole runs whose episodes are OpenAI-client agents (real Ray, real vLLM, the real endpoint):
+lock-step with a worker killed mid-episode, and continuous rollouts with in-flight updates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import titanrl
+
+from support.worker_deaths import arm, killing_agent, run_config
+
+KILL_AT = 8 + 16 + 3
+"""Agent episode that kills its worker: past step 0's 8 evaluation episodes and step 1's 16, inside step 2."""
+
+
+def _agent_config(tmp_path: Path, tiny_run, continuous: bool) -> titanrl.RunConfig:
+    config = run_config(tmp_path, tiny_run, tiny_run.reward, num_workers=2)
+    config.rewards = []
+    config.agent = titanrl.AgentConfig(fn=killing_agent)
+    config.rollout.continuous = continuous
+    config.train.steps = 3
+    config.train.max_staleness = 1 if continuous else 0
+    config.output.save_every_steps = 0
+    config.batch_invariant = True
+    return config
+
+
+def _columns(metrics: list[dict]) -> list[tuple]:
+    return [(m["step"], m["loss"], m["reward/mean"], m["grad_norm"], m.get("eval/accuracy"))
+            for m in metrics if m["step"] > 0]
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_episode_is_replaced_and_the_run_equals_an_undisturbed_one(tmp_path, ray_session,
+                                                                                       tiny_run):
+    """Lock-step, 2 workers, batch-invariant: an agent SIGKILLs its worker in step 2. The run finishes
+    with workers/restarts == 1, the replacement replays the dead worker's episodes with the same
+    seeds, and loss, reward, grad norm and eval accuracy equal an undisturbed run's bit for bit."""
+    arm(tmp_path / "undisturbed", kill_at=10**9)
+    (tmp_path / "undisturbed").mkdir()
+    reference = titanrl.train(_agent_config(tmp_path / "undisturbed", tiny_run, continuous=False))
+    assert reference.metrics[-1]["workers/restarts"] == 0.0
+    arm(tmp_path / "killed", kill_at=KILL_AT)
+    (tmp_path / "killed").mkdir()
+    killed = titanrl.train(_agent_config(tmp_path / "killed", tiny_run, continuous=False))
+    assert killed.metrics[-1]["workers/restarts"] == 1.0
+    assert _columns(killed.metrics) == _columns(reference.metrics)
+    assert all(m["agent/calls_per_episode"] == 1.0 for m in killed.metrics if m["step"] > 0)
+
+
+@pytest.mark.slow
+def test_continuous_agent_runs_keep_every_call_on_one_version_within_the_staleness_bound(tmp_path, ray_session,
+                                                                                         tiny_run):
+    """Continuous rollouts with in-flight updates: every step trains, staleness stays within
+    max_staleness, and no call was split across versions (each episode is one call here, so it
+    spans one version)."""
+    arm(tmp_path, kill_at=10**9)
+    result = titanrl.train(_agent_config(tmp_path, tiny_run, continuous=True))
+    steps = [m for m in result.metrics if m["step"] > 0]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["staleness/max"] <= 1 for m in steps)
+    assert all(m["agent/versions_spanned_mean"] == 1.0 and m["agent/calls_per_episode"] == 1.0 for m in steps)
+    assert all(m["parity/logprob_diff_max"] == 0.0 for m in steps)
