@@ -48,7 +48,7 @@ SECONDS_ALONE = {
     "moe_step.py": 19, "moe_replay.py": 17, "request_options.py": 15,
     "engine_thread.py": 14, "heap_threshold.py": 14, "trainer_memory.py": 16, "parallel_layouts.py": 11,
     "chunked_logprobs.py": 10, "gpu_kernels_check.py": 7, "trainer_step.py": 7, "gpu_model_check.py": 4,
-    "sandbox_pool.py": 1, "shm_page_release.py": 2, "actor_memory.py": 40,
+    "sandbox_pool.py": 1, "shm_page_release.py": 2, "actor_memory.py": 40, "agent_endpoint.py": 19,
 }
 """Seconds of each smoke run alone on the 2-core AMD EPYC (AVX-512): only the order they start in
 (longest first, so neither queue ends with a long one; a script not listed counts as 30)."""
@@ -155,6 +155,16 @@ def _one(records: list[dict], **match: Any) -> dict:
 
 def _summary(records: list[dict]) -> dict:
     return _one(records, summary=True)
+
+
+def check_agent_endpoint(records: list[dict]) -> None:
+    summary = _summary(records)
+    # Every endpoint call sampled the tokens of the direct call with the same prompt ids and seed.
+    assert summary["identical_tokens"] is True
+    assert set(summary["ratio_median"]) == {"sequential_m1", "sequential_m32"}
+    assert all(_positive(r) for arms in summary["ratio_median"].values() for r in arms.values())
+    assert {arm for arms in summary["ratio_median"].values() for arm in arms} == {"completions", "chat"}
+    assert all(map(_positive, summary["concurrent_wall_ratio"].values())) and summary["concurrent_wall_ratio"]
 
 
 def check_async_speedup(records: list[dict]) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from titanrl.agents.episodes import EndpointError, EpisodeRegistry
@@ -65,13 +65,13 @@ def build_app(handler: CallHandler, registry: EpisodeRegistry, max_request_bytes
     async def chat_completions(request: Request) -> Any:
         episode = registry.authorize(request.headers.get("authorization"))
         body = await parsed(request, ChatCompletionRequest)
-        return (await handler.chat(episode, body)).model_dump(mode="json", exclude_unset=True)
+        return _json(await handler.chat(episode, body))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         episode = registry.authorize(request.headers.get("authorization"))
         body = await parsed(request, CompletionRequest)
-        return (await handler.complete(episode, body)).model_dump(mode="json", exclude_unset=True)
+        return _json(await handler.complete(episode, body))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
@@ -80,6 +80,12 @@ def build_app(handler: CallHandler, registry: EpisodeRegistry, max_request_bytes
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "titanrl"}]}
 
     return app
+
+
+def _json(model: Any) -> Response:
+    """An `openai` response model as the body, serialized by pydantic at once (FastAPI's generic
+    encoder would walk every logprob entry again)."""
+    return Response(model.model_dump_json(exclude_unset=True), media_type="application/json")
 
 
 def _too_large(size: int, limit: int) -> EndpointError:
