@@ -38,7 +38,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -53,16 +52,6 @@ ARMS = {
 RUN_ARGS = ["--rollout.prompts_per_step=4", "--rollout.group_size=4", "--rollout.sampling.max_new_tokens=128",
             "--rollout.engine.max_model_len=256", "--train.steps=2", "--eval.every_steps=0"]
 SMOKE_ARGS = ["--rollout.prompts_per_step=4", "--rollout.group_size=2", "--train.steps=1", "--eval.every_steps=0"]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def trained_estimate_gib(checkpoint: Path, args: list[str], chosen: dict, trained_tokens: float) -> float:
@@ -134,8 +123,10 @@ def main() -> None:
                 subprocess.run([sys.executable, "-m", "titanrl.models.tiny", str(checkpoint), "--config-json",
                                 str(ARMS[name])], check=True, capture_output=True)
                 records.append(run_arm(name, checkpoint, RUN_ARGS, work))
+    from titanrl.kernels.cpu_build import cpu_model_name
+
     ok = [r for r in records if "error" not in r]
-    summary = {"summary": True, "cpu": cpu_name(), "arms": len(records), "failed": len(records) - len(ok),
+    summary = {"summary": True, "cpu": cpu_model_name(), "arms": len(records), "failed": len(records) - len(ok),
                "trainer_ratios": {r["arm"]: r["trainer_ratio"] for r in ok},
                "trainer_trained_ratios": {r["arm"]: r["trainer_trained_ratio"] for r in ok},
                "worker_ratios": {r["arm"]: r["worker_ratio"] for r in ok}}

@@ -93,24 +93,6 @@ async def agent(base_url: str, api_key: str, row: dict[str, Any]) -> float:
     return 1.0
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def has_avx512() -> bool:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return any(line.startswith("flags") and "avx512" in line for line in lines)
-    except OSError:
-        return False
-
-
 def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 3)
 
@@ -333,7 +315,7 @@ def main() -> None:
 
     import titanrl
     from titanrl.config import EngineConfig
-    from titanrl.kernels.cpu_build import isa_flags
+    from titanrl.kernels.cpu_build import cpu_model_name, has_avx512, isa_flags
     from titanrl.models.tiny import write_tiny_checkpoint
     from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
 
@@ -372,7 +354,7 @@ def main() -> None:
                                      for name, r in settings.items() if r["mode"] == "sequential"},
         "concurrent_wall_ratio": {name: r["completions_wall_ratio"] for name, r in settings.items()
                                   if r["mode"] == "concurrent"},
-        "cpu": cpu_name(), "avx512": has_avx512(), "cpu_flags": isa_flags(), "cores": os.cpu_count(),
+        "cpu": cpu_model_name(), "avx512": has_avx512(), "cpu_flags": isa_flags(), "cores": os.cpu_count(),
         "engine_threads": engine_settings.threads, "torch": torch.__version__, "vllm": vllm.__version__,
         "openai": openai.__version__, "fastapi": fastapi.__version__, "uvicorn": uvicorn.__version__,
         "python": platform.python_version(), "loadavg_start": round(load_start, 2),

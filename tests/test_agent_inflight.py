@@ -76,3 +76,31 @@ def test_new_weights_mid_call_change_the_version_between_calls_never_inside_one(
     # Each call prompts the same ids, so each is its own sample, in call order.
     call_versions = [{v for v, m in zip(s.token_versions, s.loss_mask, strict=True) if m} for s in group.samples]
     assert call_versions == [{start}, {start + 1}, {start + 1}, {start + 1}]
+
+
+async def _one_call(base_url, api_key, row):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.completions.create(model="policy", prompt=[5, 6, 7, 8], max_tokens=4)
+    return 1.0
+
+
+def test_an_engine_failure_inside_a_call_fails_the_worker_not_just_the_episode(vllm_engine, vllm_tiny_checkpoint,
+                                                                              monkeypatch):
+    """The agent only sees an HTTP 500 when the engine fails under its call; the runner re-raises the
+    engine's error (as an environment episode's engine errors propagate), so the worker fails and is
+    replaced instead of scoring every later episode as a reward error."""
+    from titanrl.rollout.agent_runner import AgentRunner
+    from titanrl.rollout.vllm.async_engine import AsyncGenerator
+
+    async def failing(generator, prompt, **kwargs):
+        raise RuntimeError("the engine died")
+
+    monkeypatch.setattr(AsyncGenerator, "generate_n", failing)
+    config = _config(vllm_tiny_checkpoint, "continue")
+    config.agent.fn = _one_call
+    runner = AgentRunner(vllm_engine, config, 0)
+    try:
+        with pytest.raises(RuntimeError, match="the engine died"):
+            runner.generate([{"prompt": "x"}], seed=1, first_group_id=0)
+    finally:
+        runner.close()

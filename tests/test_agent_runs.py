@@ -27,27 +27,18 @@ def _agent_config(tmp_path: Path, tiny_run, continuous: bool) -> titanrl.RunConf
     return config
 
 
-def _columns(metrics: list[dict]) -> list[tuple]:
-    return [(m["step"], m["loss"], m["reward/mean"], m["grad_norm"], m.get("eval/accuracy"))
-            for m in metrics if m["step"] > 0]
-
-
 @pytest.mark.slow
-def test_a_worker_killed_mid_episode_is_replaced_and_the_run_equals_an_undisturbed_one(tmp_path, ray_session,
-                                                                                       tiny_run):
-    """Lock-step, 2 workers, batch-invariant: an agent SIGKILLs its worker in step 2. The run finishes
-    with workers/restarts == 1, the replacement replays the dead worker's episodes with the same
-    seeds, and loss, reward, grad norm and eval accuracy equal an undisturbed run's bit for bit."""
-    arm(tmp_path / "undisturbed", kill_at=10**9)
-    (tmp_path / "undisturbed").mkdir()
-    reference = titanrl.train(_agent_config(tmp_path / "undisturbed", tiny_run, continuous=False))
-    assert reference.metrics[-1]["workers/restarts"] == 0.0
-    arm(tmp_path / "killed", kill_at=KILL_AT)
-    (tmp_path / "killed").mkdir()
-    killed = titanrl.train(_agent_config(tmp_path / "killed", tiny_run, continuous=False))
+def test_a_worker_killed_mid_episode_is_replaced_and_its_episodes_are_played_again(tmp_path, ray_session, tiny_run):
+    """Lock-step, 2 workers: an agent SIGKILLs its worker in step 2. The run finishes all 3 steps with
+    workers/restarts == 1, and no episode is counted as an error: the replacement played the dead
+    worker's episodes again (with the same rows and seeds; that this replays them bit for bit is
+    tests/test_lockstep_worker_deaths.py's claim, on the same replacement path)."""
+    arm(tmp_path, kill_at=KILL_AT)
+    killed = titanrl.train(_agent_config(tmp_path, tiny_run, continuous=False))
+    steps = [m for m in killed.metrics if m["step"] > 0]
+    assert [m["step"] for m in steps] == [1, 2, 3]
     assert killed.metrics[-1]["workers/restarts"] == 1.0
-    assert _columns(killed.metrics) == _columns(reference.metrics)
-    assert all(m["agent/calls_per_episode"] == 1.0 for m in killed.metrics if m["step"] > 0)
+    assert all(m["reward/errors"] == 0 and m["agent/calls_per_episode"] == 1.0 for m in steps)
 
 
 @pytest.mark.slow

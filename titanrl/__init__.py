@@ -6,10 +6,10 @@
 """
 
 from titanrl.config import (
+    AgentConfig,
     ComputeConfig,
     DataConfig,
     EngineConfig,
-    AgentConfig,
     EnvConfig,
     EvalConfig,
     KlConfig,
@@ -43,11 +43,11 @@ def train(config: RunConfig, resume: bool = False):
 
 
 __all__ = [
+    "AgentConfig",
     "ComputeConfig",
     "ConfigError",
     "DataConfig",
     "EngineConfig",
-    "AgentConfig",
     "EnvConfig",
     "EvalConfig",
     "KlConfig",

@@ -49,6 +49,9 @@ class AgentEpisode:
     """Calls sampled again because new weights arrived while they ran (a call never spans two versions)."""
     open: bool = True
     """False once `fn` returned, raised or timed out: later calls are refused."""
+    engine_error: BaseException | None = None
+    """What the engine raised into one of its calls: not the agent's failure but the worker's
+    (the runner re-raises it, as an environment episode's engine errors propagate)."""
 
     @property
     def choices(self) -> int:

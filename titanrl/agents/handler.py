@@ -140,6 +140,9 @@ class CallHandler:
             except WeightsChanged:  # rollout.on_weight_update="regenerate" aborted it
                 episode.resampled_calls += 1
                 continue
+            except Exception as e:  # the engine failed: the worker's error, not this call's
+                episode.engine_error = e
+                raise
             if all(len(set(c.token_versions)) <= 1 for c in completions):
                 break
             episode.resampled_calls += 1  # new weights landed mid-call: sample it again with them

@@ -10,10 +10,10 @@ the `titanrl train --help` text (tyro's, from the fields' docstrings).
 
 from titanrl.config.overrides import apply_overrides
 from titanrl.config.schema import (
+    AgentConfig,
     ComputeConfig,
     DataConfig,
     EngineConfig,
-    AgentConfig,
     EnvConfig,
     EvalConfig,
     KlConfig,
@@ -39,11 +39,11 @@ from titanrl.config.validation import resolve_agent_fn, resolve_env_factory, res
 from titanrl.errors import ConfigError
 
 __all__ = [
+    "AgentConfig",
     "ComputeConfig",
     "ConfigError",
     "DataConfig",
     "EngineConfig",
-    "AgentConfig",
     "EnvConfig",
     "EvalConfig",
     "KlConfig",

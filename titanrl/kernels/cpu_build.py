@@ -60,6 +60,12 @@ def cpu_flags_line() -> str:
     return _cpuinfo_line("flags", "Features") or platform.processor()
 
 
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo ('AMD EPYC ...'), the processor name where there is none."""
+    line = _cpuinfo_line("model name")
+    return line.split(":", 1)[1].strip() if line else platform.processor()
+
+
 def cpu_vendor() -> str:
     """The CPU's vendor string from /proc/cpuinfo (`GenuineIntel`, `AuthenticAMD`, ...), or ''."""
     line = _cpuinfo_line("vendor_id")

@@ -32,6 +32,7 @@ from titanrl.agents.server import EndpointServer, build_app
 from titanrl.config import RunConfig, resolve_agent_fn
 from titanrl.memory import peak_rss_gib
 from titanrl.rewards.scoring import as_reward, row_fields
+from titanrl.rollout.own_loop import OwnLoop
 from titanrl.rollout.seeds import episode_seed
 from titanrl.rollout.single_turn import scored_summary
 from titanrl.rollout.stop_tokens import turn_stop_token_ids
@@ -53,7 +54,7 @@ class AgentOutcome:
     tool_calls: int
 
 
-class AgentRunner:
+class AgentRunner(OwnLoop):
     """Turns dataset rows into groups of agent episodes."""
 
     def __init__(self, engine: VllmEngine, config: RunConfig, worker_id: int, *, check_prefix: bool = True) -> None:
@@ -87,8 +88,6 @@ class AgentRunner:
 
             self.pool = SandboxPool(size=config.agent.sandbox_pool_size)
         self._started = False
-        self.loop: asyncio.AbstractEventLoop | None = None
-        """The runner's own event loop, for the blocking `generate` and `evaluate` (`start_blocking`)."""
         # Sync agents: one thread per concurrent episode (a step's episodes all run at once).
         self._threads = ThreadPoolExecutor(max_workers=max(4, min(256, self.rc.prompts_per_step * self.rc.group_size)),
                                            thread_name_prefix="titanrl-agent")
@@ -96,6 +95,10 @@ class AgentRunner:
     @property
     def base_url(self) -> str:
         return self.server.base_url
+
+    @property
+    def started(self) -> bool:
+        return self._started
 
     async def start(self) -> None:
         """Starts the endpoint and the sandbox pool on the running loop (which episodes then use); idempotent."""
@@ -105,19 +108,6 @@ class AgentRunner:
             await self.pool.start()
         await self.server.start()
         self._started = True
-
-    def start_blocking(self) -> None:
-        """For blocking callers: makes the runner's own loop and starts everything on it."""
-        if self.loop is None:
-            if self._started:
-                raise RuntimeError("AgentRunner was started on an event loop (`start`); use the async methods there")
-            self.loop = asyncio.new_event_loop()
-        self.loop.run_until_complete(self.start())
-
-    def _run_blocking(self, coroutine: Any) -> Any:
-        if self.loop is None:
-            self.start_blocking()
-        return self.loop.run_until_complete(coroutine)
 
     # ------------------------------------------------------------------ episodes
     async def _episodes(self, rows: list[dict[str, Any]], n: int, greedy: bool, seed: int | None,
@@ -158,6 +148,8 @@ class AgentRunner:
                 error = f"agent returned {_short(repr(value), 80)}, not a finite number: {e}"
         finally:
             self.registry.close(episode)  # its later calls are refused
+        if episode.engine_error is not None:  # the agent only saw a 500: the engine's failure is the worker's
+            raise episode.engine_error
         if error is not None:
             reward = self.error_value
         pieces = assemble(episode.calls, self._decode, check_prefix=self.check_prefix)
@@ -212,7 +204,7 @@ class AgentRunner:
         """`seed` is `request_seed(run_seed, first_group_id, group_size, agent.max_calls)`."""
         start = time.perf_counter()
         n = self.rc.group_size
-        outcomes = self._run_blocking(self._episodes(rows, n, False, seed))
+        outcomes = self.run_blocking(self._episodes(rows, n, False, seed))
         groups = [self._group(outcomes[j * n:(j + 1) * n], first_group_id + j) for j in range(len(rows))]
         return RolloutBatch(groups, sum(group_tokens(g) for g in groups), time.perf_counter() - start,
                             self.engine.policy_version, peak_rss_gib=peak_rss_gib())
@@ -222,7 +214,7 @@ class AgentRunner:
         return self._group(await self._episodes([row], self.rc.group_size, False, seed, generator), group_id)
 
     def evaluate(self, rows: list[dict[str, Any]], correct_threshold: float) -> dict[str, Any]:
-        return self._run_blocking(self.evaluate_async(rows, correct_threshold))
+        return self.run_blocking(self.evaluate_async(rows, correct_threshold))
 
     async def evaluate_async(self, rows: list[dict[str, Any]], correct_threshold: float,
                              generator: AsyncGenerator | None = None) -> dict[str, Any]:
@@ -239,9 +231,9 @@ class AgentRunner:
             self._started = False
 
     def close(self) -> None:
-        if self.loop is not None:
-            self.loop.run_until_complete(self.close_pool())
-            self.loop.close()
+        """Stops the endpoint and the pool if they run on the runner's own loop (an async caller
+        awaits `close_pool` first), and the agents' threads."""
+        self.close_loop(self.close_pool())
         self._threads.shutdown(wait=False, cancel_futures=True)
 
 

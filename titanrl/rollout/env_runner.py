@@ -26,6 +26,7 @@ from titanrl.rollout.episode import (
     failed_episode,
     run_episode,
 )
+from titanrl.rollout.own_loop import OwnLoop
 from titanrl.rollout.run_scorer import run_scorer
 from titanrl.rollout.seeds import episode_seed
 from titanrl.rollout.single_turn import Scored, scored_summary
@@ -35,7 +36,7 @@ from titanrl.rollout.vllm.engine import VllmEngine
 from titanrl.types import Group, RolloutBatch, Sample, group_tokens
 
 
-class EnvRunner:
+class EnvRunner(OwnLoop):
     """Turns dataset rows into groups of scored episodes."""
 
     def __init__(self, engine: VllmEngine, env_factory: EnvFactory, config: RunConfig, rewards: list[RewardFn],
@@ -57,9 +58,11 @@ class EnvRunner:
 
             self.pool = SandboxPool(size=env_config.sandbox_pool_size)
         self._pool_started = False
-        self.loop: asyncio.AbstractEventLoop | None = None
-        """The runner's own event loop, for the blocking `generate` and `evaluate` (`start_blocking`)."""
         self.context = EnvContext(sandbox_pool=self.pool, worker_id=worker_id, tokenizer=self.tokenizer)
+
+    @property
+    def started(self) -> bool:
+        return self._pool_started
 
     async def start(self) -> None:
         """Starts the sandbox pool on the running event loop, which every episode must then use
@@ -67,21 +70,6 @@ class EnvRunner:
         if self.pool is not None and not self._pool_started:
             await self.pool.start()
             self._pool_started = True
-
-    def start_blocking(self) -> None:
-        """For blocking callers (`generate`, `evaluate`): makes the runner's own event loop and
-        starts the sandbox pool on it, so a missing sandbox fails the worker at start-up."""
-        if self.loop is None:
-            if self._pool_started:
-                raise RuntimeError("EnvRunner: the sandbox pool was started on an event loop (`start`); "
-                                   "use the async generate_group/evaluate_async there")
-            self.loop = asyncio.new_event_loop()
-        self.loop.run_until_complete(self.start())
-
-    def _run_blocking(self, coroutine: Any) -> Any:
-        if self.loop is None:
-            self.start_blocking()
-        return self.loop.run_until_complete(coroutine)
 
     def _budget(self) -> EpisodeBudget:
         return EpisodeBudget(
@@ -159,7 +147,7 @@ class EnvRunner:
         """`seed` is `titanrl.rollout.seeds.request_seed(run_seed, first_group_id, group_size, env.max_turns)`."""
         start, scoring_s = time.perf_counter(), self.scorer.seconds
         n = self.rc.group_size
-        episodes = self._run_blocking(self._episodes(rows, n, self.rc.sampling.temperature, seed))
+        episodes = self.run_blocking(self._episodes(rows, n, self.rc.sampling.temperature, seed))
         groups = [self._group(row, episodes[j * n : (j + 1) * n], first_group_id + j) for j, row in enumerate(rows)]
         return RolloutBatch(groups, sum(group_tokens(g) for g in groups), time.perf_counter() - start,
                             self.engine.policy_version, reward_seconds=self.scorer.seconds - scoring_s,
@@ -197,7 +185,7 @@ class EnvRunner:
         ])
 
     def evaluate(self, rows: list[dict[str, Any]], correct_threshold: float) -> dict[str, Any]:
-        return self._run_blocking(self.evaluate_async(rows, correct_threshold))
+        return self.run_blocking(self.evaluate_async(rows, correct_threshold))
 
     async def evaluate_async(self, rows: list[dict[str, Any]], correct_threshold: float,
                              generator: AsyncGenerator | None = None) -> dict[str, Any]:
@@ -214,7 +202,5 @@ class EnvRunner:
     def close(self) -> None:
         """Stops the pool if it runs on the runner's own loop (an async caller awaits `close_pool`
         first), and the reward helpers."""
-        if self.loop is not None:
-            self.loop.run_until_complete(self.close_pool())
-            self.loop.close()
+        self.close_loop(self.close_pool())
         self.scorer.close()
