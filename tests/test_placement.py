@@ -32,6 +32,24 @@ def _config(world: int = 1, workers: int = 1, device: str = "cpu", threads: int 
 
 
 # --- the layout, without Ray --------------------------------------------------------------
+def test_custom_resources_pin_roles_to_nodes_and_a_missing_one_is_named():
+    """cluster.trainer_resource / worker_resource add 1 of that resource to each rank's / worker's
+    bundle; a cluster without enough of it is refused naming the resource and the `ray start` to fix it."""
+    config = _config(world=2, workers=3)
+    config.cluster.trainer_resource, config.cluster.worker_resource = "titanrl_trainer", "titanrl_rollout"
+    layout = plan_layout(config, 0.0)
+    assert layout.rank_bundle == {"CPU": TOKEN_CPU, "titanrl_trainer": 1.0}
+    assert layout.worker_bundle == {"CPU": TOKEN_CPU, "titanrl_rollout": 1.0}
+    nodes = [{"CPU": 1.0, "titanrl_trainer": 2.0}, {"CPU": 1.0, "titanrl_rollout": 2.0}]
+    with pytest.raises(ConfigError, match=r"needs 3 of the custom resource 'titanrl_rollout' \(3 rollout worker\(s\) "
+                                          r"x 1\), the Ray cluster has 2: start the nodes .*"
+                                          r"--resources='\{\"titanrl_rollout\": N\}'.*cluster.worker_resource"):
+        check_fits(layout, nodes)
+    with pytest.raises(ConfigError, match=r"custom resource 'titanrl_trainer'.*cluster.trainer_resource"):
+        check_fits(layout, [{"CPU": 4.0, "titanrl_rollout": 4.0}])
+    check_fits(layout, [*nodes, {"CPU": 1.0, "titanrl_rollout": 1.0}])  # fits: no error
+
+
 def test_layout_bundles_and_what_cannot_fit():
     """Trainer rank bundles come first, then one per worker; CPUs are a token unless reserved
     (then each actor's threads); a GPU per CUDA rank and per GPU engine; 'auto' gives the trainer
@@ -56,15 +74,26 @@ def test_layout_bundles_and_what_cannot_fit():
     check_fits(gpus, [{"CPU": 8.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}])  # fits: no error
 
 
-@pytest.mark.parametrize("transport", ["shared_memory", "broadcast"])
-def test_one_machine_transports_refused_across_machines_and_nccl_only_on_gpus(transport):
-    """shared_memory and broadcast bind one machine: bundles on two addresses are refused with a
-    message naming object_store (nodes that share an address are one machine and pass); the
-    broadcast backend is NCCL only when both the trainer and the engines run on GPUs."""
+def test_shared_memory_is_refused_across_machines_and_a_broadcast_meets_on_the_trainers_node():
+    """shared_memory binds one machine: bundles on two addresses are refused with a message naming
+    object_store (nodes that share an address are one machine and pass). A broadcast across
+    machines meets at the trainer node's rendezvous point; on one machine it stays on loopback."""
     cpu = plan_layout(_config(world=1, workers=2), 0.0)
-    with pytest.raises(ConfigError, match=rf"weight_transport='{transport}' needs the trainer and every rollout "
+    with pytest.raises(ConfigError, match=r"weight_transport='shared_memory' needs the trainer and every rollout "
                                           r"worker on one machine.*'object_store'"):
-        weight_sync_options(transport, cpu, ["10.0.0.1", "10.0.0.1", "10.0.0.2"])
+        weight_sync_options("shared_memory", cpu, ["10.0.0.1", "10.0.0.1", "10.0.0.2"])
+    across = ["10.0.0.1", "10.0.0.2", "10.0.0.2"]
+    assert weight_sync_options("broadcast", cpu, across, ("10.0.0.1", 29500)) == {
+        "backend": "gloo", "host": "10.0.0.1", "port": 29500}
+    with pytest.raises(ValueError, match="rendezvous point"):
+        weight_sync_options("broadcast", cpu, across)
+
+
+@pytest.mark.parametrize("transport", ["shared_memory", "broadcast"])
+def test_one_machine_weight_sync_options_and_nccl_only_on_gpus(transport):
+    """On one machine both transports need nothing but the backend: NCCL only when both the
+    trainer and the engines run on GPUs."""
+    cpu = plan_layout(_config(world=1, workers=2), 0.0)
     assert weight_sync_options(transport, cpu, ["127.0.0.1"] * 3) == {"backend": "gloo"}
     assert weight_sync_options("object_store", cpu, ["10.0.0.1", "10.0.0.2", "10.0.0.3"]) == {"backend": "gloo"}
     gpus = plan_layout(_config(world=1, workers=2, device="cuda"), 3.0, rollout_device="cuda")
@@ -86,8 +115,8 @@ def test_local_placement_fits_two_cpus_and_rendezvous_stays_on_loopback(ray_sess
     try:
         (node,) = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         assert placement.bundle_nodes() == [node] * 4
-        assert placement.summary() == ("trainer (2 rank(s), cpu) on 1 node(s), 2 rollout worker(s) (cpu) on "
-                                       "1 node(s); 1 node(s) in all")
+        assert placement.summary() == ("trainer (2 rank(s), cpu) on 1 node(s) [127.0.0.1], 2 rollout worker(s) "
+                                       "(cpu) on 1 node(s) [127.0.0.1]; 1 node(s) in all")
         kwargs = placement.trainer_kwargs()
         assert placement.layout.trainer_device == "cpu" and len(kwargs["rank_options"]) == 2
         assert placement.trainer_options()["num_cpus"] == 0  # the group only coordinates

@@ -7,6 +7,7 @@
 
 from titanrl.config import (
     AgentConfig,
+    ClusterConfig,
     ComputeConfig,
     DataConfig,
     EngineConfig,
@@ -44,6 +45,7 @@ def train(config: RunConfig, resume: bool = False):
 
 __all__ = [
     "AgentConfig",
+    "ClusterConfig",
     "ComputeConfig",
     "ConfigError",
     "DataConfig",

@@ -11,6 +11,7 @@ the `titanrl train --help` text (tyro's, from the fields' docstrings).
 from titanrl.config.overrides import apply_overrides
 from titanrl.config.schema import (
     AgentConfig,
+    ClusterConfig,
     ComputeConfig,
     DataConfig,
     EngineConfig,
@@ -40,6 +41,7 @@ from titanrl.errors import ConfigError
 
 __all__ = [
     "AgentConfig",
+    "ClusterConfig",
     "ComputeConfig",
     "ConfigError",
     "DataConfig",

@@ -607,6 +607,26 @@ class AgentConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Where a run's actors go on a Ray cluster: which nodes take the trainer and which the rollout
+    workers (titanrl/driver/placement.py; docs/multinode.md)."""
+
+    trainer_resource: str | None = None
+    """A custom Ray resource each trainer rank takes 1 of: start the trainer's nodes with
+    `ray start --resources='{"titanrl_trainer": 8}'` (8 ranks fit there) and set this to
+    'titanrl_trainer'. None: the trainer goes wherever it fits."""
+    worker_resource: str | None = None
+    """The same for rollout workers (1 per worker), e.g. 'titanrl_rollout'. None: anywhere."""
+    reserve_cpus: bool = False
+    """Reserve each actor's threads as Ray CPUs (train.compute.threads per rank,
+    rollout.engine.threads per worker), which spreads a CPU cluster by capacity; False reserves a
+    token, so one machine holds the trainer and every worker."""
+    placement_timeout_s: float = 60.0
+    """How long start-up waits for resources that exist but are taken (by other jobs), and how long
+    a replacement rollout worker waits for capacity after a node is lost."""
+
+
+@dataclass
 class RewardHealthConfig:
     """Per-step checks that the rewards still carry a learning signal and are not being gamed."""
 
@@ -675,6 +695,8 @@ class RunConfig:
     ray_address: str | None = None
     """Address of an existing Ray cluster to join (e.g. '10.0.0.1:6379' or 'auto'); None starts a
     local single-machine Ray on loopback."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Which Ray nodes take the trainer and which the rollout workers."""
     reward_weights: list[float] = field(default_factory=list)
     """One weight per entry of `rewards`, in order: a sample's reward is the weighted sum; empty: all 1.
     Metrics (reward/<name>/mean) show each reward's own, unweighted value."""

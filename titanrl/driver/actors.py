@@ -10,6 +10,7 @@ shared memory behind otherwise).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from titanrl.config.resolve import ResolvedRunConfig
@@ -22,6 +23,8 @@ from titanrl.driver.sources.lockstep import LockstepRollouts
 from titanrl.rollout.seeds import request_seed
 from titanrl.trainer.setup import TrainerSetup
 from titanrl.trainer.truncation import Truncation
+
+log = logging.getLogger("titanrl")
 
 
 def trainer_setup(resolved: ResolvedRunConfig) -> TrainerSetup:
@@ -79,6 +82,7 @@ def start_rollouts(resolved: ResolvedRunConfig, train_rows: list[dict[str, Any]]
         lockstep_cls = ray.remote(RolloutWorker)
 
         def make_lockstep_worker(i: int) -> Any:
+            _wait_for_slot(placement, i, config.cluster.placement_timeout_s)
             return lockstep_cls.options(**placement.worker_options(i)).remote(i, resolved, busy_flags=busy_flags)
 
         return LockstepRollouts(make_lockstep_worker, rc.num_workers, stream, config.seed, rc.group_size, turns,
@@ -92,6 +96,7 @@ def start_rollouts(resolved: ResolvedRunConfig, train_rows: list[dict[str, Any]]
     worker_cls = ray.remote(ContinuousRolloutWorker)
 
     def make_worker(i: int) -> Any:
+        _wait_for_slot(placement, i, config.cluster.placement_timeout_s)
         return worker_cls.options(max_concurrency=most_in_flight + 16, **placement.worker_options(i)).remote(
             i, resolved, busy_flags=busy_flags)
 
@@ -99,6 +104,14 @@ def start_rollouts(resolved: ResolvedRunConfig, train_rows: list[dict[str, Any]]
         make_worker, rc.num_workers, stream, rc.prompts_per_step, tc.max_staleness, tc.steps,
         lambda group_id: request_seed(config.seed, group_id, rc.group_size, turns),
     )
+
+
+def _wait_for_slot(placement: Placement, i: int, timeout_s: float) -> None:
+    """Worker i's bundle on a live node before its actor starts: a replacement after a lost node
+    would otherwise be scheduled onto the dead node (and die again) while Ray places the bundle anew."""
+    waited = placement.wait_for_worker_slot(i, timeout_s)
+    if waited > 1.0:
+        log.info(f"rollout worker {i}'s slot is on a live node again after {waited:.0f} s")
 
 
 def shut_down(rollouts: RolloutSource, trainer: Any) -> None:

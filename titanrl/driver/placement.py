@@ -11,15 +11,20 @@ Resources per bundle:
   worker when its vLLM engine runs on a GPU (`rollout_device_type`).
 - CPU: by default a token `TOKEN_CPU`, which only lets Ray place the bundle: a 2-CPU machine
   holds a trainer and many workers, each running with its own threads as before (the OS shares
-  the cores). `reserve_cpus=True` reserves each actor's threads instead (`train.compute.threads` per rank,
-  `rollout.engine.threads` per worker), which spreads a CPU-only cluster by capacity.
+  the cores). `cluster.reserve_cpus` reserves each actor's threads instead (`train.compute.threads`
+  per rank, `rollout.engine.threads` per worker), which spreads a CPU-only cluster by capacity.
+- `cluster.trainer_resource` / `cluster.worker_resource`: 1 of that custom resource per trainer
+  rank / rollout worker, which pins them to the nodes started with it (`ray start
+  --resources='{"titanrl_trainer": 8}'`): the trainer on some nodes, the workers on others.
 
-What cannot fit the cluster fails at once (ConfigError naming the setting to lower); what fits
-but finds the resources taken fails after `timeout_s` (PlacementTimeout).
+What cannot fit the cluster fails at once (ConfigError naming the resource that is short and the
+setting to change); what fits but finds the resources taken fails after
+`cluster.placement_timeout_s` (PlacementTimeout).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,11 +35,8 @@ TOKEN_CPU = 0.01
 """CPU reserved per actor when CPUs are not reserved: enough for Ray to place a bundle, while
 100 actors fit one CPU. A whole reservation would let a 2-CPU machine hold only two actors."""
 
-DEFAULT_TIMEOUT_S = 60.0
-"""How long `Placement.create` waits for resources that exist but are taken (by other jobs)."""
-
 RESOURCES = ("GPU", "CPU")
-"""The resources a bundle reserves, scarcest first."""
+"""The standard resources a bundle reserves, scarcest first (custom ones: `cluster.*_resource`)."""
 
 _HINTS = {
     "GPU": "lower the train.parallel degrees (a GPU per rank) or rollout.num_workers (a GPU per vLLM "
@@ -82,12 +84,13 @@ class Layout:
                 + [dict(self.worker_bundle) for _ in range(self.num_workers)])
 
 
-def plan_layout(config: RunConfig, cluster_gpus: float, *, reserve_cpus: bool = False,
+def plan_layout(config: RunConfig, cluster_gpus: float, *, reserve_cpus: bool | None = None,
                 rollout_device: str | None = None) -> Layout:
     """The bundles for `config` on a cluster with `cluster_gpus` GPUs (see the module docstring).
 
     rollout_device: 'cpu' or 'cuda' to override `rollout_device_type`. With train.compute.device 'auto',
-    the trainer gets CUDA only if every rank can have a GPU the workers do not need.
+    the trainer gets CUDA only if every rank can have a GPU the workers do not need. reserve_cpus:
+    None takes `cluster.reserve_cpus`.
     """
     from titanrl.trainer.trainer_group import trainer_device_type
 
@@ -104,56 +107,85 @@ def plan_layout(config: RunConfig, cluster_gpus: float, *, reserve_cpus: bool = 
     else:
         trainer = trainer_device_type(config.train.compute.device, n, left)
 
-    def bundle(threads: int, on_gpu: bool) -> dict[str, float]:
+    if reserve_cpus is None:
+        reserve_cpus = config.cluster.reserve_cpus
+
+    def bundle(threads: int, on_gpu: bool, custom: str | None) -> dict[str, float]:
         out = {"CPU": float(threads) if reserve_cpus else TOKEN_CPU}
         if on_gpu:
             out["GPU"] = 1.0
+        if custom:
+            out[custom] = out.get(custom, 0.0) + 1.0
         return out
 
-    return Layout(n, workers, trainer, rollout, bundle(config.train.compute.threads, trainer == "cuda"),
-                  bundle(config.rollout.engine.threads, rollout == "cuda"))
+    cc = config.cluster
+    return Layout(n, workers, trainer, rollout, bundle(config.train.compute.threads, trainer == "cuda", cc.trainer_resource),
+                  bundle(config.rollout.engine.threads, rollout == "cuda", cc.worker_resource))
+
+
+def _unit(resource: str) -> str:
+    return f"{resource}s" if resource in RESOURCES else f"of the custom resource {resource!r}"
+
+
+def _hint(resource: str, layout: Layout) -> str:
+    if resource in _HINTS:
+        return _HINTS[resource]
+    role = "trainer_resource" if resource in layout.rank_bundle else "worker_resource"
+    return (f"start the nodes that should hold them with `ray start --resources='{{\"{resource}\": N}}'` "
+            f"(N actors each), or unset cluster.{role}")
 
 
 def check_fits(layout: Layout, nodes: list[dict[str, float]]) -> None:
     """Raises ConfigError when `layout` can never fit `nodes` (each alive node's total resources):
-    more of a resource than the cluster has, or a bundle larger than every node."""
+    more of a resource than the cluster has, or a bundle larger than every node. It names the
+    resource that is short, standard or custom (`cluster.*_resource`)."""
     what = {"trainer rank": (layout.world_size, layout.rank_bundle),
             "rollout worker": (layout.num_workers, layout.worker_bundle)}
-    for res in RESOURCES:
+    custom = sorted({r for b in (layout.rank_bundle, layout.worker_bundle) for r in b} - set(RESOURCES))
+    for res in (*RESOURCES, *custom):
         need = sum(count * b.get(res, 0.0) for count, b in what.values())
         have = sum(node.get(res, 0.0) for node in nodes)
         if need > have + 1e-9:
             parts = "; ".join(f"{count} {kind}(s) x {b[res]:g}" for kind, (count, b) in what.items()
                               if count and b.get(res))
-            raise ConfigError(f"the run needs {need:g} {res}s ({parts}), the Ray cluster has {have:g}: "
-                              f"{_HINTS[res]}")
+            raise ConfigError(f"the run needs {need:g} {_unit(res)} ({parts}), the Ray cluster has {have:g}: "
+                              f"{_hint(res, layout)}")
         largest = max((node.get(res, 0.0) for node in nodes), default=0.0)
         for kind, (count, b) in what.items():
             if count and b.get(res, 0.0) > largest + 1e-9:
-                raise ConfigError(f"a {kind} needs {b[res]:g} {res}s on one node, the largest Ray node has "
-                                  f"{largest:g}: {_HINTS[res]}")
+                raise ConfigError(f"a {kind} needs {b[res]:g} {_unit(res)} on one node, the largest Ray node has "
+                                  f"{largest:g}: {_hint(res, layout)}")
 
 
-ONE_MACHINE_TRANSPORTS = ("shared_memory", "broadcast")
-"""Weight transports that bind this machine: a shared-memory segment, a TCPStore and gloo group on loopback."""
+ONE_MACHINE_TRANSPORTS = ("shared_memory",)
+"""Weight transports that bind one machine: a shared-memory segment every reader maps."""
 
 
-def weight_sync_options(transport: str, layout: Layout, bundle_ips: list[str]) -> dict[str, Any]:
+def weight_sync_options(transport: str, layout: Layout, bundle_ips: list[str],
+                        rendezvous: tuple[str, int] | None = None) -> dict[str, Any]:
     """WeightSyncPlan options for `transport` given where the bundles landed (each bundle's node IP).
 
     NCCL carries the broadcast when the trainer and the engines are on GPUs, gloo otherwise.
-    A transport bound to one machine is refused, naming `object_store`, when the trainer and the
-    workers landed on machines with different addresses (nodes sharing an address are one machine).
+    shared_memory is refused, naming `object_store`, when the trainer and the workers landed on
+    machines with different addresses (nodes sharing an address are one machine). A broadcast
+    across machines meets at `rendezvous`, the (address, free port) of the trainer's node
+    (`trainer_group.rank0_rendezvous_point`); on one machine it stays on loopback.
     """
     machines = sorted(set(bundle_ips))
     if transport in ONE_MACHINE_TRANSPORTS and len(machines) > 1:
         raise ConfigError(
             f"rollout.weight_transport={transport!r} needs the trainer and every rollout worker on one machine, "
             f"but the placement put them on {len(machines)} ({', '.join(machines)}): set "
-            f"rollout.weight_transport='object_store' (works across machines), or make the run fit one node"
+            f"rollout.weight_transport='object_store' or 'broadcast' (both work across machines), or make "
+            "the run fit one node"
         )
     both_on_gpus = layout.trainer_device == "cuda" and layout.rollout_device == "cuda"
-    return {"backend": "nccl" if both_on_gpus else "gloo"}
+    options: dict[str, Any] = {"backend": "nccl" if both_on_gpus else "gloo"}
+    if transport == "broadcast" and len(machines) > 1:
+        if rendezvous is None:
+            raise ValueError("a broadcast across machines needs the trainer node's rendezvous point")
+        options["host"], options["port"] = rendezvous
+    return options
 
 
 @dataclass
@@ -168,13 +200,16 @@ class Placement:
     """Set in every actor's environment (a batch-invariant run's MKL mode: `titanrl.kernels.mkl_mode`)."""
 
     @classmethod
-    def create(cls, config: RunConfig, *, reserve_cpus: bool = False, rollout_device: str | None = None,
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> Placement:
+    def create(cls, config: RunConfig, *, reserve_cpus: bool | None = None, rollout_device: str | None = None,
+               timeout_s: float | None = None) -> Placement:
         """Reserves the run's bundles on the connected Ray cluster and waits until they are placed.
 
         Raises ConfigError at once if the cluster can never hold them, PlacementTimeout if
-        they are not placed within `timeout_s` (the group is removed again).
+        they are not placed within `timeout_s` (None: `cluster.placement_timeout_s`; the group is
+        removed again). reserve_cpus: None takes `cluster.reserve_cpus`.
         """
+        if timeout_s is None:
+            timeout_s = config.cluster.placement_timeout_s
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -239,6 +274,29 @@ class Placement:
         by_index = placement_group_table(self.group)["bundles_to_node_id"]
         return [by_index[i] for i in range(len(self.layout.bundles))]
 
+    def wait_for_worker_slot(self, index: int, timeout_s: float, poll_s: float = 0.5) -> float:
+        """Returns once rollout worker `index`'s bundle sits on a live node (at once at start-up;
+        after its node was lost, once Ray has placed the bundle again on a node with room for it),
+        with the seconds it waited. Raises RolloutWorkersFailed, naming the bundle's resources, if
+        no such node turns up within `timeout_s` (`cluster.placement_timeout_s`)."""
+        import ray
+        from ray.util import placement_group_table
+
+        from titanrl.driver.sources.base import RolloutWorkersFailed
+
+        bundle = self.layout.world_size + index
+        start = time.monotonic()
+        while True:
+            node = placement_group_table(self.group)["bundles_to_node_id"].get(bundle)
+            if node is not None and any(n["NodeID"] == node and n["Alive"] for n in ray.nodes()):
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout_s:
+                raise RolloutWorkersFailed(
+                    f"rollout worker {index} lost its node, and no live node had room for its bundle "
+                    f"{self.layout.worker_bundle} within cluster.placement_timeout_s={timeout_s:g} s: add a node "
+                    "with those resources (or raise the timeout), then resume the run")
+            time.sleep(poll_s)
+
     def bundle_ips(self) -> list[str]:
         """The address of every bundle's node, by bundle index."""
         import ray
@@ -247,16 +305,27 @@ class Placement:
         return [ips[n] for n in self.bundle_nodes()]
 
     def weight_sync_options(self, transport: str) -> dict[str, Any]:
-        """`weight_sync_options` for this placement (raises ConfigError before any actor starts)."""
-        return weight_sync_options(transport, self.layout, self.bundle_ips())
+        """`weight_sync_options` for this placement (raises ConfigError before any actor starts); a
+        broadcast across machines asks the trainer's node for its address and a free port."""
+        ips = self.bundle_ips()
+        rendezvous = None
+        if transport == "broadcast" and len(set(ips)) > 1:
+            from titanrl.trainer.trainer_group import rank0_rendezvous_point
+
+            rendezvous = rank0_rendezvous_point(self.trainer_options())
+        return weight_sync_options(transport, self.layout, ips, rendezvous)
 
     def summary(self) -> str:
-        """One line for the run's log: what runs where."""
-        nodes = self.bundle_nodes()
+        """One line for the run's log: what runs where (node addresses; nodes sharing one count apart)."""
+        nodes, ips = self.bundle_nodes(), self.bundle_ips()
         n = self.layout.world_size
-        return (f"trainer ({n} rank(s), {self.layout.trainer_device}) on {len(set(nodes[:n]))} node(s), "
-                f"{self.layout.num_workers} rollout worker(s) ({self.layout.rollout_device}) on "
-                f"{len(set(nodes[n:]))} node(s); {len(set(nodes))} node(s) in all")
+
+        def where(index: range) -> str:
+            return ", ".join(sorted({ips[i] for i in index}))
+
+        return (f"trainer ({n} rank(s), {self.layout.trainer_device}) on {len(set(nodes[:n]))} node(s) "
+                f"[{where(range(n))}], {self.layout.num_workers} rollout worker(s) ({self.layout.rollout_device}) "
+                f"on {len(set(nodes[n:]))} node(s) [{where(range(n, len(nodes)))}]; {len(set(nodes))} node(s) in all")
 
     def remove(self) -> None:
         """Releases the reservation (Ray ends any actor still in it); safe to call twice."""

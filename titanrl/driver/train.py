@@ -151,7 +151,8 @@ def _run(resolved: ResolvedRunConfig, run_dir: Path, checkpoint: RunCheckpoint |
         log.info(f"starting the trainer and {len(rollouts.workers)} vLLM rollout worker(s) (~20 s on CPU)")
         ray.get([w.ready.remote() for w in rollouts.workers] + [trainer.get_version.remote()])
         rollouts.open_weight_sync(trainer, transport, **sync_options)
-        log.info(f"actors ready in {time.perf_counter() - t0:.0f} s (weights by {transport})")
+        meeting = f" from {sync_options['host']}:{sync_options['port']}" if "host" in sync_options else ""
+        log.info(f"actors ready in {time.perf_counter() - t0:.0f} s (weights by {transport}{meeting})")
         if checkpoint is not None:
             loop.restore(checkpoint, driver_state)
         final = loop.run()
