@@ -106,6 +106,9 @@ class StandInWorker(GroupStream):
     def close_weight_sync(self) -> None:
         pass
 
+    async def ready(self) -> dict:
+        return {}
+
 
 class StandInTrainer:
     """The trainer's side of the object-store transport, with nothing to send."""
@@ -213,21 +216,46 @@ def hang_guard(seconds: int, progress: Callable[[], object]):
         signal.signal(signal.SIGALRM, old)
 
 
+class ShiftingCapacity:
+    """Stands in for `ElasticCapacity` (the cluster's nodes): at each step's look 0-2 nodes join,
+    and a dead worker's node is gone with the given odds (its slot is dropped, not replaced)."""
+
+    def __init__(self, seed: int, lost_odds: float) -> None:
+        self.rng, self.lost_odds = random.Random(seed), lost_odds
+        self.joined = self.dropped = 0
+
+    def new_homes(self) -> list[str]:
+        homes = [f"node-{self.joined + k}" for k in range(self.rng.choice([0, 0, 1, 2]))]
+        self.joined += len(homes)
+        return homes
+
+    def node_lost(self, home: Any) -> bool:
+        return self.rng.random() < self.lost_odds
+
+    def release(self, home: Any) -> None:
+        self.dropped += 1
+
+    def describe(self, home: Any) -> str:
+        return str(home)
+
+
 def _source(fleet: Fleet, prompts_per_step: int, max_staleness: int, steps: int, workers: int,
-            max_deaths_in_a_row: int = 10**6) -> ContinuousRollouts:
+            max_deaths_in_a_row: int = 10**6, elastic: ShiftingCapacity | None = None) -> ContinuousRollouts:
     buffer = TrajectoryBuffer(PromptStream(ROWS, prompts_per_step, seed=0), prompts_per_step, max_staleness, steps,
                               _seed_of_group)
-    source = ContinuousRollouts(fleet.make_worker, workers, buffer, max_deaths_in_a_row=max_deaths_in_a_row)
+    source = ContinuousRollouts(fleet.make_worker, workers, buffer, max_deaths_in_a_row=max_deaths_in_a_row,
+                                elastic=elastic)  # type: ignore[arg-type]
     source.open_weight_sync(fleet.trainer, "object_store")
     return source
 
 
 def run(fleet: Fleet, ch: Chaos, prompts_per_step: int, max_staleness: int, steps: int, workers: int,
-        checkpoint_at: int | None = None) -> dict:
+        checkpoint_at: int | None = None, elastic: ShiftingCapacity | None = None) -> dict:
     """Plays the GRPO loop against a real ContinuousRollouts; returns what each step trained on."""
     rng = random.Random(ch.seed)
     fleet.rng, fleet.death_odds = random.Random(ch.seed + 1), ch.death_odds
-    source = _source(fleet, prompts_per_step, max_staleness, steps, workers)
+    source = _source(fleet, prompts_per_step, max_staleness, steps, workers, elastic=elastic)
+    sizes = []
     trained: dict[int, list[Sample]] = {}
     staleness: list[int] = []
     admitted_at: dict[int, int] = {}  # group id -> steps completed when it was admitted
@@ -238,7 +266,9 @@ def run(fleet: Fleet, ch: Chaos, prompts_per_step: int, max_staleness: int, step
             source.fill(0, version)
             admitted_at.update({gid: 0 for gid in source.buffer.tasks})
             for step in range(1, steps + 1):
-                groups = source.next_step(step).groups
+                rollouts = source.next_step(step)
+                groups = rollouts.groups
+                sizes.append(rollouts.metrics["rollout/workers"])
                 trained[step] = [g.samples[0] for g in groups]
                 staleness += [version - g.policy_version for g in groups]
                 source.trained(step)
@@ -261,7 +291,7 @@ def run(fleet: Fleet, ch: Chaos, prompts_per_step: int, max_staleness: int, step
         source.close()
         fleet.release(source.workers)
     return {"trained": trained, "staleness": staleness, "admitted_at": admitted_at, "left": left,
-            "restarts": restarts}
+            "restarts": restarts, "sizes": sizes}
 
 
 def _check_trained(out: dict, prompts_per_step: int, steps: int) -> None:
@@ -314,6 +344,49 @@ def test_checkpoint_restore_loses_and_repeats_nothing(fleet, ch, at, max_stalene
     out = run(fleet, ch, 2, max_staleness, steps, workers, checkpoint_at=min(at, steps - 1))
     _check_trained(out, 2, steps)
     assert max(out["staleness"]) <= max_staleness
+
+
+@pytest.mark.slow
+@settings(max_examples=6, **SETTINGS)
+@given(ch=chaos, lost_odds=st.sampled_from([0.5, 1.0]), max_staleness=st.integers(0, 2), steps=st.integers(2, 6),
+       workers=st.integers(1, 3))
+def test_elastic_workers_come_and_go_without_losing_or_repeating_a_group(fleet, ch, lost_odds, max_staleness,
+                                                                         steps, workers):
+    """rollout.elastic: nodes join at step boundaries (a worker each, loading the current weights) and
+    dead workers' nodes are lost (their slots dropped, their groups handed to the others, the last
+    worker replaced instead): every group is still trained exactly once, within the staleness
+    bound, and rollout/workers follows the joins and drops."""
+    capacity = ShiftingCapacity(ch.seed, lost_odds)
+    out = run(fleet, ch, 2, max_staleness, steps, workers, elastic=capacity)
+    _check_trained(out, 2, steps)
+    assert max(out["staleness"]) <= max_staleness
+    assert out["sizes"][-1] <= workers + capacity.joined - capacity.dropped  # joins after the last step count later
+    assert min(out["sizes"]) >= 1
+
+
+def test_a_source_grows_and_drops_workers(fleet):
+    """The elastic moves themselves, on a real source: two joins add two workers before anything is
+    dispatched; a worker killed while its node is lost is dropped, not replaced (no restart), and
+    its groups finish on the others."""
+    capacity = ShiftingCapacity(0, 1.0)
+    capacity.new_homes = lambda: ["node-a", "node-b"]  # type: ignore[method-assign]
+    fleet.rng, fleet.death_odds = random.Random(3), 0.0
+    source = _source(fleet, 3, 1, 3, 1, elastic=capacity)
+    try:
+        source.fill(0, 0)
+        assert len(source.workers) == 3 and source.pool.homes == [0, "node-a", "node-b"]
+        capacity.new_homes = lambda: []  # type: ignore[method-assign]
+        fleet.ray.kill(source.workers[1])
+        first = source.next_step(1)
+        assert [g.samples[0].group_id for g in first.groups] == [0, 1, 2]
+        assert first.metrics["rollout/workers"] == 2.0 and source.restarts == 0
+        assert source.pool.homes == [0, "node-b"] and len(source.load) == len(source.idle_since) == 2
+        source.trained(1)
+        source.fill(1, 0)
+        assert [g.samples[0].group_id for g in source.next_step(2).groups] == [3, 4, 5]
+    finally:
+        source.close()
+        fleet.release(source.workers)
 
 
 @pytest.mark.slow

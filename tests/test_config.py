@@ -478,3 +478,23 @@ def test_env_factory_is_validated(good_config):
     validate(good_config)
     good_config.env.max_turns = 0
     fails_validation(good_config, "env.max_turns")
+
+
+def test_auto_resume_needs_checkpoints(good_config):
+    """train.auto_resume resumes from the newest checkpoint: without output.save_every_steps there
+    would be none, so it is refused before start-up, naming the setting."""
+    good_config.train.auto_resume = True
+    fails_validation(good_config, "train.auto_resume", "output.save_every_steps >= 1")
+    good_config.output.save_every_steps = 1
+    validate(good_config)
+
+
+def test_elastic_workers_need_continuous_mode(good_config):
+    """rollout.elastic changes the worker count mid-run, which lock-step's fixed split cannot take,
+    nor the busy flags (one byte per starting worker): both refused, naming the settings."""
+    good_config.rollout.elastic = True
+    fails_validation(good_config, "rollout.elastic", "rollout.continuous=true")
+    good_config.rollout.continuous = True
+    validate(good_config)
+    good_config.train.compute.threads_when_rollouts_idle = 1
+    fails_validation(good_config, "rollout.elastic", "threads_when_rollouts_idle")

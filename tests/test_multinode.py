@@ -32,19 +32,27 @@ def _scenario(name: str, tmp_path: Path, timeout_s: int = 420) -> dict:
     return json.loads(out.read_text())
 
 
-def test_arithmetic_run_with_the_trainer_on_one_node_and_workers_on_two_others(tmp_path):
-    """The arithmetic example for 3 lock-step steps on the 3-node cluster, joined by address: the
-    trainer lands on node 2 (127.0.0.2) and one rollout worker on each of the other two nodes,
-    by the nodes' custom resources; weights cross nodes through the object store and by a gloo
-    broadcast whose store listens on the trainer's node (127.0.0.2, not loopback's .1); every
-    step trains. shared_memory is refused before any actor starts, naming the transports that work."""
-    seen = _scenario("transports", tmp_path)
+@pytest.fixture(scope="module")
+def lock_step_runs(tmp_path_factory):
+    """One three-node cluster for the lock-step scenarios, in one subprocess (a cluster costs ~10 s)."""
+    return _scenario("lock_step", tmp_path_factory.mktemp("lock_step"), timeout_s=900)
+
+
+def test_arithmetic_run_with_the_trainer_on_one_node_and_workers_on_two_others(lock_step_runs):
+    """The arithmetic example for 3 lock-step steps (batch-invariant) on the 3-node cluster, joined
+    by address: the trainer lands on node 2 (127.0.0.2) and one rollout worker on each of the other
+    two nodes, by the nodes' custom resources; weights cross nodes through the object store and by
+    a gloo broadcast whose store listens on the trainer's node (127.0.0.2, not loopback's .1);
+    every step trains, to the same metrics. shared_memory is refused before any actor starts,
+    naming the transports that work, and a resource no node has is refused naming it."""
+    seen = lock_step_runs
     for transport in ("object_store", "broadcast"):
         run = seen[transport]
         assert run["steps"] == [1, 2, 3], run
         assert "[127.0.0.2], 2 rollout worker(s) (cpu) on 2 node(s) [127.0.0.1, 127.0.0.3]" in run["placed"]
         assert all(s > 0 for s in run["weight_sync_s"])
     assert seen["broadcast"]["plan_host"] == "127.0.0.2"
+    assert seen["broadcast"]["columns"] == seen["object_store"]["columns"]
     assert seen["shared_memory"]["type"] == "ConfigError"
     assert "'object_store' or 'broadcast'" in seen["shared_memory"]["error"]
     assert seen["missing_resource"]["type"] == "ConfigError"
@@ -52,17 +60,56 @@ def test_arithmetic_run_with_the_trainer_on_one_node_and_workers_on_two_others(t
     print(json.dumps({t: seen[t]["weight_sync_s"] for t in ("object_store", "broadcast")}))
 
 
-def test_losing_a_rollout_workers_node_mid_run_is_survived(tmp_path):
+def test_a_run_without_an_address_starts_its_own_ray_beside_a_cluster(lock_step_runs):
+    """With a cluster running on this machine (as `ray start` leaves one), a run without
+    --ray_address still starts a Ray of its own rather than joining that one."""
+    own = lock_step_runs["own_ray"]
+    assert own["rc"] == 0, own["stderr"]
+    assert own["gcs"] and own["gcs"] != own["cluster"], own
+
+
+def test_losing_a_rollout_workers_node_mid_run_is_survived(lock_step_runs):
     """Node 3 (one of the two rollout workers) is removed after step 1 (its raylet killed, as a
     lost machine) and a fresh node with a rollout slot joins 5 s later: the dead worker is replaced
-    on the new node and the run finishes every step. (workers/restarts is 1 or 2: until Ray's
-    health checks mark the lost node dead, its bundle still points there, and a replacement started
-    then dies at once and is replaced again.)"""
-    seen = _scenario("node_loss", tmp_path)
-    assert seen["steps"] == [1, 2, 3, 4], seen
-    assert 1.0 <= seen["restarts"] <= 2.0
-    assert seen["removed_after_step"] >= 1
-    print(json.dumps(seen))
+    on the new node, the run finishes every step, and (batch-invariant lock-step) its metrics equal
+    the undisturbed run's bit for bit. (workers/restarts is 1 or 2: until Ray's health checks mark
+    the lost node dead, its bundle still points there, and a replacement started then dies at once
+    and is replaced again.)"""
+    lost = lock_step_runs["rollout_node_lost"]
+    assert lost["steps"] == [1, 2, 3], lost
+    assert 1.0 <= lost["restarts"] <= 2.0
+    assert lost["removed_after_step"] >= 1
+    assert lost["columns"] == lock_step_runs["object_store"]["columns"]
+    print(json.dumps({k: v for k, v in lost.items() if k != "columns"}))
+
+
+def test_losing_the_trainers_node_resumes_by_itself_with_auto_resume(lock_step_runs):
+    """The trainer's node is lost after step 1 is saved and a new node for it joins: with
+    train.auto_resume the driver resumes from step 1's checkpoint by itself, and the finished run's
+    metrics equal the undisturbed run's bit for bit (batch-invariant)."""
+    lost = lock_step_runs["trainer_lost"]
+    assert lost["resumed_from_step"] == 1 and lost["removed_after_step"] >= 1
+    assert lost["columns"] == lock_step_runs["object_store"]["columns"]
+    print(json.dumps({k: v for k, v in lost.items() if k != "columns"}))
+
+
+def test_rollout_workers_grow_and_shrink_with_the_cluster(tmp_path):
+    """rollout.elastic on the 3-node cluster (continuous, 2 workers to start): a node with a rollout
+    slot joins after step 1 and a third worker starts there, loads the current version and takes
+    groups, without a restart; then node 3 is lost and its worker is dropped (not replaced:
+    workers/restarts stays 0), its groups finishing on the others. rollout/workers shows
+    2 -> 3 -> 2, and the run goes on after each change."""
+    seen = _scenario("elastic", tmp_path, timeout_s=600)
+    workers = seen["workers"]
+    assert workers[0] == 2 and 3 in workers and workers[-1] == 2, seen
+    first_three, last_two = workers.index(3), len(workers) - 1 - workers[::-1].index(3)
+    assert first_three >= seen["added_after_step"] and last_two + 1 < len(workers), seen
+    assert seen["steps"] == list(range(1, len(workers) + 1))
+    assert seen["restarts"] == 0, seen
+    joined, up, lost = seen["log"]
+    assert "a node joined" in joined and "is up" in up and "node is lost" in lost, seen["log"]
+    print(json.dumps({k: seen[k] for k in ("workers", "step_s", "added_after_step", "up_after_step",
+                                           "dropped_after_step", "dropped_after_s")}))
 
 
 # --- the scenarios (run in a subprocess) ---------------------------------------------------------
@@ -77,8 +124,13 @@ def _config(tmp: Path, name: str, address: str, **rollout):
         setattr(config.rollout, key, value)
     config.train.steps, config.train.max_staleness = 3, 0
     config.eval.every_steps = 0
-    config.output.dir, config.output.progress_bar, config.output.save_every_steps = str(tmp / name), False, 0
+    config.output.dir, config.output.progress_bar, config.output.save_every_steps = str(tmp / name), False, 1
+    config.batch_invariant = True
     return config
+
+
+def _columns(metrics: list[dict]) -> list[list]:
+    return [[m["step"], m["loss"], m["reward/mean"], m["grad_norm"]] for m in metrics if m["step"] > 0]
 
 
 class _Log(list):
@@ -95,7 +147,7 @@ class _Log(list):
         logger.setLevel(logging.INFO)
 
 
-def _transports(out: Path, tmp: Path) -> None:
+def _lock_step(out: Path, tmp: Path) -> None:
     import titanrl
     from support.loopback_cluster import LoopbackCluster
     log, seen = _Log(), {}
@@ -107,6 +159,7 @@ def _transports(out: Path, tmp: Path) -> None:
             steps = [m for m in result.metrics if m["step"] > 0]
             ready = next(m for m in log if m.startswith("actors ready"))
             seen[transport] = dict(steps=[m["step"] for m in steps], weight_sync_s=[m["time/weight_sync_s"] for m in steps],
+                                   columns=_columns(result.metrics),
                                    placed=next(m for m in log if m.startswith("placed ")),
                                    plan_host=ready.split(" from ")[1].split(":")[0] if " from " in ready else None)
         for name, change in (("shared_memory", dict(weight_transport="shared_memory")), ("missing_resource", {})):
@@ -118,12 +171,46 @@ def _transports(out: Path, tmp: Path) -> None:
                 seen[name] = dict(type=None, error="it ran")
             except Exception as e:  # noqa: BLE001 - what was raised is the result
                 seen[name] = dict(type=type(e).__name__, error=str(e))
+        seen["own_ray"] = _own_ray_beside(cluster)
+        seen["rollout_node_lost"] = _lose_a_rollout_node(cluster, tmp)
+        seen["trainer_lost"] = _lose_the_trainers_node(cluster, tmp, log)
     finally:
         out.write_text(json.dumps(seen))
         import ray
 
         ray.shutdown()
         cluster.shutdown()
+
+
+def _lose_the_trainers_node(cluster, tmp: Path, log: list) -> dict:
+    """The object_store run again with train.auto_resume; node 2 (the trainer's) is removed once
+    step 1 is saved, and a new node with the trainer's resource joins 5 s later."""
+    import titanrl
+    from support.loopback_cluster import TRAINER
+
+    config = _config(tmp, "trainer_lost", cluster.address, weight_transport="object_store")
+    config.train.auto_resume = True
+    seen: dict = {}
+
+    def lose_it() -> None:
+        while not (tmp / "trainer_lost" / "checkpoints" / "step_000001").is_dir():
+            time.sleep(0.1)
+        seen["removed_after_step"] = _steps_done(tmp / "trainer_lost")
+        t0 = time.perf_counter()
+        cluster.remove(cluster.trainer_node)
+        time.sleep(5)
+        cluster.add("127.0.0.5", {TRAINER: 1})
+        seen["node_joined_after_s"] = time.perf_counter() - t0
+        seen["removed_at"] = time.time()
+
+    threading.Thread(target=lose_it, daemon=True).start()
+    log.clear()
+    result = titanrl.train(config)
+    resumed = [m for m in log if "train.auto_resume: resuming from step" in m]
+    seen.update(columns=_columns(result.metrics), resumed=resumed,
+                resumed_from_step=int(resumed[0].split("resuming from step ")[1].split()[0]) if resumed else None,
+                finished_after_removal_s=time.time() - seen["removed_at"])
+    return seen
 
 
 def _steps_done(run_dir: Path) -> int:
@@ -134,32 +221,89 @@ def _steps_done(run_dir: Path) -> int:
     return max((json.loads(line)["step"] for line in lines if line.strip()), default=0)
 
 
-def _node_loss(out: Path, tmp: Path) -> None:
+def _own_ray_beside(cluster) -> dict:
+    """What `init_ray()` without an address joins in a fresh process while this cluster runs."""
+    code = ("from titanrl.driver.ray_runtime import init_ray; init_ray(num_cpus=1); import ray; "
+            "print(ray.get_runtime_context().gcs_address); ray.shutdown()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return dict(rc=proc.returncode, gcs=proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else None,
+                cluster=cluster.address, stderr=proc.stderr[-2000:])
+
+
+def _lose_a_rollout_node(cluster, tmp: Path) -> dict:
+    """The object_store run again; node 3 (a rollout worker's) is removed after step 1, and a new
+    node with a rollout slot joins 5 s later."""
     import titanrl
-    from support.loopback_cluster import ROLLOUT, LoopbackCluster
+    from support.loopback_cluster import ROLLOUT
 
     seen: dict = {}
-    cluster = LoopbackCluster()
-    config = _config(tmp, "node_loss", cluster.address, weight_transport="object_store")
-    config.train.steps = 4
+    run_dir = tmp / "rollout_node_lost"
 
     def lose_a_node() -> None:
-        while _steps_done(tmp / "node_loss") < 1:
+        while _steps_done(run_dir) < 1:
             time.sleep(0.2)
-        seen["removed_after_step"] = _steps_done(tmp / "node_loss")
-        t0 = time.perf_counter()
+        seen["removed_after_step"] = _steps_done(run_dir)
         cluster.remove(cluster.rollout_node)
         time.sleep(5)
         cluster.add("127.0.0.4", {ROLLOUT: 1})
-        seen["node_joined_after_s"] = time.perf_counter() - t0
 
-    watcher = threading.Thread(target=lose_a_node, daemon=True)
-    watcher.start()
+    threading.Thread(target=lose_a_node, daemon=True).start()
+    result = titanrl.train(_config(tmp, "rollout_node_lost", cluster.address, weight_transport="object_store"))
+    steps = [m for m in result.metrics if m["step"] > 0]
+    seen.update(steps=[m["step"] for m in steps], restarts=steps[-1]["workers/restarts"],
+                step_s=[m["time/step_s"] for m in steps], columns=_columns(result.metrics))
+    return seen
+
+
+def _elastic(out: Path, tmp: Path) -> None:
+    """A continuous elastic run with 2 workers (head, node 3): node 4 joins after step 1; once its
+    worker is up and takes groups, node 3 is lost; two steps after its worker was dropped the run
+    is interrupted (Ctrl-C, saved): a new engine's start-up beside a running one takes 20-60 s on
+    2 cores, so the steps it needs are not known in advance."""
+    import _thread
+
+    import titanrl
+    from support.loopback_cluster import ROLLOUT, LoopbackCluster
+    from titanrl.rundir.metrics import read_metrics
+
+    seen: dict = {}
+    cluster = LoopbackCluster()
+    config = _config(tmp, "elastic", cluster.address, weight_transport="object_store", num_workers=2,
+                     continuous=True, elastic=True)
+    config.train.steps = 500
+    run_dir = tmp / "elastic"
+    log = _Log()
+
+    def wait_for(message: str) -> None:
+        while not any(message in m for m in log):
+            time.sleep(0.2)
+
+    def change_the_cluster() -> None:
+        while _steps_done(run_dir) < 1:
+            time.sleep(0.2)
+        cluster.add("127.0.0.4", {ROLLOUT: 1})
+        seen["added_after_step"] = _steps_done(run_dir)
+        wait_for("is up")
+        seen["up_after_step"] = _steps_done(run_dir)
+        seen["removed_at"] = time.time()
+        cluster.remove(cluster.rollout_node)
+        wait_for("node is lost")
+        seen["dropped_after_s"] = time.time() - seen["removed_at"]
+        seen["dropped_after_step"] = dropped = _steps_done(run_dir)
+        while _steps_done(run_dir) < dropped + 2:
+            time.sleep(0.2)
+        _thread.interrupt_main()
+
+    threading.Thread(target=change_the_cluster, daemon=True).start()
     try:
-        result = titanrl.train(config)
-        steps = [m for m in result.metrics if m["step"] > 0]
-        seen.update(steps=[m["step"] for m in steps], restarts=steps[-1]["workers/restarts"],
-                    step_s=[m["time/step_s"] for m in steps])
+        titanrl.train(config)
+    except KeyboardInterrupt:
+        pass
+    try:
+        steps = [m for m in read_metrics(run_dir) if m["step"] > 0]
+        seen.update(steps=[m["step"] for m in steps], workers=[m["rollout/workers"] for m in steps],
+                    restarts=steps[-1]["workers/restarts"], step_s=[m["time/step_s"] for m in steps],
+                    log=[m for m in log if m.startswith("rollout.elastic")])
     finally:
         out.write_text(json.dumps(seen))
         import ray
@@ -170,4 +314,4 @@ def _node_loss(out: Path, tmp: Path) -> None:
 
 if __name__ == "__main__":
     scenario, out_file, tmp_dir = sys.argv[1:4]
-    {"transports": _transports, "node_loss": _node_loss}[scenario](Path(out_file), Path(tmp_dir))
+    {"lock_step": _lock_step, "elastic": _elastic}[scenario](Path(out_file), Path(tmp_dir))

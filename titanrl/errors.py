@@ -5,6 +5,11 @@ class RunStopped(RuntimeError):
     """The run stopped before its last step; the message says why and where its checkpoint is."""
 
 
+class TrainerLost(RunStopped):
+    """The trainer's actor died (its process or its node): the run stopped, saved; with
+    `train.auto_resume` the driver resumes it when the cluster has room again."""
+
+
 class ConfigError(ValueError):
     """A config value is wrong; the message names the field and the fix."""
 

@@ -179,6 +179,10 @@ class RolloutConfig:
     versions, and take new weights between engine steps (partial rollouts; Sample.token_versions).
     Off: each step's prompts go to the workers as one fixed batch per worker, which makes a run
     reproducible to the bit even without batch_invariant."""
+    elastic: bool = False
+    """Continuous mode on a Ray cluster: num_workers is the starting count; a worker is added (at the
+    current weight version) for each node that joins with room for one, and dropped when its node is
+    lost (the others take its groups), mid-run. Logged as rollout/workers (docs/multinode.md)."""
     on_weight_update: Literal["continue", "regenerate"] = "continue"
     """Continuous mode, when new weights arrive while requests are running: 'continue' keeps their
     tokens and recomputes their KV cache with the new weights (each token keeps the version that
@@ -498,6 +502,10 @@ class TrainConfig:
     """Optimizer steps per pass: the batch's groups are split into this many minibatches."""
     max_skipped_steps: int = 3
     """Consecutive steps with a non-finite loss or gradient norm (each skipped) that stop the run."""
+    auto_resume: bool = False
+    """When the trainer's actor dies (its node lost), resume from the newest checkpoint in the same
+    run, once the cluster has room again (within cluster.placement_timeout_s), up to
+    AUTO_RESUME_ATTEMPTS times; needs output.save_every_steps >= 1. False: the run stops, saved."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """AdamW's settings and gradient clipping."""
     lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)

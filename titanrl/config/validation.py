@@ -214,6 +214,15 @@ def validate(config: RunConfig) -> None:
     for i, spec in enumerate(config.rewards):
         resolve_reward(spec, i)
     _validate_rewards(config)
+    if config.rollout.elastic and not config.rollout.continuous:
+        raise ConfigError("rollout.elastic grows and shrinks the workers mid-run in continuous mode: set "
+                          "rollout.continuous=true (lock-step splits each step over a fixed number of workers)")
+    if config.rollout.elastic and config.train.compute.threads_when_rollouts_idle is not None:
+        raise ConfigError("rollout.elastic cannot be combined with train.compute.threads_when_rollouts_idle (its "
+                          "flags cover rollout.num_workers workers): set one of them")
+    if config.train.auto_resume and config.output.save_every_steps < 1:
+        raise ConfigError("train.auto_resume resumes from the newest checkpoint after the trainer is lost: set "
+                          "output.save_every_steps >= 1 (1 loses no step)")
     _validate_trainer_layout(config, model_config)
     validate_xla(config, model_config)
 

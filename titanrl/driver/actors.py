@@ -10,13 +10,15 @@ shared memory behind otherwise).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from typing import Any
 
 from titanrl.config.resolve import ResolvedRunConfig
 from titanrl.config.xla_env import xla_runtime_env
 from titanrl.data import PromptStream
-from titanrl.driver.placement import Placement
+from titanrl.driver.elastic import ElasticCapacity
+from titanrl.driver.placement import Placement, WorkerHome
 from titanrl.driver.sources.base import RolloutSource
 from titanrl.driver.sources.continuous import ContinuousRollouts
 from titanrl.driver.sources.lockstep import LockstepRollouts
@@ -95,23 +97,32 @@ def start_rollouts(resolved: ResolvedRunConfig, train_rows: list[dict[str, Any]]
     most_in_flight = (1 + tc.max_staleness) * rc.prompts_per_step
     worker_cls = ray.remote(ContinuousRolloutWorker)
 
-    def make_worker(i: int) -> Any:
-        _wait_for_slot(placement, i, config.cluster.placement_timeout_s)
-        return worker_cls.options(max_concurrency=most_in_flight + 16, **placement.worker_options(i)).remote(
-            i, resolved, busy_flags=busy_flags)
+    added_ids = itertools.count(rc.num_workers)  # an elastic run's added workers
+
+    def make_worker(home: int | WorkerHome) -> Any:
+        """Worker slot `home` of the run's placement, or (rollout.elastic) a worker in `home`."""
+        if isinstance(home, int):
+            worker_id, flags, home = home, busy_flags, placement.worker_home(home)
+        else:  # validation refuses busy flags with rollout.elastic: the file has num_workers bytes
+            worker_id, flags = next(added_ids), None
+        _wait_for_slot(placement, home, config.cluster.placement_timeout_s)
+        return worker_cls.options(max_concurrency=most_in_flight + 16, **placement.home_options(home)).remote(
+            worker_id, resolved, busy_flags=flags)
 
     return ContinuousRollouts.for_run(
         make_worker, rc.num_workers, stream, rc.prompts_per_step, tc.max_staleness, tc.steps,
         lambda group_id: request_seed(config.seed, group_id, rc.group_size, turns),
+        elastic=ElasticCapacity(placement) if rc.elastic else None,
     )
 
 
-def _wait_for_slot(placement: Placement, i: int, timeout_s: float) -> None:
-    """Worker i's bundle on a live node before its actor starts: a replacement after a lost node
+def _wait_for_slot(placement: Placement, home: int | WorkerHome, timeout_s: float) -> None:
+    """The worker's bundle on a live node before its actor starts: a replacement after a lost node
     would otherwise be scheduled onto the dead node (and die again) while Ray places the bundle anew."""
-    waited = placement.wait_for_worker_slot(i, timeout_s)
+    home = placement.worker_home(home) if isinstance(home, int) else home
+    waited = placement.wait_for_home(home, timeout_s)
     if waited > 1.0:
-        log.info(f"rollout worker {i}'s slot is on a live node again after {waited:.0f} s")
+        log.info(f"a rollout worker's slot is on a live node again after {waited:.0f} s")
 
 
 def shut_down(rollouts: RolloutSource, trainer: Any) -> None:

@@ -46,6 +46,19 @@ _HINTS = {
 }
 
 
+@dataclass(frozen=True)
+class WorkerHome:
+    """Where one rollout worker's actor runs: a bundle of the run's placement group, or (an elastic
+    run's added worker) the one bundle of a group of its own."""
+
+    group: Any
+    """The Ray PlacementGroup holding the bundle."""
+    bundle: int
+    """The bundle's index in `group`."""
+    own: bool = False
+    """The group was reserved for this worker alone (`Placement.reserve_home`) and goes with it."""
+
+
 class PlacementTimeout(RuntimeError):
     """The cluster has the resources the run needs, but they stayed taken for the whole wait."""
 
@@ -198,25 +211,37 @@ class Placement:
     """What each bundle holds."""
     env_vars: dict[str, str] = field(default_factory=dict)
     """Set in every actor's environment (a batch-invariant run's MKL mode: `titanrl.kernels.mkl_mode`)."""
+    own_groups: list[Any] = field(default_factory=list)
+    """Groups of one worker bundle that `reserve_home` made for an elastic run's added workers."""
 
     @classmethod
     def create(cls, config: RunConfig, *, reserve_cpus: bool | None = None, rollout_device: str | None = None,
-               timeout_s: float | None = None) -> Placement:
+               timeout_s: float | None = None, wait_for_nodes: bool = False) -> Placement:
         """Reserves the run's bundles on the connected Ray cluster and waits until they are placed.
 
-        Raises ConfigError at once if the cluster can never hold them, PlacementTimeout if
-        they are not placed within `timeout_s` (None: `cluster.placement_timeout_s`; the group is
-        removed again). reserve_cpus: None takes `cluster.reserve_cpus`.
+        Raises ConfigError at once if the cluster can never hold them (with `wait_for_nodes`, once
+        no node that lets it has joined within `timeout_s`: a run resumed after losing a node),
+        PlacementTimeout if they are not placed within `timeout_s` (None:
+        `cluster.placement_timeout_s`; the group is removed again). reserve_cpus: None takes
+        `cluster.reserve_cpus`.
         """
         if timeout_s is None:
             timeout_s = config.cluster.placement_timeout_s
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
-        layout = plan_layout(config, sum(n.get("GPU", 0.0) for n in nodes), reserve_cpus=reserve_cpus,
-                             rollout_device=rollout_device)
-        check_fits(layout, nodes)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+            layout = plan_layout(config, sum(n.get("GPU", 0.0) for n in nodes), reserve_cpus=reserve_cpus,
+                                 rollout_device=rollout_device)
+            try:
+                check_fits(layout, nodes)
+                break
+            except ConfigError:
+                if not wait_for_nodes or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
         group = placement_group(layout.bundles, strategy="PACK")
         if not group.wait(timeout_seconds=timeout_s):
             remove_placement_group(group)
@@ -233,11 +258,11 @@ class Placement:
 
         return cls(group, layout, actor_env() if config.batch_invariant else {})
 
-    def _in_bundle(self, index: int, bundle: dict[str, float] | None) -> dict[str, Any]:
+    def _in_bundle(self, index: int, bundle: dict[str, float] | None, group: Any = None) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = bundle or {}
-        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
+        strategy = PlacementGroupSchedulingStrategy(group or self.group, placement_group_bundle_index=index)
         options = dict(num_cpus=bundle.get("CPU", 0.0), num_gpus=bundle.get("GPU", 0.0), scheduling_strategy=strategy)
         if self.env_vars:  # Ray merges these into the job's env_vars
             options["runtime_env"] = {"env_vars": dict(self.env_vars)}
@@ -261,11 +286,19 @@ class Placement:
             return {}
         return dict(rank_options=[self.rank_options(r) for r in range(self.layout.world_size)])
 
-    def worker_options(self, index: int) -> dict[str, Any]:
-        """Options for rollout worker `index`'s actor."""
+    def worker_home(self, index: int) -> WorkerHome:
+        """Rollout worker `index`'s bundle in the run's group."""
         if not 0 <= index < self.layout.num_workers:
             raise IndexError(f"worker {index} is outside the run's {self.layout.num_workers} rollout workers")
-        return self._in_bundle(self.layout.world_size + index, self.layout.worker_bundle)
+        return WorkerHome(self.group, self.layout.world_size + index)
+
+    def worker_options(self, index: int) -> dict[str, Any]:
+        """Options for rollout worker `index`'s actor."""
+        return self.home_options(self.worker_home(index))
+
+    def home_options(self, home: WorkerHome) -> dict[str, Any]:
+        """Options for a rollout worker's actor in `home`."""
+        return self._in_bundle(home.bundle, self.layout.worker_bundle, home.group)
 
     def bundle_nodes(self) -> list[str]:
         """The Ray node id of every bundle, by bundle index."""
@@ -274,28 +307,58 @@ class Placement:
         by_index = placement_group_table(self.group)["bundles_to_node_id"]
         return [by_index[i] for i in range(len(self.layout.bundles))]
 
-    def wait_for_worker_slot(self, index: int, timeout_s: float, poll_s: float = 0.5) -> float:
-        """Returns once rollout worker `index`'s bundle sits on a live node (at once at start-up;
-        after its node was lost, once Ray has placed the bundle again on a node with room for it),
-        with the seconds it waited. Raises RolloutWorkersFailed, naming the bundle's resources, if
-        no such node turns up within `timeout_s` (`cluster.placement_timeout_s`)."""
+    def home_node(self, home: WorkerHome) -> str | None:
+        """The id of the live node holding `home`'s bundle, or None (its node lost, not placed again yet)."""
         import ray
         from ray.util import placement_group_table
 
+        node = placement_group_table(home.group)["bundles_to_node_id"].get(home.bundle)
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        return node if node in alive else None
+
+    def wait_for_worker_slot(self, index: int, timeout_s: float, poll_s: float = 0.5) -> float:
+        """`wait_for_home` of rollout worker `index`'s bundle."""
+        return self.wait_for_home(self.worker_home(index), timeout_s, poll_s)
+
+    def wait_for_home(self, home: WorkerHome, timeout_s: float, poll_s: float = 0.5) -> float:
+        """Returns once `home`'s bundle sits on a live node (at once at start-up; after its node was
+        lost, once Ray has placed the bundle again on a node with room for it), with the seconds it
+        waited. Raises RolloutWorkersFailed, naming the bundle's resources, if no such node turns
+        up within `timeout_s` (`cluster.placement_timeout_s`)."""
         from titanrl.driver.sources.base import RolloutWorkersFailed
 
-        bundle = self.layout.world_size + index
         start = time.monotonic()
-        while True:
-            node = placement_group_table(self.group)["bundles_to_node_id"].get(bundle)
-            if node is not None and any(n["NodeID"] == node and n["Alive"] for n in ray.nodes()):
-                return time.monotonic() - start
+        while self.home_node(home) is None:
             if time.monotonic() - start > timeout_s:
                 raise RolloutWorkersFailed(
-                    f"rollout worker {index} lost its node, and no live node had room for its bundle "
+                    f"a rollout worker lost its node, and no live node had room for its bundle "
                     f"{self.layout.worker_bundle} within cluster.placement_timeout_s={timeout_s:g} s: add a node "
                     "with those resources (or raise the timeout), then resume the run")
             time.sleep(poll_s)
+        return time.monotonic() - start
+
+    def reserve_home(self, timeout_s: float) -> WorkerHome | None:
+        """A group of one rollout-worker bundle, for a worker an elastic run adds, once placed; None
+        (nothing kept) when the cluster has no room for it within `timeout_s`."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        group = placement_group([self.layout.worker_bundle], strategy="STRICT_PACK")
+        if not group.wait(timeout_seconds=timeout_s):
+            remove_placement_group(group)
+            return None
+        self.own_groups.append(group)
+        return WorkerHome(group, 0, own=True)
+
+    def release_home(self, home: WorkerHome) -> None:
+        """Gives back a group `reserve_home` made (its actor is ended with it); the run's own bundles stay."""
+        from ray.util.placement_group import remove_placement_group
+
+        if home.own and home.group in self.own_groups:
+            self.own_groups.remove(home.group)
+            try:
+                remove_placement_group(home.group)
+            except Exception:  # the cluster is gone
+                pass
 
     def bundle_ips(self) -> list[str]:
         """The address of every bundle's node, by bundle index."""
@@ -333,7 +396,9 @@ class Placement:
         from ray.util.placement_group import remove_placement_group
 
         if ray.is_initialized():
-            try:
-                remove_placement_group(self.group)
-            except Exception:  # already removed, or the cluster is gone
-                pass
+            for group in [self.group, *self.own_groups]:
+                try:
+                    remove_placement_group(group)
+                except Exception:  # already removed, or the cluster is gone
+                    pass
+            self.own_groups.clear()

@@ -28,9 +28,11 @@ def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
 
         # The constant is read when Ray is imported, which may have happened before this call.
         ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"].lower() in ("1", "true")
-        # Keep Ray's own traffic on loopback: a single-machine run needs no other address.
-        start: dict[str, Any] = dict(_node_ip_address="127.0.0.1", num_cpus=num_cpus or os.cpu_count() or 1,
-                                     include_dashboard=False)
+        # Keep Ray's own traffic on loopback: a single-machine run needs no other address. 'local':
+        # a Ray of its own even when `ray start` left a cluster on this machine (ray.init() would
+        # join that one, and refuse num_cpus there); joining one is what --ray_address is for.
+        start: dict[str, Any] = dict(address="local", _node_ip_address="127.0.0.1",
+                                     num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False)
     else:
         if num_cpus is not None:
             raise ValueError("init_ray: num_cpus is the joined Ray cluster's own; leave it None with an address")

@@ -30,11 +30,11 @@ from titanrl.driver.placement import Placement
 from titanrl.driver.ray_runtime import init_ray, ship_user_code_by_value
 from titanrl.driver.signals import SigtermAsInterrupt
 from titanrl.driver.weight_transport import choose_weight_transport, shm_free_bytes
-from titanrl.errors import RunStopped, RunTerminated
+from titanrl.errors import RunStopped, RunTerminated, TrainerLost
 from titanrl.planning.fit import with_memory_plan
 from titanrl.rundir.driver_state import read_driver_state
 from titanrl.rundir.layout import create_run_dir, reopen_run_dir, set_aside_after, write_resolved_config
-from titanrl.rundir.checkpoints import RunCheckpoint
+from titanrl.rundir.checkpoints import RunCheckpoint, latest_checkpoint
 from titanrl.rundir.metrics import MetricsLogger, read_metrics
 from titanrl.rundir.progress import plot_run
 from titanrl.rundir.wandb_mirror import WandbMirror
@@ -91,13 +91,26 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
     write_resolved_config(run_dir, resolved)
     config = resolved.config
 
-    import ray
 
     log.info(f"run directory {run_dir}; " + (f"joining Ray at {config.ray_address}" if config.ray_address else "starting Ray"))
     init_ray(address=config.ray_address)
     sigterm = SigtermAsInterrupt().install()  # after ray.init, which installs its own handler
     try:
-        return _run(resolved, run_dir, checkpoint, driver_state, eval_rows, train_rows, started, sigterm)
+        for attempt in range(AUTO_RESUME_ATTEMPTS + 1):
+            try:
+                return _run(resolved, run_dir, checkpoint, driver_state, eval_rows, train_rows, started, sigterm,
+                            after_loss=attempt > 0)
+            except TrainerLost as e:
+                newest = latest_checkpoint(run_dir)
+                if not config.train.auto_resume or attempt == AUTO_RESUME_ATTEMPTS or newest is None:
+                    raise
+                # The newest checkpoint is the run now: later metrics rows are set aside, as --resume does.
+                checkpoint, driver_state = newest, read_driver_state(newest.path)
+                set_aside_after(run_dir, checkpoint.step)
+                log.info(f"the trainer was lost ({e}); train.auto_resume: resuming from step {checkpoint.step} "
+                         f"once the cluster has room (attempt {attempt + 1} of {AUTO_RESUME_ATTEMPTS}, up to "
+                         f"cluster.placement_timeout_s={config.cluster.placement_timeout_s:g} s for the placement)")
+        raise AssertionError("unreachable")
     except KeyboardInterrupt as e:
         if not sigterm.received:
             raise
@@ -107,15 +120,38 @@ def train(config: RunConfig, resume: bool = False) -> RunResult:
         sigterm.uninstall()
 
 
+AUTO_RESUME_ATTEMPTS = 3
+"""How many times `train.auto_resume` resumes a run whose trainer was lost."""
+
+
+def _is_the_trainers_death(error: BaseException, trainer: Any) -> bool:
+    """Whether the run stopped because the trainer's own actor died (its process, or its node): an
+    actor error, and the trainer no longer answers. (Rollout workers' deaths are handled where
+    they happen; one that escapes is not the trainer's.)"""
+    import ray
+    from ray.exceptions import RayActorError
+
+    if not isinstance(error, RayActorError):
+        return False
+    try:
+        ray.get(trainer.get_version.remote(), timeout=60)
+    except RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - alive but busy or slow: not a lost trainer
+        return False
+    return False
+
+
 def _run(resolved: ResolvedRunConfig, run_dir: Path, checkpoint: RunCheckpoint | None, driver_state: dict[str, Any] | None,
          eval_rows: list[dict[str, Any]], train_rows: list[dict[str, Any]], started: float,
-         sigterm: SigtermAsInterrupt) -> RunResult:
-    """Starts the actors, runs (or resumes) the loop, saves on any failure, and shuts everything down."""
+         sigterm: SigtermAsInterrupt, after_loss: bool = False) -> RunResult:
+    """Starts the actors, runs (or resumes) the loop, saves on any failure, and shuts everything down.
+    after_loss: resuming after the trainer was lost, so the placement waits for its node to come back."""
     import ray
 
     config = resolved.config
     ship_user_code_by_value(config.rewards + [fn for fn in (config.env.factory, config.agent.fn) if fn is not None])
-    placement = Placement.create(config)
+    placement = Placement.create(config, wait_for_nodes=after_loss)
     try:
         transport = choose_weight_transport(config, placement.layout.rollout_device, shm_free_bytes())
         sync_options = placement.weight_sync_options(transport)
@@ -176,7 +212,8 @@ def _run(resolved: ResolvedRunConfig, run_dir: Path, checkpoint: RunCheckpoint |
             raise RunTerminated(f"{stopped}" + (f"; the newest checkpoint is {where}" if where else "")) from e
         if isinstance(e, KeyboardInterrupt):
             raise
-        raise RunStopped(f"{reason}" + (f"; the newest checkpoint is {where}" if where else "")) from e
+        stop = TrainerLost if _is_the_trainers_death(e, trainer) else RunStopped
+        raise stop(f"{reason}" + (f"; the newest checkpoint is {where}" if where else "")) from e
     finally:
         logger.close(failed=final is None)
         shut_down(rollouts, trainer)

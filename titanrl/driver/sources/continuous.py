@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from titanrl.data import PromptStream
+from titanrl.driver.elastic import ElasticCapacity
 from titanrl.driver.sources.base import RolloutSource
 from titanrl.driver.sources.buffer import BufferState, GroupTask, TrajectoryBuffer
 from titanrl.driver.sources.workers import MAX_DEATHS_IN_A_ROW, WorkerPool
@@ -48,12 +49,16 @@ class ContinuousRollouts(RolloutSource):
 
     checkpoint_type = BufferState
 
-    def __init__(self, make_worker: Callable[[int], Any], num_workers: int, buffer: TrajectoryBuffer,
-                 max_deaths_in_a_row: int = MAX_DEATHS_IN_A_ROW) -> None:
-        """`make_worker(i)` starts the actor of worker slot i (a `ContinuousRolloutWorker`), again
-        for a replacement; see `WorkerPool` for `max_deaths_in_a_row`."""
-        self.buffer = buffer
+    def __init__(self, make_worker: Callable[[Any], Any], num_workers: int, buffer: TrajectoryBuffer,
+                 max_deaths_in_a_row: int = MAX_DEATHS_IN_A_ROW, elastic: ElasticCapacity | None = None) -> None:
+        """`make_worker(home)` starts a worker's actor (a `ContinuousRolloutWorker`), again for a
+        replacement (see `WorkerPool`, also for `max_deaths_in_a_row`). `elastic`
+        (`rollout.elastic`): workers are added as nodes join and dropped as their nodes are lost."""
+        self.buffer, self.elastic = buffer, elastic
         self.pool = WorkerPool(make_worker, num_workers, max_deaths_in_a_row)
+        self.starting: dict[Any, tuple[Any, float]] = {}
+        """Added workers (rollout.elastic) whose engine is still starting -> their `ready` call and
+        when they were added."""
         self.in_flight: dict[Any, _StreamCall] = {}
         """Ray streaming generator of a `generate_groups` call -> what it still owes."""
         self.load = [0] * num_workers
@@ -73,11 +78,11 @@ class ContinuousRollouts(RolloutSource):
         return self.pool.restarts
 
     @classmethod
-    def for_run(cls, make_worker: Callable[[int], Any], num_workers: int, stream: PromptStream,
+    def for_run(cls, make_worker: Callable[[Any], Any], num_workers: int, stream: PromptStream,
                 prompts_per_step: int, max_staleness: int, steps: int,
-                seed_of_group: Callable[[int], int]) -> ContinuousRollouts:
+                seed_of_group: Callable[[int], int], elastic: ElasticCapacity | None = None) -> ContinuousRollouts:
         return cls(make_worker, num_workers,
-                   TrajectoryBuffer(stream, prompts_per_step, max_staleness, steps, seed_of_group))
+                   TrajectoryBuffer(stream, prompts_per_step, max_staleness, steps, seed_of_group), elastic=elastic)
 
     # ------------------------------------------------------------------ the loop's interface
 
@@ -88,6 +93,8 @@ class ContinuousRollouts(RolloutSource):
             self.idle_since = [self.last_step_at] * len(self.workers)
             self.idle_s = 0.0
         self.version = version
+        if self.elastic is not None and self.pool.sync is not None:
+            self._grow()
         dispatched = {gid for call in self.in_flight.values() for gid in call.tasks}
         # Restored from a checkpoint, or never dispatched; then the newly admitted ones.
         retried = [self.buffer.retry(t.group_id, version) for t in self.buffer.unfinished()
@@ -114,6 +121,7 @@ class ContinuousRollouts(RolloutSource):
             "time/trainer_idle_s": waited,
             "time/worker_idle_s": idle / len(self.workers),
             "workers/restarts": float(self.restarts),
+            "rollout/workers": float(len(self.workers)),
             **self._push_metrics(),
         }
         return StepRollouts(groups, sum(group_tokens(g) for g in groups), cycle, None, metrics)
@@ -166,10 +174,21 @@ class ContinuousRollouts(RolloutSource):
     # ------------------------------------------------------------------ dispatch and failures
 
     def _dispatch(self, tasks: list[GroupTask]) -> None:
-        """Each task to the least-loaded worker; one `generate_groups` call per worker that got any."""
+        """Each task to the least-loaded worker; one `generate_groups` call per worker that got any.
+        A worker an elastic run added gets none until its engine is up (else a step would wait
+        for that start-up)."""
+        import ray
+
+        for actor, (ready, since) in list(self.starting.items()):
+            if ray.wait([ready], timeout=0)[0]:
+                del self.starting[actor]
+                if actor in self.workers:
+                    log.info(f"rollout.elastic: rollout worker {self.workers.index(actor)} is up "
+                             f"({time.perf_counter() - since:.0f} s after it was added) and takes groups")
+        serving = [k for k, w in enumerate(self.workers) if w not in self.starting] or list(range(len(self.workers)))
         shares: dict[int, list[GroupTask]] = {}
         for task in tasks:
-            i = min(range(len(self.workers)), key=lambda k: self.load[k])
+            i = min(serving, key=lambda k: self.load[k])
             task.attempts += 1
             shares.setdefault(i, []).append(task)
             self._busy(i, +1)
@@ -221,7 +240,10 @@ class ContinuousRollouts(RolloutSource):
 
     def _replace(self, i: int, dead: Any, error: BaseException) -> None:
         """Slot i's actor `dead` died: the pool starts a replacement with the newest weights (unless
-        it did already), which is handed the groups `dead` had not returned (from all its streams)."""
+        it did already), which is handed the groups `dead` had not returned (from all its streams).
+        An elastic run drops the slot instead when its node is gone, and hands the groups to the others."""
+        if self.pool.workers[i] is not dead:
+            return  # replaced (or dropped) already, on an earlier stream of the same actor
         lost: list[GroupTask] = []
         for stream, call in list(self.in_flight.items()):
             if call.actor is dead:
@@ -229,11 +251,39 @@ class ContinuousRollouts(RolloutSource):
                 for _ in call.tasks:
                     self._busy(i, -1)
                 lost += call.tasks.values()
-        self.pool.replace(i, dead, error)
+        if (self.elastic is not None and len(self.workers) > 1
+                and self.elastic.node_lost(self.pool.homes[i])):
+            self._drop(i)
+        else:
+            self.pool.replace(i, dead, error)
         if lost:
-            log.info(f"{len(lost)} group(s) of rollout worker {i} are generated again")
+            log.info(f"{len(lost)} group(s) of the lost rollout worker are generated again")
         lost.sort(key=lambda t: t.group_id)
         self._dispatch([self.buffer.retry(task.group_id, self.version) for task in lost])
+
+    def _grow(self) -> None:
+        """A new worker in each home the cluster made room for since the last step (`rollout.elastic`)."""
+        assert self.elastic is not None
+        for home in self.elastic.new_homes():
+            i = self.pool.add(home)
+            self.starting[self.workers[i]] = (self.workers[i].ready.remote(), time.perf_counter())
+            self.load.append(0)
+            self.idle_since.append(time.perf_counter())
+            log.info(f"rollout.elastic: a node joined: rollout worker {i} starts on {self.elastic.describe(home)} "
+                     f"with version {self.pool.version} ({len(self.workers)} workers)")
+
+    def _drop(self, i: int) -> None:
+        """Slot i's node is lost: the slot goes (`rollout.elastic`); later slots move down one."""
+        assert self.elastic is not None
+        since = self.idle_since.pop(i)
+        if since is not None:
+            self.idle_s += time.perf_counter() - since
+        self.load.pop(i)
+        for call in self.in_flight.values():
+            if call.slot > i:
+                call.slot -= 1
+        self.elastic.release(self.pool.remove(i))
+        log.info(f"rollout.elastic: rollout worker {i}'s node is lost: the run goes on with {len(self.workers)} workers")
 
     def _push_metrics(self) -> dict[str, float]:
         """Of the newest push every worker has loaded: `time/weight_sync_s`, its wall time (from its

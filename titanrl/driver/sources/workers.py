@@ -21,6 +21,7 @@ Known limit: a 'broadcast' push already running when a member dies can wait on t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -83,11 +84,14 @@ def describe(error: BaseException) -> str:
 class WorkerPool:
     """Worker slots 0..N-1, each running one rollout worker actor, and the weight transport to them."""
 
-    def __init__(self, make_worker: Callable[[int], Any], num_workers: int,
+    def __init__(self, make_worker: Callable[[Any], Any], num_workers: int,
                  max_deaths_in_a_row: int = MAX_DEATHS_IN_A_ROW) -> None:
-        """`make_worker(i)` starts the actor of slot i (in slot i's placement bundle)."""
+        """`make_worker(home)` starts a slot's actor in its home: the slot's index (its bundle of the
+        run's placement) for the first `num_workers` slots, whatever `add` was given for the others."""
         self.make_worker, self.max_deaths_in_a_row = make_worker, max_deaths_in_a_row
-        self.workers: list[Any] = [make_worker(i) for i in range(num_workers)]
+        self.homes: list[Any] = list(range(num_workers))
+        """Where each slot's actor runs (`make_worker`'s argument)."""
+        self.workers: list[Any] = [make_worker(home) for home in self.homes]
         """The live actor of each slot; a replacement takes its slot's place."""
         self.deaths_in_a_row = [0] * num_workers
         self.restarts = 0
@@ -201,18 +205,70 @@ class WorkerPool:
         except Exception:  # already gone
             pass
         missed = self._settle_pushes() if self.transport != "object_store" else set()
-        self.workers[i] = self.make_worker(i)
+        self.workers[i] = self.make_worker(self.homes[i])
         if self.transport == "object_store":
             self.sync.workers[i] = self.workers[i]
             self.workers[i].open_weight_sync.remote(self.sync.plan, i + 1)
         else:
-            # The members are fixed when the transport opens: open it again, the replacement in it.
-            self.sync.close()
-            self.sync = WeightSync.open(self.trainer, self.workers, self.transport, **self.plan_options)
+            self._reopen()
+        self._load_current_weights(missed | {i})
+
+    def _reopen(self) -> None:
+        """'shared_memory' / 'broadcast' fix their members when they open: open again with today's."""
+        assert self.sync is not None
+        self.sync.close()
+        self.sync = WeightSync.open(self.trainer, self.workers, self.transport, **self.plan_options)
+
+    def _load_current_weights(self, slots: set[int]) -> None:
         # The trainer is between steps here (the source is waiting for rollouts): it holds self.version.
         weights = self.trainer.state_dict_for_push.remote()
-        for j in sorted(missed | {i}):
+        for j in sorted(slots):
             self.workers[j].update_weights.remote(weights, self.version)
+
+    # ------------------------------------------------------------------ elastic size
+
+    def add(self, home: Any) -> int:
+        """A new slot whose actor starts in `home` (`rollout.elastic`: a node joined) and holds the
+        current weights before it serves anything; returns its index."""
+        if self.sync is None or self.trainer is None:
+            raise RuntimeError("open_weight_sync before a worker can be added")
+        missed = self._settle_pushes() if self.transport != "object_store" else set()
+        self.homes.append(home)
+        self.workers.append(self.make_worker(home))
+        self.deaths_in_a_row.append(0)
+        i = len(self.workers) - 1
+        if self.transport == "object_store":  # no group to re-form: the plan just counts one more
+            self.sync.plan = dataclasses.replace(self.sync.plan, num_receivers=len(self.workers))
+            self.sync.workers.append(self.workers[i])
+            self.workers[i].open_weight_sync.remote(self.sync.plan, i + 1)
+        else:
+            self._reopen()
+        self._load_current_weights(missed | {i})
+        return i
+
+    def remove(self, i: int) -> Any:
+        """Drops slot i (its actor dead with its node, `rollout.elastic`); later slots move down one.
+        Returns the slot's home."""
+        import ray
+
+        if self.sync is None or self.trainer is None:
+            raise RuntimeError("open_weight_sync before a worker can be removed")
+        if len(self.workers) == 1:
+            raise ValueError("the last rollout worker is replaced, never removed")
+        try:
+            ray.kill(self.workers[i])
+        except Exception:  # already gone
+            pass
+        missed = self._settle_pushes() if self.transport != "object_store" else set()
+        home = self.homes.pop(i)
+        del self.workers[i], self.deaths_in_a_row[i]
+        if self.transport == "object_store":
+            del self.sync.workers[i]
+            self.sync.plan = dataclasses.replace(self.sync.plan, num_receivers=len(self.workers))
+        else:
+            self._reopen()
+        self._load_current_weights({j - (j > i) for j in missed if j != i})
+        return home
 
     def _settle_pushes(self) -> set[int]:
         """Waits (up to the transport's timeout) for the pushes in flight before the transport closes,
