@@ -187,7 +187,9 @@ def test_peft_loads_the_export_with_equal_logits(ckpt, tmp_path):
             got = model(input_ids=ids).logits
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
-    export_run(run, tmp_path / "merged", merge=True)
+    from titanrl.cli import main
+
+    assert main(["export", str(run), "--merge", "--hf", str(tmp_path / "merged")]) == 0
     assert not (tmp_path / "merged" / "adapter").exists()
     full = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
     with torch.no_grad():

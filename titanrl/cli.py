@@ -345,12 +345,13 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
-    from titanrl.commands.export import export_run
+    from titanrl.commands.export import export_run, is_lora_policy
 
     policy = export_run(args.run_dir, args.hf, step=args.step, merge=args.merge)
     what = "final policy" if policy.is_hf else "training checkpoint"
     step = f" of step {policy.step}" if policy.step is not None else ""
-    print(f"exported the {what}{step} ({policy.path}) to {args.hf}")
+    form = " as a PEFT adapter" if not args.merge and is_lora_policy(policy) else ""
+    print(f"exported the {what}{step} ({policy.path}) to {args.hf}{form}")
     return EXIT_OK
 
 
