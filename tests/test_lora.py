@@ -12,7 +12,7 @@ from support.config_cases import checkpoint_dir, fails_validation, good_config  
 from support.sections import merged
 from test_trainer_state import TRAIN, _assert_same_optimizer, _batches
 
-from titanrl.config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, apply_overrides, validate
+from titanrl.config import ComputeConfig, ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, apply_overrides, validate
 from titanrl.models.common.lora import LoraLinear, add_adapters, lora_modules
 from titanrl.models.hf_checkpoint import CheckpointError, load_model
 from titanrl.models.spec import DECODER_LORA_TARGETS
@@ -123,6 +123,26 @@ def test_pushed_weights_are_the_merged_weights(ckpt):
     plain, _ = load_model(str(ckpt), dtype=torch.float32)
     plain.load_state_dict(pushed)
     plain.set_batch_invariant(True)
+    ids = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(plain(ids), tr.model(ids))
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_mixed_precision_pushes_what_the_forward_computes(ckpt, batch_invariant):
+    """float32 master weights computing in bfloat16: the push is W, A and B each cast to bfloat16,
+    then merged (what the forward's casts compute with), and a bfloat16 model loaded with it gives
+    the trainer's logits bit for bit."""
+    tr = _trainer(ckpt, batch_invariant=batch_invariant, compute=ComputeConfig(dtype="bfloat16"))
+    _nonzero_b(tr.model)
+    tr.step(_batches(1)[0])
+    pushed = dict(tr.state_dict_for_push().items())
+    state = {k: v.detach().to(torch.bfloat16) for k, v in tr.model.state_dict().items()}
+    for module in lora_modules(tr.model):
+        assert torch.equal(pushed[f"{module}.weight"], _independent_merge(state, module, 8.0 / 4)), module
+    plain, _ = load_model(str(ckpt), dtype=torch.bfloat16)
+    plain.load_state_dict(pushed)
+    plain.set_batch_invariant(batch_invariant)
     ids = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(plain(ids), tr.model(ids))
