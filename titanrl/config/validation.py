@@ -571,4 +571,4 @@ def lora_targets(lora: LoraConfig, model_config: Any) -> tuple[str, ...]:
     if unknown:
         raise ConfigError(f"lora.target_modules names {', '.join(map(repr, unknown))}, which the {spec.name} family "
                           f"does not have: the valid ones are {', '.join(spec.lora_targets)}")
-    return tuple(dict.fromkeys(lora.target_modules))
+    return tuple(t for t in spec.lora_targets if t in lora.target_modules)  # the spec's order: one spelling

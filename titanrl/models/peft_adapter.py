@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors.torch import save_file
 from torch import nn
 
 from titanrl.atomic_io import replacing_directory
-from titanrl.models.common.lora import adapter_parameters, lora_modules
+from titanrl.models.common.lora import LoraRecord, adapter_parameters, lora_modules
 
 PEFT_PREFIX = "base_model.model."
 """What PEFT's saved keys put before the wrapped model's own parameter names."""
@@ -26,30 +25,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 EXPORT_ADAPTER_DIR = "adapter"
 """Where a LoRA run's HF export (`final/`, the merged weights) keeps the adapters in PEFT's format."""
-
-
-@dataclass(frozen=True)
-class LoraRecord:
-    """What a LoRA policy's checkpoint records besides the tensors: enough to rebuild its adapters
-    and to tell PEFT what they sit on."""
-
-    rank: int
-    """The adapters' rank r."""
-    alpha: float
-    """Scale numerator (scale = alpha / rank)."""
-    target_modules: tuple[str, ...]
-    """Leaf names of the adapted linears."""
-    base_model: str
-    """The checkpoint the frozen base weights came from (PEFT's base_model_name_or_path)."""
-
-    def to_dict(self) -> dict:
-        """Plain types, for trainer_state.pt (weights_only-loadable)."""
-        return {"rank": self.rank, "alpha": self.alpha, "target_modules": list(self.target_modules),
-                "base_model": self.base_model}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> LoraRecord:
-        return cls(int(d["rank"]), float(d["alpha"]), tuple(d["target_modules"]), str(d["base_model"]))
 
 
 def adapter_config(record: LoraRecord) -> dict:

@@ -50,8 +50,8 @@ from titanrl.models.hf_checkpoint import (
     save_checkpoint,
 )
 from titanrl.models.common.decoder import DecoderConfig, DecoderForCausalLM
-from titanrl.models.common.lora import add_adapters, merge_adapters
-from titanrl.models.peft_adapter import LoraRecord, save_peft_adapter
+from titanrl.models.common.lora import LoraRecord, add_adapters, merge_adapters
+from titanrl.models.peft_adapter import save_peft_adapter
 
 MODEL_OPTIM_DIR = "model_optim"
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -165,9 +165,10 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     return state
 
 
-def lora_record(ckpt: Path) -> LoraRecord | None:
-    """The LoRA adapters a training checkpoint's policy carries (trainer_state.pt's LORA_STATE_KEY), or None."""
-    recorded = read_trainer_state(ckpt).get(LORA_STATE_KEY)
+def lora_record(ckpt: Path, state: dict[str, Any] | None = None) -> LoraRecord | None:
+    """The LoRA adapters a training checkpoint's policy carries (trainer_state.pt's LORA_STATE_KEY), or
+    None; `state`: that trainer_state.pt, when read already."""
+    recorded = (read_trainer_state(ckpt) if state is None else state).get(LORA_STATE_KEY)
     return None if recorded is None else LoraRecord.from_dict(recorded)
 
 

@@ -33,7 +33,8 @@ from titanrl.config.unplanned import concrete_train
 from titanrl.errors import ConfigError
 from titanrl.memory import LARGE_MODEL_PARAMS, auto_heap_mmap_threshold_mib, peak_rss_gib, set_heap_mmap_threshold
 from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
-from titanrl.models.peft_adapter import EXPORT_ADAPTER_DIR, LoraRecord, save_peft_adapter
+from titanrl.models.common.lora import LoraRecord, describe
+from titanrl.models.peft_adapter import EXPORT_ADAPTER_DIR, save_peft_adapter
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.batch import PackedBatch, advantages, minibatch_row_ranges, pack
 from titanrl.trainer.idle_cores import IdleCores
@@ -481,14 +482,10 @@ class GRPOTrainer:
                 f"{str(ckpt)!r} was trained in {dtype}; set model.dtype to match (it is {self.dtype})"
             )
         state = ckpt_io.read_trainer_state(ckpt)
-        saved = ckpt_io.lora_record(ckpt)
-        mine = None if self.lora is None else (self.lora.rank, self.lora.alpha, self.lora.target_modules)
-        theirs = None if saved is None else (saved.rank, saved.alpha, saved.target_modules)
-        if mine != theirs:
-            def says(lora: tuple | None) -> str:
-                return "lora.rank=0" if lora is None else f"lora.rank={lora[0]}, alpha={lora[1]}, target_modules={list(lora[2])}"
-            raise CheckpointError(f"{str(ckpt)!r} was trained with {says(theirs)}, this trainer has {says(mine)}: "
-                                  f"set the lora section to match")
+        saved = ckpt_io.lora_record(ckpt, state)
+        if (saved and saved.adapters) != (self.lora and self.lora.adapters):
+            raise CheckpointError(f"{str(ckpt)!r} was trained with {describe(saved)}, this trainer has "
+                                  f"{describe(self.lora)}: set the lora section to match")
         return ckpt, state
 
     def restore_counters(self, state: dict) -> int:
@@ -517,7 +514,7 @@ class GRPOTrainer:
                 group["lr"] = lr
         self._restore_reference(state, ckpt)
         if self.lora is not None:  # the frozen base came from where the saved run's did
-            self.lora = ckpt_io.lora_record(ckpt)
+            self.lora = ckpt_io.lora_record(ckpt, state)
         return self.restore_counters(state)
 
     def _restore_reference(self, state: dict, ckpt: Path) -> None:

@@ -9,13 +9,15 @@ sends the same merged tensor under the base name (lora.sync='merged'), and so th
 tokens with exactly the weights the generators hold: batch-invariant parity stays bitwise.
 
 The merged form has no place for dropout on the adapter's input (config validation refuses
-lora.dropout > 0 until the unmerged path exists).
+lora.dropout > 0 until the unmerged path exists). `LoraRecord` is what a checkpoint records of the
+adapters besides their tensors (trainer_state.pt; the PEFT export's adapter_config.json).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,42 @@ from torch import nn
 
 LORA_A = "lora_A"
 LORA_B = "lora_B"
+
+
+@dataclass(frozen=True)
+class LoraRecord:
+    """What a LoRA policy's checkpoint records besides the tensors: enough to rebuild its adapters
+    and to tell PEFT what they sit on."""
+
+    rank: int
+    """The adapters' rank r."""
+    alpha: float
+    """Scale numerator (scale = alpha / rank)."""
+    target_modules: tuple[str, ...]
+    """Leaf names of the adapted linears."""
+    base_model: str
+    """The checkpoint the frozen base weights came from (PEFT's base_model_name_or_path)."""
+
+    @property
+    def adapters(self) -> tuple[int, float, tuple[str, ...]]:
+        """What decides the adapters' tensors (rank, alpha, targets): two records with the same load each other's."""
+        return self.rank, self.alpha, self.target_modules
+
+    def to_dict(self) -> dict:
+        """Plain types, for trainer_state.pt (weights_only-loadable)."""
+        return {"rank": self.rank, "alpha": self.alpha, "target_modules": list(self.target_modules),
+                "base_model": self.base_model}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LoraRecord:
+        return cls(int(d["rank"]), float(d["alpha"]), tuple(d["target_modules"]), str(d["base_model"]))
+
+
+def describe(record: LoraRecord | None) -> str:
+    """A record as the lora settings that make it, for errors ('lora.rank=0' for none)."""
+    if record is None:
+        return "lora.rank=0"
+    return f"lora.rank={record.rank}, lora.alpha={record.alpha}, lora.target_modules={list(record.target_modules)}"
 
 
 class LoraFactor(nn.Module):
