@@ -273,3 +273,15 @@ def test_wrapped_module_reads_like_a_linear():
     assert [n for n, _ in m.named_parameters()] == ["weight", "bias", "lora_A.weight", "lora_B.weight"]
     assert [p.requires_grad for p in m.parameters()] == [False, False, True, True]
     assert torch.equal(m(x), want)
+
+
+@pytest.mark.xfail(strict=True, reason="merge step: titanrl/driver/actors.py's trainer_setup must pass "
+                                       "lora=config.lora to TrainerSetup (left to the engineer who owns that file)")
+def test_the_driver_hands_the_trainer_the_lora_section(good_config):
+    """The run's `lora` section reaches the trainer actor's TrainerSetup (else --lora.rank would
+    validate and then train every weight). Strict xfail until actors.py carries it: remove the mark then."""
+    from titanrl.config.resolve import resolve
+    from titanrl.driver.actors import trainer_setup
+
+    config = apply_overrides(good_config, ["lora.rank=8"])
+    assert trainer_setup(resolve(config)).lora == config.lora
