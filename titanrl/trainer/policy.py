@@ -28,6 +28,8 @@ def build_policy(source: str | ckpt_io.InitialPolicy, dtype: torch.dtype, parall
     lora (rank > 0): the loaded weights are frozen and the family's target linears get adapters
     (initialised from `seed`) before the layout is applied, so casts and hooks see them too."""
     if parallel.world_size > 1:
+        if lora is not None and lora.rank > 0:  # GRPOTrainer refuses this first (check_lora), naming the layout
+            raise ValueError("LoRA adapters are built for the single-process trainer only")
         policy = ckpt_io.open_initial_policy(source) if isinstance(source, str) else source
         pm = build_sharded_policy(policy, dtype, parallel, mesh, **layout_options)
         return pm, policy.config, policy.tokenizer_dir
