@@ -116,6 +116,7 @@ def test_string_choices_are_literal_types():
         "train.loss.objective",
         "train.off_policy.correction",
         "train.compute.cpu_matmul",
+        "lora.sync",
     }
 
 

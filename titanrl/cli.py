@@ -2,7 +2,7 @@
 
     titanrl train CONFIG.py [--out RUN_DIR] [--resume] [--section.key=value ...]
     titanrl eval CHECKPOINT --config CONFIG.py [--k K] [--samples N] [--section.key=value ...]
-    titanrl export RUN_DIR [--step N] --hf OUT
+    titanrl export RUN_DIR [--step N] [--merge] --hf OUT
     titanrl plot RUN_DIR
     titanrl rollouts RUN_DIR [--step N] [--episodes K] [--group G] [--failed] [--full-prompt] [--json]
     titanrl make-tiny OUT_DIR [--hidden-size ...]
@@ -154,16 +154,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
     p = sub.add_parser(
         "export", help="write a run's policy as an HF checkpoint",
-        usage="%(prog)s RUN_DIR [--step N] --hf OUT",
+        usage="%(prog)s RUN_DIR [--step N] [--merge] --hf OUT",
         description=_wrap(
             "Writes RUN_DIR's newest policy (or the training checkpoint of step N) as an HF checkpoint "
-            "directory: config.json, model.safetensors, tokenizer files. OUT must not exist or be empty."
+            "directory: config.json, model.safetensors, tokenizer files. A LoRA run's policy is written "
+            "as a PEFT adapter (adapter_config.json, adapter_model.safetensors; peft loads it onto the "
+            "base checkpoint), or with --merge as the full checkpoint. OUT must not exist or be empty."
         ),
         **common,
     )
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--step", type=int, metavar="N", help="the training checkpoint of step N (default: newest)")
     p.add_argument("--hf", required=True, metavar="OUT", help="output directory (new or empty)")
+    p.add_argument("--merge", action="store_true",
+                   help="a LoRA run: the full checkpoint with the adapters merged in (default: the PEFT adapter)")
 
     p = sub.add_parser("plot", help="redraw RUN_DIR/progress.png from metrics.jsonl", **common)
     p.add_argument("run_dir", metavar="RUN_DIR")
@@ -341,12 +345,13 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
-    from titanrl.commands.export import export_run
+    from titanrl.commands.export import export_run, is_lora_policy
 
-    policy = export_run(args.run_dir, args.hf, step=args.step)
+    policy = export_run(args.run_dir, args.hf, step=args.step, merge=args.merge)
     what = "final policy" if policy.is_hf else "training checkpoint"
     step = f" of step {policy.step}" if policy.step is not None else ""
-    print(f"exported the {what}{step} ({policy.path}) to {args.hf}")
+    form = " as a PEFT adapter" if not args.merge and is_lora_policy(policy) else ""
+    print(f"exported the {what}{step} ({policy.path}) to {args.hf}{form}")
     return EXIT_OK
 
 

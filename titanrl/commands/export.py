@@ -1,8 +1,10 @@
-"""`titanrl export RUN_DIR [--step N] --hf OUT`: a run's policy as an HF checkpoint directory.
+"""`titanrl export RUN_DIR [--step N] [--merge] --hf OUT`: a run's policy as an HF checkpoint directory.
 
 The policy comes from a training checkpoint (`checkpoints/step_N/trainer`, converted by
 `titanrl.trainer.checkpoint.export_hf`) or from `final/`, the HF directory a completed run
-writes after its last step (copied as is).
+writes after its last step (copied as is). A LoRA run's policy is written as its adapters in
+PEFT's format (`adapter_config.json` + `adapter_model.safetensors`, which `peft` loads onto the
+base checkpoint), or with `--merge` as the full checkpoint with the adapters merged in.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def check_output_dir(out_dir: str | os.PathLike) -> Path:
 
 
 def write_hf(policy_path: str | os.PathLike, is_hf: bool, out_dir: str | os.PathLike) -> Path:
-    """Writes an HF directory at `out_dir` from a trainer state (converted) or an HF directory (copied).
+    """Writes an HF directory at `out_dir` from a trainer state (converted; a LoRA policy merged)
+    or an HF directory (copied, without a LoRA run's `adapter/`).
 
     It is written under a temporary sibling name and renamed into place when complete.
     """
@@ -87,14 +90,50 @@ def write_hf(policy_path: str | os.PathLike, is_hf: bool, out_dir: str | os.Path
         from titanrl.trainer.checkpoint import export_hf
 
         return export_hf(policy_path, out)  # written through replacing_directory, as below
+    from titanrl.models.peft_adapter import EXPORT_ADAPTER_DIR
+
     with replacing_directory(out) as tmp:  # an existing `out` is empty (checked above)
-        shutil.copytree(policy_path, tmp, dirs_exist_ok=True)
+        shutil.copytree(policy_path, tmp, dirs_exist_ok=True, ignore=_top_level(policy_path, EXPORT_ADAPTER_DIR))
     return out
 
 
-def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None) -> RunPolicy:
-    """`titanrl export`: writes the run's newest (or step `step`) policy to `out_dir` as an HF checkpoint."""
+def _top_level(root: str | os.PathLike, name: str):  # noqa: ANN202 (a copytree ignore callable)
+    return lambda d, names: [name] if Path(d) == Path(root) and name in names else []
+
+
+def is_lora_policy(policy: RunPolicy) -> bool:
+    """Whether the policy carries LoRA adapters (a LoRA run's `final/` keeps them in `adapter/`)."""
+    if policy.is_hf:
+        from titanrl.models.peft_adapter import ADAPTER_CONFIG, EXPORT_ADAPTER_DIR
+
+        return (policy.path / EXPORT_ADAPTER_DIR / ADAPTER_CONFIG).is_file()
+    from titanrl.trainer.checkpoint import lora_record
+
+    return lora_record(policy.path) is not None
+
+
+def write_peft_adapter(policy: RunPolicy, out_dir: str | os.PathLike) -> Path:
+    """Writes a LoRA policy's adapters at `out_dir` as a PEFT adapter directory."""
+    out = check_output_dir(out_dir)
+    if not policy.is_hf:
+        from titanrl.trainer.checkpoint import export_peft_adapter
+
+        return export_peft_adapter(policy.path, out)
+    from titanrl.models.peft_adapter import EXPORT_ADAPTER_DIR
+
+    with replacing_directory(out) as tmp:
+        shutil.copytree(policy.path / EXPORT_ADAPTER_DIR, tmp, dirs_exist_ok=True)
+    return out
+
+
+def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None,
+               merge: bool = False) -> RunPolicy:
+    """`titanrl export`: writes the run's newest (or step `step`) policy to `out_dir` as an HF checkpoint;
+    a LoRA run's as a PEFT adapter directory unless `merge` (then the merged full checkpoint)."""
     check_output_dir(out_dir)
     policy = find_run_policy(run_dir, step)
-    write_hf(policy.path, policy.is_hf, out_dir)
+    if not merge and is_lora_policy(policy):
+        write_peft_adapter(policy, out_dir)
+    else:
+        write_hf(policy.path, policy.is_hf, out_dir)
     return policy

@@ -615,6 +615,26 @@ class AgentConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters: train rank-r matrices beside frozen base weights (docs/lora.md)."""
+
+    rank: int = 0
+    """Rank r of every adapter (A is r x in, B is out x r); 0 turns LoRA off (full fine-tuning)."""
+    alpha: float = 16.0
+    """Scale numerator: a linear computes with W + (alpha / rank) * B @ A."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input; only 0 is built: the merged weight the generators get
+    (lora.sync='merged') has no place for it."""
+    target_modules: list[str] | None = None
+    """Leaf names of the linears that get adapters ('q_proj', 'down_proj', ...); None: every
+    linear of the attention and MLP blocks, as the model family's spec names them."""
+    sync: Literal["adapter", "merged"] = "merged"
+    """What a weight push sends: 'merged' full weights W + (alpha / rank) * B @ A under the base
+    names (every transport unchanged; the trainer computes with that same tensor, so batch-invariant
+    parity stays exact). 'adapter' (adapter tensors only, into vLLM's LoRA path) is not built yet."""
+
+
+@dataclass
 class ClusterConfig:
     """Where a run's actors go on a Ray cluster: which nodes take the trainer and which the rollout
     workers (titanrl/driver/placement.py; docs/multinode.md)."""
@@ -710,6 +730,8 @@ class RunConfig:
     Metrics (reward/<name>/mean) show each reward's own, unweighted value."""
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     """Reward concurrency, timeouts, error handling and health checks."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters instead of full fine-tuning (lora.rank > 0)."""
 
     @property
     def runs_episodes(self) -> bool:

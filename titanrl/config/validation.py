@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from titanrl.config.values import check_type, type_name
-from titanrl.config.schema import RewardFn, RunConfig
+from titanrl.config.schema import LoraConfig, RewardFn, RunConfig, TrainConfig
 from titanrl.config.xla_env import validate_xla
 from titanrl.errors import ConfigError
 
@@ -224,6 +224,8 @@ def validate(config: RunConfig) -> None:
         raise ConfigError("train.auto_resume resumes from the newest checkpoint after the trainer is lost: set "
                           "output.save_every_steps >= 1 (1 loses no step)")
     _validate_trainer_layout(config, model_config)
+    check_lora(config.lora, config.train)
+    lora_targets(config.lora, model_config)
     validate_xla(config, model_config)
 
 
@@ -518,3 +520,64 @@ def _validate_wandb(config: RunConfig) -> None:
             f"output.wandb_project={out.wandb_project!r} needs the wandb package, which cannot be imported ({e}): "
             "pip install 'titanrl[wandb]', or set output.wandb_project='' (or output.wandb_mode='disabled')"
         ) from e
+
+
+LORA_DEFAULTS = LoraConfig()
+
+
+def check_lora(lora: LoraConfig, train: TrainConfig, device_type: str | None = None) -> None:
+    """lora.* on its own and against the trainer's layout (the model is `lora_targets`' part):
+    settings given while LoRA is off, values the merged path cannot honour, layouts not built yet.
+    device_type: the trainer's resolved device (None: train.compute.device)."""
+    if lora.rank < 0:
+        raise ConfigError(f"lora.rank must be >= 0 (0 turns LoRA off), got {lora.rank}")
+    if lora.rank == 0:
+        changed = [f"lora.{name}={getattr(lora, name)!r}" for name in ("sync", "alpha", "dropout", "target_modules")
+                   if getattr(lora, name) != getattr(LORA_DEFAULTS, name)]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} set while lora.rank=0 (LoRA off): set lora.rank > 0 "
+                              f"(e.g. --lora.rank=8) or leave {changed[0].partition('=')[0]} at its default")
+        return
+    if not (math.isfinite(lora.alpha) and lora.alpha > 0):
+        raise ConfigError(f"lora.alpha must be a finite number > 0 (the adapters' scale is alpha / rank), got {lora.alpha}")
+    if lora.sync == "adapter":
+        raise ConfigError("lora.sync='adapter' (pushing only the adapters into vLLM's LoRA path) is not built yet: "
+                          "use lora.sync='merged'")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {lora.dropout}")
+    if lora.dropout > 0:
+        raise ConfigError(f"lora.dropout={lora.dropout} cannot be expressed by lora.sync='merged' (the generators and "
+                          f"the trainer compute with one merged weight, which has no dropout): set lora.dropout=0")
+    device = device_type or train.compute.device
+    if device == "xla":
+        raise ConfigError("lora with train.compute.device='xla' is not supported yet: set train.compute.device to "
+                          "'cpu', 'cuda' or 'auto', or lora.rank=0")
+    p = train.parallel
+    degrees = [f"train.parallel.{name}={getattr(p, name)}" for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
+               if getattr(p, name) > 1]
+    if degrees:
+        raise ConfigError(f"lora with {', '.join(degrees)} is not supported yet: LoRA trains in one process for now "
+                          f"(set every train.parallel degree to 1, or lora.rank=0)")
+
+
+def lora_targets(lora: LoraConfig, model_config: Any) -> tuple[str, ...]:
+    """The leaf names of the linears LoRA wraps in `model_config`'s family (lora.target_modules, or
+    the family spec's `lora_targets`); () when LoRA is off. Refuses MoE families and unknown names."""
+    if lora.rank == 0:
+        return ()
+    from titanrl.models.architectures import spec_for
+
+    spec = spec_for(model_config)
+    if spec.is_moe:
+        raise ConfigError(f"lora on a mixture-of-experts family ({spec.name}, model.checkpoint) is not supported "
+                          f"yet (adapters on experts are not built): use a dense checkpoint or lora.rank=0")
+    if lora.target_modules is None:
+        return spec.lora_targets
+    if not lora.target_modules:
+        raise ConfigError(f"lora.target_modules is empty: name some of {', '.join(spec.lora_targets)} "
+                          f"(or none for all of them)")
+    unknown = [t for t in lora.target_modules if t not in spec.lora_targets]
+    if unknown:
+        raise ConfigError(f"lora.target_modules names {', '.join(map(repr, unknown))}, which the {spec.name} family "
+                          f"does not have: the valid ones are {', '.join(spec.lora_targets)}")
+    return tuple(t for t in spec.lora_targets if t in lora.target_modules)  # the spec's order: one spelling

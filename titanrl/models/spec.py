@@ -17,6 +17,9 @@ from titanrl.models.common.state_dict_adapter import DECODER_ADAPTER, StateDictA
 if TYPE_CHECKING:
     from titanrl.models.common.decoder import DecoderConfig, DecoderForCausalLM
 
+DECODER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear of a dense decoder's attention and MLP blocks (HF's leaf names)."""
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -39,6 +42,9 @@ class ModelSpec:
     `tool_calls` (`titanrl.agents.handler.TOOL_CALL_FORMATS`): 'hermes' is
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format of Qwen2/2.5/3 chat
     models and of SmolLM2 among the Llama-architecture checkpoints."""
+    lora_targets: tuple[str, ...] = DECODER_LORA_TARGETS
+    """Leaf names of the linears low-rank adapters may wrap (lora.target_modules picks among them;
+    None takes them all): the attention and MLP projections, never the embedding or the head."""
 
     @property
     def architecture(self) -> str:

@@ -7,7 +7,9 @@ directory that it renames atomically once `GRPOTrainer.save_state` returns):
                         fully-qualified-name keyed (get_state_dict), so a sharded trainer can
                         load it with resharding
     trainer_state.pt    torch.save dict (weights_only-loadable): version, lr scheduler, skip
-                        counters, RNG states of torch / python `random` / numpy
+                        counters, RNG states of torch / python `random` / numpy; with LoRA
+                        the adapters' rank, alpha, targets and base checkpoint (LORA_STATE_KEY;
+                        the model state then holds the frozen base and lora_A / lora_B)
     hf_config/          config.json and tokenizer files of the policy (no weights), so the
                         policy can be rebuilt without the original checkpoint directory
 
@@ -48,6 +50,8 @@ from titanrl.models.hf_checkpoint import (
     save_checkpoint,
 )
 from titanrl.models.common.decoder import DecoderConfig, DecoderForCausalLM
+from titanrl.models.common.lora import LoraRecord, add_adapters, merge_adapters
+from titanrl.models.peft_adapter import save_peft_adapter
 
 MODEL_OPTIM_DIR = "model_optim"
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -55,6 +59,8 @@ STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 stages can save and load their own share of (the single-process trainer uses it too)."""
 TRAINER_STATE_FILE = "trainer_state.pt"
 HF_CONFIG_DIR = "hf_config"
+LORA_STATE_KEY = "lora"
+"""trainer_state.pt's entry describing a LoRA policy's adapters (`LoraRecord.to_dict`); absent without LoRA."""
 FORMAT_VERSION = 1
 
 
@@ -159,21 +165,47 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     return state
 
 
-def load_policy(training_ckpt_dir: str | os.PathLike) -> tuple[DecoderForCausalLM, DecoderConfig]:
-    """Rebuilds the policy from a training checkpoint: hf_config/ plus the DCP "model" state."""
+def lora_record(ckpt: Path, state: dict[str, Any] | None = None) -> LoraRecord | None:
+    """The LoRA adapters a training checkpoint's policy carries (trainer_state.pt's LORA_STATE_KEY), or
+    None; `state`: that trainer_state.pt, when read already."""
+    recorded = (read_trainer_state(ckpt) if state is None else state).get(LORA_STATE_KEY)
+    return None if recorded is None else LoraRecord.from_dict(recorded)
+
+
+def load_policy(training_ckpt_dir: str | os.PathLike, merge: bool = True) -> tuple[DecoderForCausalLM, DecoderConfig]:
+    """Rebuilds the policy from a training checkpoint: hf_config/ plus the DCP "model" state. A LoRA
+    policy's adapters are merged into its linears (the model it computes), or with merge=False
+    kept as `LoraLinear`s over the frozen base."""
     ckpt = check_training_checkpoint(training_ckpt_dir)
     config, dtype = read_hf_config(ckpt)
     model = empty_model(config, dtype)
+    lora = lora_record(ckpt)
+    if lora is not None:
+        add_adapters(model, lora.target_modules, lora.rank, lora.alpha)
     state = {"model": get_model_state_dict(model)}
     dcp_load(state, ckpt / MODEL_OPTIM_DIR)
     set_model_state_dict(model, state["model"])
+    if lora is not None and merge:
+        merge_adapters(model)
     return model, config
 
 
 def export_hf(training_ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Writes the checkpoint's policy as an HF directory (config.json, model.safetensors, tokenizer)."""
+    """Writes the checkpoint's policy as an HF directory (config.json, model.safetensors, tokenizer);
+    a LoRA policy's adapters merged into the weights."""
     model, _ = load_policy(training_ckpt_dir)
     return save_checkpoint(model, out_dir, tokenizer_dir=Path(training_ckpt_dir) / HF_CONFIG_DIR)
+
+
+def export_peft_adapter(training_ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Writes a LoRA checkpoint's adapters as a PEFT adapter directory (titanrl.models.peft_adapter)."""
+    ckpt = check_training_checkpoint(training_ckpt_dir)
+    record = lora_record(ckpt)
+    if record is None:
+        raise CheckpointError(f"{str(ckpt)!r} holds no LoRA adapters (it was trained with lora.rank=0): "
+                              f"export it as a full checkpoint")
+    model, _ = load_policy(ckpt, merge=False)
+    return save_peft_adapter(model, record, out_dir)
 
 
 def load_initial_policy(checkpoint: str, dtype: torch.dtype) -> tuple[DecoderForCausalLM, DecoderConfig, str]:

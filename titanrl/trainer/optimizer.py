@@ -51,10 +51,13 @@ def param_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], train_con
 
 def build_optimizers(pm: ParallelModel, train_config: TrainConfig) -> list[torch.optim.AdamW]:
     """One AdamW per model part, so each part's distributed state dict pairs its own parameters
-    with its own optimizer state (a pipeline rank has one per stage)."""
+    with its own optimizer state (a pipeline rank has one per stage); over the parameters that
+    require grad (with LoRA, the adapters only)."""
     optimizers = []
     for part in pm.parts:
-        groups = param_groups(part.named_parameters(), train_config, pm.config)
+        # Frozen parameters (the base weights under LoRA) get no optimizer state.
+        trained = ((n, p) for n, p in part.named_parameters() if p.requires_grad)
+        groups = param_groups(trained, train_config, pm.config)
         params = [p for g in groups for p in g["params"]]
         optimizers.append(torch.optim.AdamW(groups, lr=train_config.optimizer.lr, betas=train_config.optimizer.betas,
                                             **implementation(params, pm.device)))

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from titanrl.config.schema import ParallelConfig
+from titanrl.config.schema import LoraConfig, ParallelConfig
+from titanrl.config.validation import lora_targets
+from titanrl.models.common.lora import add_adapters
 from titanrl.models.common.decoder import DecoderConfig
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.parallel.parallelize import ParallelModel, parallelize
@@ -16,16 +18,22 @@ from titanrl.trainer.parallel.sharded_load import build_sharded_policy
 
 
 def build_policy(source: str | ckpt_io.InitialPolicy, dtype: torch.dtype, parallel: ParallelConfig,
-                 mesh: DeviceMesh | None, device_type: str, **layout_options: Any
-                 ) -> tuple[ParallelModel, DecoderConfig, str]:
+                 mesh: DeviceMesh | None, device_type: str, lora: LoraConfig | None = None, seed: int = 0,
+                 **layout_options: Any) -> tuple[ParallelModel, DecoderConfig, str]:
     """This rank's share of the policy in an HF or training checkpoint directory (`source`, or
     its `open_initial_policy` for a parallel layout), in `dtype`; returns it, its config and the
     directory of its tokenizer files. A parallel layout (call on every rank, `mesh` built) reads
     only this rank's shards; one process loads the whole model onto `device_type`.
-    `layout_options` go to `parallelize` (compute dtype, activation checkpointing)."""
+    `layout_options` go to `parallelize` (compute dtype, activation checkpointing).
+    lora (rank > 0): the loaded weights are frozen and the family's target linears get adapters
+    (initialised from `seed`) before the layout is applied, so casts and hooks see them too."""
     if parallel.world_size > 1:
+        if lora is not None and lora.rank > 0:  # GRPOTrainer refuses this first (check_lora), naming the layout
+            raise ValueError("LoRA adapters are built for the single-process trainer only")
         policy = ckpt_io.open_initial_policy(source) if isinstance(source, str) else source
         pm = build_sharded_policy(policy, dtype, parallel, mesh, **layout_options)
         return pm, policy.config, policy.tokenizer_dir
     model, config, tokenizer_dir = ckpt_io.load_initial_policy(source, dtype)
+    if lora is not None and lora.rank > 0:
+        add_adapters(model, lora_targets(lora, config), lora.rank, lora.alpha, seed)
     return parallelize(model, parallel, None, device_type=device_type, **layout_options), config, tokenizer_dir

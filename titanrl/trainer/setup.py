@@ -7,9 +7,9 @@ repeating the same argument list; the driver makes it from the resolved run conf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from titanrl.config.schema import ModelConfig, TrainConfig
+from titanrl.config.schema import LoraConfig, ModelConfig, TrainConfig
 from titanrl.trainer.truncation import Truncation
 
 
@@ -33,3 +33,5 @@ class TrainerSetup:
     device_type: str | None = None
     """'cpu', 'cuda' or 'xla': the device the run's placement reserved. None (a trainer built by
     hand) resolves train.compute.device on the trainer's own host ('auto': CUDA when present)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """The run's `lora` section: low-rank adapters on the policy (rank 0: full fine-tuning)."""

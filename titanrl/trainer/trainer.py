@@ -28,10 +28,13 @@ from titanrl.busy_flags import BusyFlags
 from titanrl.config.parallel import check_compile, check_idle_threads, uses_onednn_linears
 from titanrl.config.resolve import heap_mmap_threshold_mib as resolved_heap_threshold
 from titanrl.config.schema import ModelConfig, ParallelConfig, TrainConfig, compute_dtype
+from titanrl.config.validation import check_lora, lora_targets
 from titanrl.config.unplanned import concrete_train
 from titanrl.errors import ConfigError
 from titanrl.memory import LARGE_MODEL_PARAMS, auto_heap_mmap_threshold_mib, peak_rss_gib, set_heap_mmap_threshold
 from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
+from titanrl.models.common.lora import LoraRecord, describe
+from titanrl.models.peft_adapter import EXPORT_ADAPTER_DIR, save_peft_adapter
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.batch import PackedBatch, advantages, minibatch_row_ranges, pack
 from titanrl.trainer.idle_cores import IdleCores
@@ -87,6 +90,7 @@ class GRPOTrainer:
             raise ConfigError("train.compute.device='cuda' but this process sees no GPU (torch.cuda.is_available() is "
                               "False): set train.compute.device='cpu' or 'auto'")
         check_compile(train_config, batch_invariant, device_type)
+        check_lora(setup.lora, train_config, device_type)
         check_idle_threads(train_config, batch_invariant, device_type)
         onednn_linears = uses_onednn_linears(train_config, batch_invariant, device_type,
                                              compute_dtype(model_config, train_config))
@@ -123,7 +127,12 @@ class GRPOTrainer:
             init_distributed(device_type)
             mesh = build_mesh(parallel, device_type)
         self.pm, self.model_config, self.tokenizer_dir = build_policy(policy, self.dtype, parallel, mesh, device_type,
-                                                                      **layout_options)
+                                                                      lora=setup.lora, seed=seed, **layout_options)
+        self.lora: LoraRecord | None = None
+        """The policy's low-rank adapters (setup.lora with rank > 0), else None: full fine-tuning."""
+        if setup.lora.rank > 0:
+            self.lora = LoraRecord(setup.lora.rank, setup.lora.alpha, lora_targets(setup.lora, self.model_config),
+                                   str(Path(model_config.checkpoint).absolute()))
         if self.xla is not None:
             self.xla.check_model(self.model_config)
             self.xla.shard_model(self.pm.parts[0])
@@ -422,6 +431,8 @@ class GRPOTrainer:
             model = ckpt_io.empty_model(self.model_config, self.dtype)
             load_state_dict_into(model, weights, source="the trainer's policy")
             path = str(save_checkpoint(model, out_dir, tokenizer_dir=self.tokenizer_dir))
+            if self.lora is not None:  # the adapters too, for `titanrl export` to write them in PEFT's format
+                save_peft_adapter(self.model, self.lora, Path(path) / EXPORT_ADAPTER_DIR)
         barrier(self.pm.mesh)
         return path
 
@@ -454,6 +465,7 @@ class GRPOTrainer:
             "optimizer_stepped": optimizer_stepped,
             "scheduler": self.scheduler.state_dict(),
             "rng": ckpt_io.rng_state(),
+            **({ckpt_io.LORA_STATE_KEY: self.lora.to_dict()} if self.lora is not None else {}),
             **({REFERENCE_STATE_KEY: self.reference.checkpoint} if self.reference is not None else {}),
         }
 
@@ -469,7 +481,12 @@ class GRPOTrainer:
             raise CheckpointError(
                 f"{str(ckpt)!r} was trained in {dtype}; set model.dtype to match (it is {self.dtype})"
             )
-        return ckpt, ckpt_io.read_trainer_state(ckpt)
+        state = ckpt_io.read_trainer_state(ckpt)
+        saved = ckpt_io.lora_record(ckpt, state)
+        if (saved and saved.adapters) != (self.lora and self.lora.adapters):
+            raise CheckpointError(f"{str(ckpt)!r} was trained with {describe(saved)}, this trainer has "
+                                  f"{describe(self.lora)}: set the lora section to match")
+        return ckpt, state
 
     def restore_counters(self, state: dict) -> int:
         """Version, skip counters and RNG from a trainer state; returns the version."""
@@ -496,6 +513,8 @@ class GRPOTrainer:
             for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
                 group["lr"] = lr
         self._restore_reference(state, ckpt)
+        if self.lora is not None:  # the frozen base came from where the saved run's did
+            self.lora = ckpt_io.lora_record(ckpt, state)
         return self.restore_counters(state)
 
     def _restore_reference(self, state: dict, ckpt: Path) -> None:

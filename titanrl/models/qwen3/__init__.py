@@ -23,7 +23,7 @@ from titanrl.models.qwen3.moe import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa
 from titanrl.models.qwen3.parallelize import MOE_PLAN  # noqa: E402
 
 MOE_SPEC = ModelSpec(name="qwen3_moe", config_class=Qwen3MoeConfig, model_class=Qwen3MoeForCausalLM, is_moe=True,
-                     parallel_plan=MOE_PLAN)
+                     parallel_plan=MOE_PLAN, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))
 """Qwen3-MoE (Qwen3-30B-A3B and smaller test shapes): sparse mixture-of-experts feed-forward blocks."""
 
 __all__ += ["MOE_SPEC", "Qwen3MoeConfig", "Qwen3MoeForCausalLM"]

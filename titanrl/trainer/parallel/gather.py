@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanrl.models.architectures import build_model, spec_for
+from titanrl.models.common.lora import lora_modules
 from titanrl.trainer.parallel.mesh import coord, global_rank
 from titanrl.trainer.parallel.parallelize import ParallelModel
 from titanrl.models.common.pipeline_stage import stage_of_layer
@@ -64,10 +65,14 @@ def _stage_leader(pm: ParallelModel, pp_rank: int) -> int:
 
 
 def _iter_full(pm: ParallelModel, pick: Callable[[nn.Parameter], torch.Tensor | None], bucket_bytes: int,
-               dtype: torch.dtype | None = None, to_host: HostCopy | None = None) -> Iterator[Bucket]:
+               dtype: torch.dtype | None = None, to_host: HostCopy | None = None,
+               merged: bool = False) -> Iterator[Bucket]:
+    """merged: a LoRA-adapted linear's tensor is its merged weight (in `dtype`, cast before the
+    merge as its mixed-precision forward does) instead of the frozen base parameter."""
     me = global_rank()
     local = dict(pm.named_parameters())
     dtype = dtype or next(iter(local.values())).dtype
+    adapted = {f"{n}.weight": m for part in pm.parts for n, m in lora_modules(part).items()} if merged else {}
     my_pp = coord(pm.mesh, "pp")
     bucket: Bucket = []
     size = 0
@@ -75,7 +80,11 @@ def _iter_full(pm: ParallelModel, pick: Callable[[nn.Parameter], torch.Tensor | 
         owner = _owner_stage(name, pm) % pm.parallel.pp
         full = None
         if my_pp == owner:
-            t = pick(local[name])
+            if name in adapted:
+                with torch.no_grad():
+                    t = adapted[name].merged_weight(dtype)
+            else:
+                t = pick(local[name])
             if t is None:
                 raise ValueError(f"{name} has no gradient to gather (was accumulate_gradients called?)")
             t = t.detach().to(dtype)  # cast the shard before the gather: fewer bytes to move
@@ -111,10 +120,11 @@ def iter_full_weights(pm: ParallelModel, bucket_bytes: int = 64 << 20, dtype: to
     Every rank must iterate it to the end (the others yield nothing but join the collectives).
     dtype: the tensors' dtype (None: the parameters'). A tensor that was not sharded or cast may
     share storage with the live parameter: copy what you keep past the next optimizer step.
+    A LoRA-adapted linear (titanrl.models.common.lora) yields its merged weight under the base name.
     to_host: turns each bucket's tensors into host copies (the XLA trainer's `XlaRuntime.to_host`:
     a sharded XLA tensor's own `.cpu()` compiles a program on every call); None yields them as they are.
     """
-    yield from _iter_full(pm, lambda p: p, bucket_bytes, dtype, to_host)
+    yield from _iter_full(pm, lambda p: p, bucket_bytes, dtype, to_host, merged=True)
 
 
 def iter_full_gradients(pm: ParallelModel, bucket_bytes: int = 64 << 20) -> Iterator[Bucket]:
