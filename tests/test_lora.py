@@ -275,11 +275,9 @@ def test_wrapped_module_reads_like_a_linear():
     assert torch.equal(m(x), want)
 
 
-@pytest.mark.xfail(strict=True, reason="merge step: titanrl/driver/actors.py's trainer_setup must pass "
-                                       "lora=config.lora to TrainerSetup (left to the engineer who owns that file)")
 def test_the_driver_hands_the_trainer_the_lora_section(good_config):
     """The run's `lora` section reaches the trainer actor's TrainerSetup (else --lora.rank would
-    validate and then train every weight). Strict xfail until actors.py carries it: remove the mark then."""
+    validate and then train every weight)."""
     from titanrl.config.resolve import resolve
     from titanrl.driver.actors import trainer_setup
 

@@ -30,12 +30,13 @@ log = logging.getLogger("titanrl")
 
 
 def trainer_setup(resolved: ResolvedRunConfig) -> TrainerSetup:
-    """What the trainer actor is built from: the run's `model` and `train` sections, the sampling
-    temperature and truncation it scores tokens under, and the device the placement reserved."""
+    """What the trainer actor is built from: the run's `model`, `train` and `lora` sections, the
+    sampling temperature and truncation it scores tokens under, and the device the placement reserved."""
     config = resolved.config
     return TrainerSetup(model=config.model, train=config.train, temperature=config.rollout.sampling.temperature,
                         seed=config.seed, batch_invariant=config.batch_invariant,
-                        truncation=Truncation.scored_by_trainer(config.rollout), device_type=resolved.trainer_device)
+                        truncation=Truncation.scored_by_trainer(config.rollout), device_type=resolved.trainer_device,
+                        lora=config.lora)
 
 
 def start_trainer(resolved: ResolvedRunConfig, placement: Placement, *, xla_device_type: str = "xla",
