@@ -19,7 +19,8 @@ from titanrl.models.spec import DECODER_LORA_TARGETS
 from titanrl.trainer.setup import TrainerSetup
 from titanrl.trainer.trainer import GRPOTrainer
 
-LORA = LoraConfig(rank=4, alpha=8.0)
+LORA = LoraConfig(rank=4, alpha=8.0, sync="merged")
+ADAPTER_SYNC = LoraConfig(rank=4, alpha=8.0)  # lora.sync='adapter', the default
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +129,43 @@ def test_pushed_weights_are_the_merged_weights(ckpt):
         assert torch.equal(plain(ids), tr.model(ids))
 
 
+def test_adapter_push_carries_the_adapters_and_a_generator_merges_them_bit_for_bit(ckpt):
+    """lora.sync='adapter': a push (state_dict_for_push and the transports' source) holds the trainer's
+    adapter factors alone, equal to them (torch.equal). A generator-side model (the base plus adapters
+    of another initialisation) takes that push through the engine's `ParameterTarget`, merges, and
+    gives the trainer's batch-invariant logits bit for bit; the target refuses merged full weights,
+    which would apply the adapters twice."""
+    from titanrl.models.common.lora import cache_merged_weights
+    from titanrl.weight_sync.layout import WeightSyncError, layout_of
+    from titanrl.weight_sync.target import ParameterTarget
+
+    tr = _trainer(ckpt, lora=ADAPTER_SYNC, batch_invariant=True)
+    _nonzero_b(tr.model)
+    tr.step(_batches(1)[0])
+    adapters = {n: p.detach() for n, p in tr.model.named_parameters() if ".lora_" in n}
+    pushed = dict(tr.state_dict_for_push().items())
+    assert pushed.keys() == adapters.keys() and all(torch.equal(pushed[n], adapters[n]) for n in adapters)
+    source = dict(tr._weight_source().tensors())
+    assert source.keys() == pushed.keys() and all(torch.equal(source[k], pushed[k]) for k in pushed)
+
+    generator, _ = load_model(str(ckpt), dtype=torch.float32)
+    add_adapters(generator, DECODER_LORA_TARGETS, rank=4, alpha=8.0, seed=99)
+    generator.set_batch_invariant(True)
+    target = ParameterTarget(generator)
+    ids = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = tr.model(ids)
+        cache_merged_weights(generator)
+        assert not torch.equal(generator(ids), want)  # before the push: the base model
+        for dest, (name, tensor) in zip(target.check(layout_of(pushed.items())), pushed.items(), strict=True):
+            dest.copy_(tensor)
+        cache_merged_weights(generator)
+        assert torch.equal(generator(ids), want)
+    merged_push = {f"{m}.weight": w for m, w in ((m, mod.merged_weight()) for m, mod in lora_modules(tr.model).items())}
+    with pytest.raises(WeightSyncError, match="matches no parameter"):
+        target.check(layout_of(merged_push.items()))
+
+
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_mixed_precision_pushes_what_the_forward_computes(ckpt, batch_invariant):
     """float32 master weights computing in bfloat16: the push is W, A and B each cast to bfloat16,
@@ -224,10 +262,9 @@ def test_peft_loads_the_export_with_equal_logits(ckpt, tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "needles"),
     [
-        (["lora.sync=adapter"], ["lora.sync='adapter'", "lora.rank=0"]),
+        (["lora.sync=merged"], ["lora.sync='merged'", "lora.rank=0"]),
         (["lora.alpha=32"], ["lora.alpha=32.0", "lora.rank=0"]),
-        (["lora.rank=8", "lora.sync=adapter"], ["lora.sync='adapter'", "not built yet", "'merged'"]),
-        (["lora.rank=8", "lora.dropout=0.1"], ["lora.dropout=0.1", "lora.sync='merged'"]),
+        (["lora.rank=8", "lora.dropout=0.1"], ["lora.dropout=0.1", "no place for dropout"]),
         (["lora.rank=-1"], ["lora.rank must be >= 0"]),
         (["lora.rank=8", "lora.alpha=0"], ["lora.alpha must be"]),
         (["lora.rank=8", "lora.target_modules=q_proj,qkv_proj"],
@@ -243,8 +280,9 @@ def test_bad_lora_settings_are_refused_naming_the_field(good_config, overrides, 
 
 
 def test_lora_config_validates_and_picks_targets(good_config):
-    """--lora.rank=8 validates; the trainer's targets are the family spec's, or the ones named."""
+    """--lora.rank=8 validates (either sync); the trainer's targets are the family spec's, or the ones named."""
     validate(apply_overrides(good_config, ["lora.rank=8", "lora.alpha=16"]))
+    validate(apply_overrides(good_config, ["lora.rank=8", "lora.sync=merged"]))
     validate(apply_overrides(good_config, ["lora.rank=8", "lora.target_modules=q_proj,v_proj"]))
 
 

@@ -628,10 +628,11 @@ class LoraConfig:
     target_modules: list[str] | None = None
     """Leaf names of the linears that get adapters ('q_proj', 'down_proj', ...); None: every
     linear of the attention and MLP blocks, as the model family's spec names them."""
-    sync: Literal["adapter", "merged"] = "merged"
-    """What a weight push sends: 'merged' full weights W + (alpha / rank) * B @ A under the base
-    names (every transport unchanged; the trainer computes with that same tensor, so batch-invariant
-    parity stays exact). 'adapter' (adapter tensors only, into vLLM's LoRA path) is not built yet."""
+    sync: Literal["adapter", "merged"] = "adapter"
+    """What a weight push sends. 'adapter': the adapter factors alone (a few MB); each worker's
+    model carries the same adapters and merges them with its frozen base by the trainer's op order,
+    so batch-invariant parity stays exact. 'merged': full weights W + (alpha / rank) * B @ A under
+    the base names, for generators that should hold plain weights (docs/lora.md)."""
 
 
 @dataclass

@@ -540,14 +540,11 @@ def check_lora(lora: LoraConfig, train: TrainConfig, device_type: str | None = N
         return
     if not (math.isfinite(lora.alpha) and lora.alpha > 0):
         raise ConfigError(f"lora.alpha must be a finite number > 0 (the adapters' scale is alpha / rank), got {lora.alpha}")
-    if lora.sync == "adapter":
-        raise ConfigError("lora.sync='adapter' (pushing only the adapters into vLLM's LoRA path) is not built yet: "
-                          "use lora.sync='merged'")
     if not 0 <= lora.dropout < 1:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {lora.dropout}")
     if lora.dropout > 0:
-        raise ConfigError(f"lora.dropout={lora.dropout} cannot be expressed by lora.sync='merged' (the generators and "
-                          f"the trainer compute with one merged weight, which has no dropout): set lora.dropout=0")
+        raise ConfigError(f"lora.dropout={lora.dropout} is not built: the trainer and the generators compute with one "
+                          f"merged weight W + (alpha / rank) B @ A, which has no place for dropout: set lora.dropout=0")
     device = device_type or train.compute.device
     if device == "xla":
         raise ConfigError("lora with train.compute.device='xla' is not supported yet: set train.compute.device to "

@@ -46,7 +46,7 @@ class RolloutWorker:
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(
             lambda record: "set_num_threads" not in record.getMessage()
         )
-        from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig
+        from titanrl.rollout.vllm.engine import VllmEngine, VllmEngineConfig, adapter_sync
 
         self.worker_id, self.cfg, self.prompt_field = worker_id, rc, config.data.prompt_field
         self.rewards = [resolve_reward(r, i) for i, r in enumerate(config.rewards)]
@@ -55,7 +55,7 @@ class RolloutWorker:
         self.engine = VllmEngine(VllmEngineConfig(
             checkpoint=config.model.checkpoint, dtype=config.generator_dtype, settings=rc.engine,
             seed=config.seed + 1000 * worker_id, batch_invariant=config.batch_invariant,
-            logprobs=rc.sampling.logprobs,
+            logprobs=rc.sampling.logprobs, lora=adapter_sync(config.lora),
         ))
         self.engine.activity = BusySlot.open(busy_flags, worker_id)
         self.eos_id = self.engine.model_config.eos_token_id

@@ -33,7 +33,7 @@ from titanrl.config.unplanned import concrete_train
 from titanrl.errors import ConfigError
 from titanrl.memory import LARGE_MODEL_PARAMS, auto_heap_mmap_threshold_mib, peak_rss_gib, set_heap_mmap_threshold
 from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
-from titanrl.models.common.lora import LoraRecord, describe
+from titanrl.models.common.lora import LoraRecord, adapter_parameters, describe
 from titanrl.models.peft_adapter import EXPORT_ADAPTER_DIR, save_peft_adapter
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.batch import PackedBatch, advantages, minibatch_row_ranges, pack
@@ -52,6 +52,7 @@ from titanrl.trainer.setup import TrainerSetup
 from titanrl.trainer.stats import GradStats, LogprobParity
 from titanrl.types import Group, PolicyVersion
 from titanrl.weight_sync.plain_tensors import PlainTensors
+from titanrl.weight_sync.source import TensorsWeights
 from titanrl.models.qwen3.moe import routing_buffers, zero_routing_buffers
 
 if TYPE_CHECKING:
@@ -130,6 +131,8 @@ class GRPOTrainer:
                                                                       lora=setup.lora, seed=seed, **layout_options)
         self.lora: LoraRecord | None = None
         """The policy's low-rank adapters (setup.lora with rank > 0), else None: full fine-tuning."""
+        self.push_adapters_only = setup.lora.rank > 0 and setup.lora.sync == "adapter"
+        """lora.sync='adapter': pushes carry the adapters alone (the workers merge them themselves)."""
         if setup.lora.rank > 0:
             self.lora = LoraRecord(setup.lora.rank, setup.lora.alpha, lora_targets(setup.lora, self.model_config),
                                    str(Path(model_config.checkpoint).absolute()))
@@ -400,10 +403,17 @@ class GRPOTrainer:
         rank 0 gets them, the others None. With train.moe.load_balance='bias' the routers'
         float32 expert biases come too (`_pushed_buffers`). They cross to the workers as plain bytes
         (`PlainTensors`): this actor may run on another torch version (train.compute.device='xla')."""
+        if self.push_adapters_only:
+            return PlainTensors({k: v.to("cpu", copy=True) for k, v in self._adapter_tensors().items()})
         out = self._full_state_dict(self.compute_dtype)
         if out is not None:
             out.update({k: v.detach().to("cpu", copy=True) for k, v in self._pushed_buffers().items()})
         return PlainTensors(out) if out is not None else None
+
+    def _adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """lora.sync='adapter': the adapter factors in the generator's dtype, as the forward casts
+        them before merging (the workers merge them with their base by the same op order)."""
+        return {name: p.detach().to(self.compute_dtype) for name, p in adapter_parameters(self.model).items()}
 
     def _full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
         out: dict[str, torch.Tensor] = {}
@@ -570,6 +580,8 @@ class GRPOTrainer:
         """The weights as the senders read them: views of the live parameters in one process,
         full tensors gathered to rank 0 bucket by bucket in a parallel layout (no full copy first);
         in the generator's dtype (casts of the master weights under mixed precision)."""
+        if self.push_adapters_only:  # one process (LoRA's layouts): the factors as they are
+            return TensorsWeights(self._adapter_tensors())
         return GatheredWeights(self.pm, self.compute_dtype, PUSH_BUCKET_BYTES, self._pushed_buffers(),
                                self._to_host())
 

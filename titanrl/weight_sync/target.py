@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from titanrl.models.architectures import spec_for
+from titanrl.models.common.lora import adapter_parameters
 from titanrl.models.common.state_dict_adapter import DECODER_ADAPTER
 from titanrl.models.qwen3.moe import routing_buffers
 from titanrl.weight_sync.layout import TensorSpec, WeightLayout, WeightSyncError
@@ -21,7 +22,10 @@ class ParameterTarget:
     """A model's parameters by HF name, as the destination of a weight transfer."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.params = dict(model.named_parameters())  # a tied LM head appears once, as the embedding
+        # A tied LM head appears once, as the embedding. A model with low-rank adapters (lora.sync=
+        # 'adapter') takes its adapters alone: the base is frozen, and writing merged weights into
+        # it would apply the adapters twice.
+        self.params = adapter_parameters(model) or dict(model.named_parameters())
         # Router expert biases (mixture of experts): written when announced, never required.
         self.optional = routing_buffers(model)
         config = getattr(model, "config", None)  # None: a bare module (tests), no tied head

@@ -90,6 +90,9 @@ class LoraLinear(nn.Module):
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
         self.lora_A = LoraFactor(a.to(w.device))
         self.lora_B = LoraFactor(torch.zeros(self.out_features, rank, dtype=w.dtype, device=w.device))
+        self.merged_cache: torch.Tensor | None = None
+        """An inference copy of the merged weight (`cache_merged`: a generator, whose factors change
+        only when a push lands); None in the trainer, which merges in every forward (autograd)."""
 
     @property
     def base_weight(self) -> torch.Tensor:
@@ -107,7 +110,13 @@ class LoraLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
         """The merged weight the forward computes with (what `nn.Linear.weight` is to the decoder)."""
-        return self.merged_weight()
+        return self.merged_cache if self.merged_cache is not None else self.merged_weight()
+
+    def cache_merged(self) -> None:
+        """Merges now, by `merged_weight`'s op order, and computes with that copy until the next
+        call: a vLLM engine that receives adapters (lora.sync='adapter') calls it after each push."""
+        with torch.no_grad():
+            self.merged_cache = self.merged_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self._parameters["bias"])
@@ -157,6 +166,15 @@ def merge_adapters(model: nn.Module) -> nn.Module:
     return model
 
 
+def cache_merged_weights(model: nn.Module) -> int:
+    """`LoraLinear.cache_merged` on every adapted linear of `model`; returns how many."""
+    modules = lora_modules(model)
+    for m in modules.values():
+        m.cache_merged()
+    return len(modules)
+
+
 def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The adapter factors by parameter name (`...q_proj.lora_A.weight`, `...lora_B.weight`)."""
     return {n: p for n, p in model.named_parameters() if f".{LORA_A}." in n or f".{LORA_B}." in n}
+

@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from titanrl.busy_flags import BusySlot
-from titanrl.config.schema import EngineConfig
+from titanrl.config.schema import EngineConfig, LoraConfig
 from titanrl.config.unplanned import concrete_engine
-from titanrl.rollout.vllm.names import BATCH_INVARIANT_KEY, VLLM_KERNELS_KEY
+from titanrl.rollout.vllm.names import BATCH_INVARIANT_KEY, LORA_KEY, VLLM_KERNELS_KEY
 from titanrl.rollout.vllm.plugin import register
 from titanrl.rollout.vllm.routing_record import ROUTING_KEY, fit_routing
 from titanrl.rollout.vllm.worker_extension import EXTENSION_QUALNAME
@@ -40,6 +40,15 @@ from titanrl.rollout.vllm.worker_extension import EXTENSION_QUALNAME
 if TYPE_CHECKING:
     from titanrl.weight_sync import WeightAnnouncement, WeightSyncPlan
     from titanrl.weight_sync.shared_memory import SharedMemorySender
+
+
+def adapter_sync(lora: LoraConfig) -> dict | None:
+    """`VllmEngineConfig.lora` for a run's lora section: {'rank', 'alpha', 'target_modules'} when
+    pushes carry the adapters alone (lora.rank > 0, lora.sync='adapter'), else None."""
+    if lora.rank <= 0 or lora.sync != "adapter":
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha,
+            "target_modules": None if lora.target_modules is None else list(lora.target_modules)}
 
 
 @dataclass
@@ -79,6 +88,10 @@ class VllmEngineConfig:
     logprobs: str = "sampled"
     """Which logprobs generated tokens carry: 'sampled' (vLLM's processed logprobs, after
     temperature and top-k / top-p) or 'raw' (vLLM's raw logprobs, before both); rollout.sampling.logprobs."""
+    lora: dict | None = None
+    """{'rank', 'alpha', 'target_modules'} of a run with lora.sync='adapter': the model carries
+    the trainer's low-rank adapters and pushes carry those alone (titanrl.models.common.lora);
+    None: pushes carry full weights."""
     extra_llm_kwargs: dict = field(default_factory=dict)
     """Passed to `vllm.LLM(...)` last, for options not surfaced here."""
     warm_up: bool = True
@@ -227,6 +240,7 @@ class VllmEngine:
                     "architectures": [self.spec.vllm_architecture],
                     BATCH_INVARIANT_KEY: config.batch_invariant,
                     VLLM_KERNELS_KEY: config.settings.vllm_kernels,
+                    **({LORA_KEY: dict(config.lora)} if config.lora else {}),
                 },
                 dtype=config.dtype,
                 max_model_len=config.settings.max_model_len,

@@ -26,11 +26,14 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from titanrl.models.architectures import SPECS, spec_for
+from titanrl.config.schema import LoraConfig
+from titanrl.config.validation import lora_targets
 from titanrl.models.common.decoder import DecoderConfig
+from titanrl.models.common.lora import adapter_parameters, add_adapters, cache_merged_weights
 from titanrl.models.qwen3.moe import parse_expert_checkpoint_name, routing_buffers
 from titanrl.models.spec import ModelSpec
 from titanrl.models.common.vllm_kernels import apply_vllm_kernels, repack_vllm_kernels
-from titanrl.rollout.vllm.names import BATCH_INVARIANT_KEY, VLLM_KERNELS_KEY
+from titanrl.rollout.vllm.names import BATCH_INVARIANT_KEY, LORA_KEY, VLLM_KERNELS_KEY
 from titanrl.rollout.vllm.paged_attention import paged_batch_invariant_attention
 from titanrl.rollout.vllm.routing_record import RoutingRecorder
 
@@ -130,14 +133,23 @@ class VllmModelBoundary:
         super().__init__(config, attention_backend=attention_backend)  # type: ignore[call-arg]
         self.vllm_config = vllm_config
         hf = vllm_config.model_config.hf_config
+        lora = getattr(hf, LORA_KEY, None)
+        if lora:
+            # The trainer's adapters, at zero until the first push (B = 0: the base model).
+            targets = lora_targets(LoraConfig(rank=int(lora["rank"]), alpha=float(lora["alpha"]),
+                                              target_modules=lora.get("target_modules")), config)
+            add_adapters(self, targets, int(lora["rank"]), float(lora["alpha"]))  # type: ignore[arg-type]
         batch_invariant = bool(getattr(hf, BATCH_INVARIANT_KEY, False))
         self.set_batch_invariant(batch_invariant)  # type: ignore[attr-defined]
-        if not batch_invariant and bool(getattr(hf, VLLM_KERNELS_KEY, True)) and _is_cpu():
+        # vLLM's packed kernels take plain linears; adapted ones compute with their merged copy.
+        if not batch_invariant and not lora and bool(getattr(hf, VLLM_KERNELS_KEY, True)) and _is_cpu():
             apply_vllm_kernels(self)  # type: ignore[arg-type]
 
     def process_weights_after_loading(self) -> None:
         """vLLM's model-level post-load hook; the worker extension calls it after every push too:
-        rebuilds the packed weight copies of the vLLM-kernel overrides (none without them)."""
+        merges the adapters' new values into each adapted linear's weight copy (lora.sync='adapter')
+        and rebuilds the packed weight copies of the vLLM-kernel overrides (none without them)."""
+        cache_merged_weights(self)  # type: ignore[arg-type]
         repack_vllm_kernels(self)  # type: ignore[arg-type]
 
     # --- vLLM model interface -------------------------------------------------------
@@ -202,6 +214,9 @@ class VllmModelBoundary:
                     )
                 dest.copy_(tensor)
                 loaded.add(param_name)
+        factors = adapter_parameters(self)  # type: ignore[arg-type]
+        if factors and not loaded & set(factors):  # the base checkpoint at start-up: adapters stay at zero
+            loaded |= set(factors)
         return loaded
 
 
