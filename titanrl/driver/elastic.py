@@ -12,13 +12,9 @@ for capacity. The last worker is never dropped: it is replaced as in a fixed-siz
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import Any
 
 from titanrl.driver.placement import Placement, WorkerHome
-
-log = logging.getLogger("titanrl")
 
 RESERVE_TIMEOUT_S = 3.0
 """How long one look waits for a worker bundle on a joined node: Ray places a bundle that fits in
@@ -86,7 +82,7 @@ class ElasticCapacity:
             self.vacant.append(home)
         self.known_nodes = self._alive_nodes()  # the lost node is not a join to answer later
 
-    def describe(self, home: WorkerHome) -> Any:
+    def describe(self, home: WorkerHome) -> str:
         """The address of `home`'s node, for the log."""
         import ray
 

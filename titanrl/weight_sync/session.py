@@ -59,6 +59,26 @@ class WeightSync:
         """`transport` is RolloutConfig.weight_transport; `options` are WeightSyncPlan fields."""
         return cls(trainer, workers, make_plan(transport, len(workers), **options))
 
+    def add_receiver(self, worker: Any) -> None:
+        """'object_store' only (no group to re-form): `worker` joins as the next rank and gets every
+        later push; the others open again with the members they should have."""
+        import dataclasses
+
+        if self.plan.transport != "object_store":
+            raise ValueError(f"{self.plan.transport!r} fixes its members when it opens: open it again with the new one")
+        self.workers.append(worker)
+        self.plan = dataclasses.replace(self.plan, num_receivers=len(self.workers))
+        worker.open_weight_sync.remote(self.plan, len(self.workers))
+
+    def remove_receiver(self, index: int) -> None:
+        """'object_store' only: the receiver at `index` (0-based) gets no more pushes."""
+        import dataclasses
+
+        if self.plan.transport != "object_store":
+            raise ValueError(f"{self.plan.transport!r} fixes its members when it opens: open it again without it")
+        del self.workers[index]
+        self.plan = dataclasses.replace(self.plan, num_receivers=len(self.workers))
+
     def push(self, version: int) -> WeightPush:
         """Publishes the trainer's current weights as `version` to every worker (non-blocking).
 

@@ -21,7 +21,6 @@ Known limit: a 'broadcast' push already running when a member dies can wait on t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -237,10 +236,8 @@ class WorkerPool:
         self.workers.append(self.make_worker(home))
         self.deaths_in_a_row.append(0)
         i = len(self.workers) - 1
-        if self.transport == "object_store":  # no group to re-form: the plan just counts one more
-            self.sync.plan = dataclasses.replace(self.sync.plan, num_receivers=len(self.workers))
-            self.sync.workers.append(self.workers[i])
-            self.workers[i].open_weight_sync.remote(self.sync.plan, i + 1)
+        if self.transport == "object_store":
+            self.sync.add_receiver(self.workers[i])
         else:
             self._reopen()
         self._load_current_weights(missed | {i})
@@ -263,8 +260,7 @@ class WorkerPool:
         home = self.homes.pop(i)
         del self.workers[i], self.deaths_in_a_row[i]
         if self.transport == "object_store":
-            del self.sync.workers[i]
-            self.sync.plan = dataclasses.replace(self.sync.plan, num_receivers=len(self.workers))
+            self.sync.remove_receiver(i)
         else:
             self._reopen()
         self._load_current_weights({j - (j > i) for j in missed if j != i})
