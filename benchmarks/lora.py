@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning, side by side: trainer memory, optimizer state, push bytes, push time, step time.
 
     .venv/bin/python benchmarks/lora.py [--models 25m,qwen3-0.6b] [--out benchmarks/results/lora/lora.jsonl]
-    .venv/bin/python benchmarks/lora.py --smoke   # the tiny model, 1 step, 1 push per arm: checks it runs
+    .venv/bin/python benchmarks/lora.py --smoke   # the tiny model, 1 step, 1 push, the 3 arms at once: checks it runs
 
 Models: `25m`, the 25M-parameter `medium` Qwen3 of benchmarks/weight_sync.py (hidden 512, 8 layers),
 and `qwen3-0.6b`, Qwen3-0.6B's shape (examples/configs/qwen3-0.6b.json, random init through
@@ -12,7 +12,7 @@ after another (so a process's peak resident set is its arm's own):
   lora_adapter  lora.rank=8, lora.sync='adapter' (the default): a push carries the factors A and B
   lora_merged   lora.rank=8, lora.sync='merged': a push carries W + s * B @ A under the base names
 
-Each arm builds a GRPOTrainer by hand (train.compute.threads=2, micro-batches of 4 sequences,
+Each arm builds a GRPOTrainer by hand (train.compute.threads=1, micro-batches of 4 sequences,
 KL off), runs `--steps` GRPO steps on synthetic groups (`--groups` x `--group-size` samples, each a
 shared prompt of `--prompt-tokens` plus ~`--completion-tokens` random tokens, generator logprobs
 near the random model's own so the PPO ratio is ~1), then starts a real in-process vLLM engine
@@ -24,7 +24,8 @@ kernels) and pushes into it. One JSON line per arm and model:
   trainer_peak_push_gib   the same after one `state_dict_for_push()` more (the pushed copy is
                           the trainer's too: the full model's bytes for full and lora_merged)
   rss_loaded_gib          resident set right after the trainer was built (weights, before a step)
-  weights_bytes           the model's parameters and buffers (LoRA: frozen base + merged weights + factors)
+  weights_bytes           the model's parameters and buffers (LoRA: frozen base + factors; the merged
+                          weight is built in each forward and lives until its backward)
   optimizer_state_bytes   every AdamW state tensor (exp_avg, exp_avg_sq, step) after the steps
   trainable_params        parameters with requires_grad
   step_s                  mean seconds of the `trainer.step` calls
@@ -37,7 +38,10 @@ kernels) and pushes into it. One JSON line per arm and model:
 then one summary line per model with each LoRA arm over full (`ratios`: lora_adapter and
 lora_merged) and the goals of issue 51 (push time <= 0.05x full, trainer peak <= 0.5x full) as
 `goal_met` booleans. Compare the ratios; the absolute numbers depend on the CPU (`cpu`) and on what
-else ran on it (`loadavg`).
+else ran on it (`loadavg`). Reading them: a peak includes the process's own libraries (torch,
+~0.45 GiB: most of the 25M model's peak); an adapter push's time here is mostly the engine merging
+every adapted linear into its computing copy (engine_load_s), which no transport saves: across machines
+the transfer, which push_bytes measures, is what shrinks.
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ MODELS = ["25m", "qwen3-0.6b"]
 ARMS = {"full": dict(rank=0), "lora_adapter": dict(rank=8, sync="adapter"), "lora_merged": dict(rank=8, sync="merged")}
 GOALS = {"push_s": 0.05, "trainer_peak_gib": 0.5}
 """issue 51: a LoRA push at most 0.05x full fine-tuning's time, the trainer's peak at most 0.5x."""
+WORKLOADS = {"25m": dict(groups=4, group_size=4, prompt_tokens=32, completion_tokens=64),
+             "qwen3-0.6b": dict(groups=2, group_size=4, prompt_tokens=16, completion_tokens=48),
+             "tiny": dict(groups=2, group_size=2, prompt_tokens=8, completion_tokens=8)}
+"""Per model: GRPO groups x samples, prompt and mean completion tokens, sized so that 6 steps of
+0.6B fit a few minutes of a shared 2-core CPU (the flags override them)."""
 RATIO_KEYS = ["push_bytes", "push_s", "trainer_peak_gib", "trainer_peak_push_gib", "optimizer_state_bytes", "step_s"]
 
 
@@ -160,14 +169,19 @@ def run_arm(checkpoint: str, arm: str, a: argparse.Namespace) -> dict:
     }
 
 
-def arm_in_subprocess(model: str, checkpoint: str, arm: str, argv: list[str]) -> dict:
+def start_arm(checkpoint: str, arm: str, argv: list[str]) -> tuple[subprocess.Popen, float]:
     command = [sys.executable, __file__, "--arm", arm, "--checkpoint", checkpoint, *argv]
-    start = time.perf_counter()
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), \
+        time.perf_counter()
+
+
+def finish_arm(model: str, arm: str, started: tuple[subprocess.Popen, float]) -> dict:
+    proc, start = started
+    stdout, stderr = proc.communicate()
     head = {"model": model, "arm": arm}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {**head, "error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+        return {**head, "error": f"exit {proc.returncode}", "stderr_tail": stderr[-3000:]}
     return {**head, **json.loads(lines[-1]), "wall_s": round(time.perf_counter() - start, 1)}
 
 
@@ -196,48 +210,50 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--pushes", type=int, default=3, help="timed pushes per arm (after one warm-up)")
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--completion-tokens", type=int, default=96)
-    parser.add_argument("--threads", type=int, default=2, help="train.compute.threads")
+    for flag in ("--groups", "--group-size", "--prompt-tokens", "--completion-tokens"):
+        parser.add_argument(flag, type=int, default=None, help="default: the model's WORKLOADS entry")
+    parser.add_argument("--threads", type=int, default=1, help="train.compute.threads (1: no spinning OpenMP "
+                        "threads to starve beside other work on the cores)")
     parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, 1 step, 1 push per arm: checks it runs")
     parser.add_argument("--arm", choices=list(ARMS), help=argparse.SUPPRESS)  # one arm, in this process
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     a = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if a.smoke:
-        if a.out:
-            parser.error("--smoke keeps no results: drop --out")
-        a.models, a.steps, a.pushes, a.groups, a.group_size, a.prompt_tokens, a.completion_tokens = (
-            "tiny", 1, 1, 2, 2, 8, 8)
-    sizes = ["--steps", a.steps, "--pushes", a.pushes, "--groups", a.groups, "--group-size", a.group_size,
-             "--prompt-tokens", a.prompt_tokens, "--completion-tokens", a.completion_tokens, "--threads", a.threads]
-    sizes = [str(s) for s in sizes]
     if a.arm:
         print(json.dumps(run_arm(a.checkpoint, a.arm, a)), flush=True)
         return
+    if a.smoke:
+        if a.out:
+            parser.error("--smoke keeps no results: drop --out")
+        a.models, a.steps, a.pushes = "tiny", 1, 1
 
-    from titanrl.kernels.cpu_build import cpu_model_name
+    from titanrl.kernels.cpu_build import cpu_model_name, isa_flags
 
-    common = {"cpu": cpu_model_name(), "cpus": os.cpu_count(), "smoke": a.smoke,
-              "workload": {"groups": a.groups, "group_size": a.group_size, "prompt_tokens": a.prompt_tokens,
-                           "completion_tokens": a.completion_tokens, "steps": a.steps, "pushes": a.pushes,
-                           "threads": a.threads, "micro_batch_size": 4}}
+    def workload(model: str) -> dict:
+        given = {k: getattr(a, k) for k in WORKLOADS[model] if getattr(a, k) is not None}
+        return {**WORKLOADS[model], **given, "steps": a.steps, "pushes": a.pushes, "threads": a.threads}
+
+    common = {"cpu": cpu_model_name(), "cpu_flags": isa_flags(), "cpus": os.cpu_count(), "smoke": a.smoke}
     lines: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
         for model in a.models.split(","):
             checkpoint = make_checkpoint(model, Path(tmp), a.smoke)
+            work = workload(model)
+            argv = [str(x) for k, v in work.items() for x in (f"--{k.replace('_', '-')}", v)]
             rows = []
+            # --smoke starts the three arms at once (its numbers mean nothing; its time is mostly
+            # start-up, which two cores halve); a real run measures them one after another.
+            started = {arm: start_arm(checkpoint, arm, argv) for arm in ARMS} if a.smoke else {}
             for arm in ARMS:
-                row = {**arm_in_subprocess(model, checkpoint, arm, sizes), "cpu": common["cpu"],
+                result = finish_arm(model, arm, started.get(arm) or start_arm(checkpoint, arm, argv))
+                row = {**result, "workload": work, "cpu": common["cpu"], "cpu_flags": common["cpu_flags"],
                        "loadavg": [round(x, 2) for x in os.getloadavg()]}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             lines += rows
             if all("error" not in r for r in rows):
-                lines.append(summary(model, rows, common))
+                lines.append(summary(model, rows, {**common, "workload": work}))
                 print(json.dumps(lines[-1]), flush=True)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,7 @@ SECONDS_ALONE = {
     "engine_thread.py": 14, "heap_threshold.py": 14, "trainer_memory.py": 16, "parallel_layouts.py": 11,
     "chunked_logprobs.py": 10, "gpu_kernels_check.py": 7, "trainer_step.py": 7, "gpu_model_check.py": 4,
     "sandbox_pool.py": 1, "shm_page_release.py": 2, "actor_memory.py": 40, "agent_endpoint.py": 19,
+    "lora.py": 45,
 }
 """Seconds of each smoke run alone on the 2-core AMD EPYC (AVX-512): only the order they start in
 (longest first, so neither queue ends with a long one; a script not listed counts as 30)."""

