@@ -264,26 +264,49 @@ def worker_options(config: RunConfig, shape: ModelShape, dtype: str) -> list[Wor
     return [WorkerOption(k, sizes[0]) for k in kernels] + [WorkerOption(kernels[-1], s) for s in sizes[1:]]
 
 
-def trainer_workload(config: RunConfig, longest_prompt: int | None = None) -> Workload:
-    """One step of this run as the plan sees it (sequences at `planned_seq_len`, on CPU)."""
+def trainer_workload(config: RunConfig, longest_prompt: int | None = None,
+                     shape: ModelShape | None = None) -> Workload:
+    """One step of this run as the plan sees it (sequences at `planned_seq_len`, on CPU); with
+    `shape`, a LoRA run's adapter and merged-weight elements too."""
+    adapters, merged = lora_elements(config, shape) if shape is not None else (0, 0)
     return Workload(seq_len=planned_seq_len(config, longest_prompt), batch=config.rollout.prompts_per_step * config.rollout.group_size,
                     dtype=config.model.dtype, compute_dtype=compute_dtype(config.model, config.train),
                     logprob_chunk_tokens=config.train.memory.logprob_chunk_tokens, device="cpu",
-                    kl_reference=config.train.kl.coef > 0, packed=config.train.compute.pack_sequences)
+                    kl_reference=config.train.kl.coef > 0, packed=config.train.compute.pack_sequences,
+                    lora_adapter_elements=adapters, lora_merged_elements=merged)
+
+
+def lora_elements(config: RunConfig, shape: ModelShape) -> tuple[int, int]:
+    """(adapter factor elements, adapted weight elements) of a LoRA run over every layer; (0, 0)
+    without LoRA. A target's (in, out) comes from the dense decoder's projections."""
+    lora = config.lora
+    if lora.rank <= 0:
+        return 0, 0
+    q, kv, h, i = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim, \
+        shape.hidden_size, shape.intermediate_size
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    targets = lora.target_modules if lora.target_modules is not None else list(dims)
+    adapters = sum(lora.rank * (dims[t][0] + dims[t][1]) for t in targets if t in dims)
+    merged = sum(dims[t][0] * dims[t][1] for t in targets if t in dims)
+    return adapters * shape.num_hidden_layers, merged * shape.num_hidden_layers
 
 
 def _candidates(config: RunConfig, shape: ModelShape, node: NodeMemory,
                 longest_prompt: int | None = None) -> Iterator[MemoryFit]:
     layout = layout_of(config)
     generator_dtype = config.generator_dtype
-    work = trainer_workload(config, longest_prompt)
+    work = trainer_workload(config, longest_prompt, shape)
     weights = shape.total_params * (2 if generator_dtype != "float32" else 4)
+    # A worker that merges pushed adapters keeps a merged copy of each adapted linear (and runs
+    # them on torch's kernels, not packed ones): the same size as the packed copies.
+    merges_adapters = config.lora.rank > 0 and config.lora.sync == "adapter"
     transport = weights * (2 if config.rollout.continuous else 1)
     auto = auto_keys(config)
     for w in worker_options(config, shape, generator_dtype):
         worker = estimate_worker(shape, dtype=generator_dtype, kv_cache_bytes=int(w.kv_cache_gib * GiB),
                                  max_num_seqs=config.rollout.engine.max_num_seqs,
-                                 vllm_kernels=w.vllm_kernels and not config.batch_invariant)
+                                 vllm_kernels=(w.vllm_kernels and not config.batch_invariant) or merges_adapters)
         for t in trainer_options(config, layout):
             # The plan knows 'none' and 'full'; every_nth stores at most what 'none' does.
             mode: Literal["none", "full"] = "full" if t.activation_checkpointing == "full" else "none"

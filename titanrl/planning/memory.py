@@ -169,6 +169,13 @@ class Workload:
     kl_reference: bool = False
     """train.kl.coef > 0: the trainer also holds the frozen reference policy, sharded like the
     policy, in `dtype` (no gradients, no optimizer state)."""
+    lora_adapter_elements: int = 0
+    """LoRA (lora.rank > 0): the adapter factors' elements, the only ones with gradients and AdamW
+    state; 0: every parameter trains."""
+    lora_merged_elements: int = 0
+    """LoRA: elements of the adapted linears' weights. Each forward builds their merged copy in the
+    compute dtype and autograd keeps it for the backward (all of them without activation
+    checkpointing; with 'full', one block's at a time)."""
     packed: bool = False
     """Micro-batches packed into one row (train.compute.pack_sequences) with attention over a padded
     copy (CPU, `titanrl.models.packed_sequences.packed_attention`): each block also keeps the padded
@@ -477,6 +484,12 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
         in_place = layout.world_size == 1 and not cast and b == 4  # titanrl.models.common.grad_in_place
         embedding_gradients = 0 if in_place else 2 * 4 * -(-shape.vocab_size // layout.tp) * shape.hidden_size
     stored, checkpointed = stage_activations(shape, layout, work, stage, sched)
+    merged = b * work.lora_merged_elements
+    if work.activation_checkpointing == "full":
+        checkpointed += -(-merged // shape.num_hidden_layers)  # the block being recomputed
+    else:
+        stored += merged
+    trained = work.lora_adapter_elements or n  # LoRA trains in one process: no shards to divide
     full, chunked = logits_bytes(shape, layout, work, sched, stage)
     # Fused AdamW (titanrl.trainer.optimizer.implementation) updates each tensor in place: no
     # temporaries beyond a few scalars. (Only a layout mixing DTensors and plain tensors falls back
@@ -488,8 +501,8 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
         parameters=store * n,
         master_weights=4 * n if store != 4 else 0,
         reference=store * n if work.kl_reference else 0,
-        gradients=4 * n,
-        optimizer_state=8 * n,
+        gradients=4 * trained,
+        optimizer_state=8 * trained,
         fsdp_buffers=fsdp,
         gradient_accumulation=accumulation,
         embedding_gradients=embedding_gradients,
