@@ -18,6 +18,14 @@ if TYPE_CHECKING:
     from titanrl.models.common.decoder import DecoderConfig, DecoderForCausalLM
 
 DECODER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def decoder_linear_shapes(hidden: int, intermediate: int, q_width: int, kv_width: int) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection of the dense decoder's block, by its name: what the
+    memory plan sizes LoRA adapters and merged copies by (titanrl.planning.fit)."""
+    return {"q_proj": (hidden, q_width), "k_proj": (hidden, kv_width), "v_proj": (hidden, kv_width),
+            "o_proj": (q_width, hidden), "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
+            "down_proj": (intermediate, hidden)}
 """Every linear of a dense decoder's attention and MLP blocks (HF's leaf names)."""
 
 

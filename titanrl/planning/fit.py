@@ -278,14 +278,14 @@ def trainer_workload(config: RunConfig, longest_prompt: int | None = None,
 
 def lora_elements(config: RunConfig, shape: ModelShape) -> tuple[int, int]:
     """(adapter factor elements, adapted weight elements) of a LoRA run over every layer; (0, 0)
-    without LoRA. A target's (in, out) comes from the dense decoder's projections."""
+    without LoRA. A target's (in, out) comes from the dense decoder's projections (the model spec's)."""
     lora = config.lora
     if lora.rank <= 0:
         return 0, 0
-    q, kv, h, i = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim, \
-        shape.hidden_size, shape.intermediate_size
-    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    from titanrl.models.spec import decoder_linear_shapes
+
+    dims = decoder_linear_shapes(shape.hidden_size, shape.intermediate_size,
+                                 shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim)
     targets = lora.target_modules if lora.target_modules is not None else list(dims)
     adapters = sum(lora.rank * (dims[t][0] + dims[t][1]) for t in targets if t in dims)
     merged = sum(dims[t][0] * dims[t][1] for t in targets if t in dims)
