@@ -282,9 +282,17 @@ def test_bad_lora_settings_are_refused_naming_the_field(good_config, overrides, 
 
 def test_lora_config_validates_and_picks_targets(good_config):
     """--lora.rank=8 validates (either sync); the trainer's targets are the family spec's, or the ones named."""
-    validate(apply_overrides(good_config, ["lora.rank=8", "lora.alpha=16"]))
+    from titanrl.config.validation import lora_targets
+    from titanrl.models.hf_checkpoint import read_config
+
+    model_config = read_config(good_config.model.checkpoint)
+    every = apply_overrides(good_config, ["lora.rank=8", "lora.alpha=16"])
+    validate(every)
     validate(apply_overrides(good_config, ["lora.rank=8", "lora.sync=merged"]))
-    validate(apply_overrides(good_config, ["lora.rank=8", "lora.target_modules=q_proj,v_proj"]))
+    named = apply_overrides(good_config, ["lora.rank=8", "lora.target_modules=v_proj,q_proj"])
+    validate(named)
+    assert lora_targets(every.lora, model_config) == DECODER_LORA_TARGETS
+    assert lora_targets(named.lora, model_config) == ("q_proj", "v_proj")
 
 
 def test_lora_on_moe_family_is_refused(good_config, tmp_path):

@@ -626,7 +626,7 @@ class LoraConfig:
     """Dropout on the adapters' input; only 0 is built: the merged weight the generators get
     (lora.sync='merged') has no place for it."""
     target_modules: list[str] | None = None
-    """Leaf names of the linears that get adapters ('q_proj', 'down_proj', ...); None: every
+    """Leaf names of the linears that get adapters, as the family spec's `lora_targets` spells them; None: every
     linear of the attention and MLP blocks, as the model family's spec names them."""
     sync: Literal["adapter", "merged"] = "adapter"
     """What a weight push sends. 'adapter': the adapter factors alone (a few MB); each worker's
