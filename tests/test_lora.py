@@ -3,8 +3,11 @@ export, and the refusals of what is not built yet (docs/lora.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from support.sections import merged
 from test_trainer_state import TRAIN, _assert_same_optimizer, _batches
 
 from titanrl.config import ComputeConfig, ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, apply_overrides, validate
-from titanrl.models.common.lora import LoraLinear, add_adapters, lora_modules
+from titanrl.models.common.lora import LoraLinear, adapter_parameters, add_adapters, lora_modules
 from titanrl.models.hf_checkpoint import CheckpointError, load_model
 from titanrl.models.spec import DECODER_LORA_TARGETS
 from titanrl.trainer.setup import TrainerSetup
@@ -52,14 +55,16 @@ def _independent_merge(state: dict[str, torch.Tensor], name: str, scale: float) 
     return torch.addmm(w, b * scale, a)
 
 
+@pytest.mark.parametrize("unmerged", [False, True])
 @pytest.mark.parametrize("batch_invariant", [False, True])
-def test_adapter_gradients_match_float64_reference(ckpt, batch_invariant):
+def test_adapter_gradients_match_float64_reference(ckpt, batch_invariant, unmerged):
     """The gradients of every A and B (B non-zero) equal those of a float64 reference: the base model
     run through torch.func.functional_call with each target weight replaced by W + s * B @ A built
-    from float64 leaves, no LoraLinear involved. The base weights get no gradient."""
+    from float64 leaves, no LoraLinear involved, for both forms the module computes in. The base
+    weights get no gradient."""
     model, _ = load_model(str(ckpt), dtype=torch.float32)
     ref_model, _ = load_model(str(ckpt), dtype=torch.float64)
-    add_adapters(model, DECODER_LORA_TARGETS, rank=4, alpha=8.0, seed=3)
+    add_adapters(model, DECODER_LORA_TARGETS, rank=4, alpha=8.0, seed=3, unmerged=unmerged)
     _nonzero_b(model)
     model.set_batch_invariant(batch_invariant)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -82,6 +87,54 @@ def test_adapter_gradients_match_float64_reference(ckpt, batch_invariant):
             # float32 against float64: equal to float32's accumulated rounding, relative to the gradient's size
             assert ref.norm() > 0 and (got.double() - ref).norm() / ref.norm() < 1e-5, name
     assert all(p.grad is None for n, p in model.named_parameters() if ".lora_" not in n)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_backward_merges_again_instead_of_keeping_merged_weights(ckpt, monkeypatch, batch_invariant, compute_dtype):
+    """After the forward autograd holds none of the merged weights it made (each is merged again in
+    the backward), and the adapter gradients are bit for bit those of a forward that keeps them
+    (the recompute switched off, which is also the control: then every merged weight stays alive)."""
+    from titanrl.models.common import decoder
+    from titanrl.trainer.parallel.mixed_precision import apply_compute_dtype
+
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def run(recompute: bool) -> tuple[int, int, dict[str, torch.Tensor]]:
+        model, _ = load_model(str(ckpt), dtype=torch.float32)
+        add_adapters(model, DECODER_LORA_TARGETS, rank=4, alpha=8.0, seed=3)
+        _nonzero_b(model)
+        model.set_batch_invariant(batch_invariant)
+        if compute_dtype != torch.float32:
+            apply_compute_dtype(model, compute_dtype)
+        made: list[weakref.ref] = []
+        merge = LoraLinear.merged_weight
+        with monkeypatch.context() as patch:
+            def spy(self, dtype=None, out=None):
+                merged = merge(self, dtype, out)
+                made.append(weakref.ref(merged))
+                return merged
+
+            patch.setattr(LoraLinear, "merged_weight", spy)
+            if not recompute:
+                patch.setattr(decoder, "recompute_merged_weights", lambda module: contextlib.nullcontext())
+            logits = model(ids)
+            gc.collect()
+            alive, count = sum(r() is not None for r in made), len(made)
+            probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
+            (logits.float() * probe).sum().backward()
+        return alive, count, {n: p.grad for n, p in adapter_parameters(model).items()}
+
+    alive, made, grads = run(recompute=True)
+    kept, made_off, reference = run(recompute=False)
+    adapted = 7 * 2  # seven projections in each of the tiny model's two blocks
+    assert made == made_off == adapted and alive == 0
+    # Without the recompute autograd keeps them (all 14, or 11 where F.linear saves no weight for
+    # layer 0's q, k, v: their input comes from the frozen embedding and needs no gradient).
+    assert kept >= adapted - 3
+    assert grads.keys() == reference.keys() and len(grads) == 2 * adapted
+    for name, grad in reference.items():
+        assert torch.equal(grads[name], grad), name
 
 
 def test_optimizer_holds_adapters_only_and_base_stays(ckpt):
@@ -131,16 +184,17 @@ def test_pushed_weights_are_the_merged_weights(ckpt):
 
 
 def test_adapter_push_carries_the_adapters_and_a_generator_merges_them_bit_for_bit(ckpt):
-    """lora.sync='adapter': a push (state_dict_for_push and the transports' source) holds the trainer's
-    adapter factors alone, equal to them (torch.equal). A generator-side model (the base plus adapters
-    of another initialisation) takes that push through the engine's `ParameterTarget`, merges, and
-    gives the trainer's batch-invariant logits bit for bit; the target refuses merged full weights,
-    which would apply the adapters twice."""
-    from titanrl.models.common.lora import cache_merged_weights
+    """lora.sync='adapter': the trainer computes in the unmerged form, and a push (state_dict_for_push
+    and the transports' source) holds the trainer's adapter factors alone, equal to them (torch.equal).
+    A generator-side model (the base plus unmerged adapters of another initialisation, as the vLLM
+    model builds them) takes that push through the engine's `ParameterTarget` and gives the trainer's
+    batch-invariant logits bit for bit; the target refuses merged full weights, which would apply the
+    adapters twice."""
     from titanrl.weight_sync.layout import WeightSyncError, layout_of
     from titanrl.weight_sync.target import ParameterTarget
 
     tr = _trainer(ckpt, lora=ADAPTER_SYNC, batch_invariant=True)
+    assert all(m.unmerged for m in lora_modules(tr.model).values())
     _nonzero_b(tr.model)
     tr.step(_batches(1)[0])
     adapters = {n: p.detach() for n, p in tr.model.named_parameters() if ".lora_" in n}
@@ -150,17 +204,15 @@ def test_adapter_push_carries_the_adapters_and_a_generator_merges_them_bit_for_b
     assert source.keys() == pushed.keys() and all(torch.equal(source[k], pushed[k]) for k in pushed)
 
     generator, _ = load_model(str(ckpt), dtype=torch.float32)
-    add_adapters(generator, DECODER_LORA_TARGETS, rank=4, alpha=8.0, seed=99)
+    add_adapters(generator, DECODER_LORA_TARGETS, rank=4, alpha=8.0, seed=99, unmerged=True)
     generator.set_batch_invariant(True)
     target = ParameterTarget(generator)
     ids = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = tr.model(ids)
-        cache_merged_weights(generator)
         assert not torch.equal(generator(ids), want)  # before the push: the base model
         for dest, (name, tensor) in zip(target.check(layout_of(pushed.items())), pushed.items(), strict=True):
             dest.copy_(tensor)
-        cache_merged_weights(generator)
         assert torch.equal(generator(ids), want)
     merged_push = {f"{m}.weight": w for m, w in ((m, mod.merged_weight()) for m, mod in lora_modules(tr.model).items())}
     with pytest.raises(WeightSyncError, match="matches no parameter"):
@@ -265,7 +317,7 @@ def test_peft_loads_the_export_with_equal_logits(ckpt, tmp_path):
     [
         (["lora.sync=merged"], ["lora.sync='merged'", "lora.rank=0"]),
         (["lora.alpha=32"], ["lora.alpha=32.0", "lora.rank=0"]),
-        (["lora.rank=8", "lora.dropout=0.1"], ["lora.dropout=0.1", "no place for dropout"]),
+        (["lora.rank=8", "lora.dropout=0.1"], ["lora.dropout=0.1", "set lora.dropout=0"]),
         (["lora.rank=-1"], ["lora.rank must be >= 0"]),
         (["lora.rank=8", "lora.alpha=0"], ["lora.alpha must be"]),
         (["lora.rank=8", "lora.target_modules=q_proj,qkv_proj"],

@@ -1,6 +1,6 @@
 """lora.sync='adapter' against a real vLLM engine running our model: a push carries the adapters
-alone, the engine merges them with its frozen base, and its sampled logprobs equal the trainer's
-bit for bit (batch-invariant mode)."""
+alone, the engine computes with them beside its frozen base (nothing merged), and its sampled
+logprobs equal the trainer's bit for bit (batch-invariant mode)."""
 
 from __future__ import annotations
 

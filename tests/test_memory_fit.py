@@ -217,30 +217,36 @@ def test_sequences_are_planned_at_the_longest_prompt_plus_max_new_tokens(tiny, t
 
 def test_a_lora_plan_counts_adapter_state_and_the_merged_copies(tiny, tmp_path):
     """LoRA (rank 8): the plan's adapter elements equal the adapters a real model gets; gradients and
-    AdamW state cover those alone, the forward keeps each adapted linear's merged copy, and a worker
-    that merges pushed adapters holds such a copy even without vLLM's packed kernels. At
-    Qwen3-0.6B's shape: 5,046,272 adapter elements, as benchmarks/lora.py counts trainable parameters."""
+    AdamW state cover those alone; the merged form (lora.sync='merged') holds one block's merged
+    copies at most, the unmerged form none; a worker taking adapter pushes runs without vLLM's
+    packed copies. At Qwen3-0.6B's shape: 5,046,272 adapter elements, as benchmarks/lora.py counts
+    trainable parameters."""
     from titanrl.models.common.lora import adapter_parameters, add_adapters
     from titanrl.models.hf_checkpoint import load_model
     from titanrl.planning.fit import lora_elements, trainer_workload
     from titanrl.planning.memory import estimate
 
     config = _config(tiny, tmp_path)
-    config.lora = titanrl.LoraConfig(rank=8)
+    config.lora = titanrl.LoraConfig(rank=8, sync="merged")
     model, _ = load_model(str(tiny))
     add_adapters(model, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 8, 16.0)
     shape = ModelShape.from_config_json(tiny / "config.json")
     adapters, merged = lora_elements(config, shape)
     assert adapters == sum(p.numel() for p in adapter_parameters(model).values())
-    assert merged == sum(m.base_weight.numel() for m in model.modules() if hasattr(m, "base_weight"))
+    block = model.model.layers[0]
+    assert merged == sum(m.base_weight.numel() for m in block.modules() if hasattr(m, "base_weight"))
+    config.lora = titanrl.LoraConfig(rank=8)  # sync='adapter': the unmerged form
+    assert lora_elements(config, shape) == (adapters, 0)
 
     qwen, qwen_shape = qwen3_config(tmp_path)
-    qwen.lora = titanrl.LoraConfig(rank=8)
+    qwen.lora = titanrl.LoraConfig(rank=8, sync="merged")
     assert lora_elements(qwen, qwen_shape)[0] == 5_046_272
     full = estimate(qwen_shape, layout_of(qwen), trainer_workload(qwen))
     lora = estimate(qwen_shape, layout_of(qwen), trainer_workload(qwen, shape=qwen_shape))
     assert lora.optimizer_state == 8 * 5_046_272 and lora.gradients == 4 * 5_046_272
-    assert lora.activations_stored - full.activations_stored == 4 * lora_elements(qwen, qwen_shape)[1]
-    qwen.batch_invariant = True  # no packed kernels: only the adapter merge keeps a copy
-    worker = next(_candidates(qwen, qwen_shape, node_with_budget(64))).worker
-    assert worker.packed == 4 * lora_elements(qwen, qwen_shape)[1]
+    assert lora.activations_checkpointed - full.activations_checkpointed == 4 * lora_elements(qwen, qwen_shape)[1]
+    assert lora.activations_stored == full.activations_stored
+    qwen.lora = titanrl.LoraConfig(rank=8)
+    assert next(_candidates(qwen, qwen_shape, node_with_budget(64))).worker.packed == 0
+    qwen.lora = titanrl.LoraConfig()
+    assert next(_candidates(qwen, qwen_shape, node_with_budget(64))).worker.packed > 0

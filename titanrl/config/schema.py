@@ -623,16 +623,18 @@ class LoraConfig:
     alpha: float = 16.0
     """Scale numerator: a linear computes with W + (alpha / rank) * B @ A."""
     dropout: float = 0.0
-    """Dropout on the adapters' input; only 0 is built: the merged weight the generators get
-    (lora.sync='merged') has no place for it."""
+    """Dropout on the adapters' input; only 0 is built: the generators run without it, so the
+    trainer's log-probabilities would no longer be theirs (and the merged form has no place for it)."""
     target_modules: list[str] | None = None
     """Leaf names of the linears that get adapters, as the family spec's `lora_targets` spells them; None: every
     linear of the attention and MLP blocks, as the model family's spec names them."""
     sync: Literal["adapter", "merged"] = "adapter"
-    """What a weight push sends. 'adapter': the adapter factors alone (a few MB); each worker's
-    model carries the same adapters and merges them with its frozen base by the trainer's op order,
-    so batch-invariant parity stays exact. 'merged': full weights W + (alpha / rank) * B @ A under
-    the base names, for generators that should hold plain weights (docs/lora.md)."""
+    """What a weight push sends, and so how the trainer computes. 'adapter': the adapter factors
+    alone (well under 1 % of the weights); trainer and workers compute x W^T + (alpha / rank) *
+    (x A^T) B^T beside the frozen base with the same matmuls, so a push lands with no merge and
+    batch-invariant parity stays exact. 'merged': full weights W + (alpha / rank) * B @ A under the
+    base names, which the trainer computes with too, for generators that should hold plain weights
+    (docs/lora.md)."""
 
 
 @dataclass

@@ -543,8 +543,8 @@ def check_lora(lora: LoraConfig, train: TrainConfig, device_type: str | None = N
     if not 0 <= lora.dropout < 1:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {lora.dropout}")
     if lora.dropout > 0:
-        raise ConfigError(f"lora.dropout={lora.dropout} is not built: the trainer and the generators compute with one "
-                          f"merged weight W + (alpha / rank) B @ A, which has no place for dropout: set lora.dropout=0")
+        raise ConfigError(f"lora.dropout={lora.dropout} is not built: the generators run without dropout, so the "
+                          f"trainer's log-probabilities would no longer equal theirs: set lora.dropout=0")
     device = device_type or train.compute.device
     if device == "xla":
         raise ConfigError("lora with train.compute.device='xla' is not supported yet: set train.compute.device to "

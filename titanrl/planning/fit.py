@@ -277,8 +277,12 @@ def trainer_workload(config: RunConfig, longest_prompt: int | None = None,
 
 
 def lora_elements(config: RunConfig, shape: ModelShape) -> tuple[int, int]:
-    """(adapter factor elements, adapted weight elements) of a LoRA run over every layer; (0, 0)
-    without LoRA. A target's (in, out) comes from the dense decoder's projections (the model spec's)."""
+    """(adapter factor elements over every layer, merged-weight elements the trainer may hold at
+    once) of a LoRA run; (0, 0) without LoRA. The merged form (lora.sync='merged') builds each
+    adapted linear's merged weight for its matmul: one block's at most (a block recomputed under
+    full checkpointing keeps them for its backward; otherwise each lives through its matmul alone);
+    the unmerged form builds none. A target's (in, out) comes from the dense decoder's projections
+    (the model spec's)."""
     lora = config.lora
     if lora.rank <= 0:
         return 0, 0
@@ -288,8 +292,8 @@ def lora_elements(config: RunConfig, shape: ModelShape) -> tuple[int, int]:
                                  shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim)
     targets = lora.target_modules if lora.target_modules is not None else list(dims)
     adapters = sum(lora.rank * (dims[t][0] + dims[t][1]) for t in targets if t in dims)
-    merged = sum(dims[t][0] * dims[t][1] for t in targets if t in dims)
-    return adapters * shape.num_hidden_layers, merged * shape.num_hidden_layers
+    merged = sum(dims[t][0] * dims[t][1] for t in targets if t in dims) if lora.sync == "merged" else 0
+    return adapters * shape.num_hidden_layers, merged
 
 
 def _candidates(config: RunConfig, shape: ModelShape, node: NodeMemory,
@@ -298,15 +302,14 @@ def _candidates(config: RunConfig, shape: ModelShape, node: NodeMemory,
     generator_dtype = config.generator_dtype
     work = trainer_workload(config, longest_prompt, shape)
     weights = shape.total_params * (2 if generator_dtype != "float32" else 4)
-    # A worker that merges pushed adapters keeps a merged copy of each adapted linear (and runs
-    # them on torch's kernels, not packed ones): the same size as the packed copies.
-    merges_adapters = config.lora.rank > 0 and config.lora.sync == "adapter"
+    # A worker that takes adapter pushes runs the decoder's own matmuls (no packed copies).
+    carries_adapters = config.lora.rank > 0 and config.lora.sync == "adapter"
     transport = weights * (2 if config.rollout.continuous else 1)
     auto = auto_keys(config)
     for w in worker_options(config, shape, generator_dtype):
         worker = estimate_worker(shape, dtype=generator_dtype, kv_cache_bytes=int(w.kv_cache_gib * GiB),
                                  max_num_seqs=config.rollout.engine.max_num_seqs,
-                                 vllm_kernels=(w.vllm_kernels and not config.batch_invariant) or merges_adapters)
+                                 vllm_kernels=w.vllm_kernels and not config.batch_invariant and not carries_adapters)
         for t in trainer_options(config, layout):
             # The plan knows 'none' and 'full'; every_nth stores at most what 'none' does.
             mode: Literal["none", "full"] = "full" if t.activation_checkpointing == "full" else "none"

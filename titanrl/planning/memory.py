@@ -173,9 +173,9 @@ class Workload:
     """LoRA (lora.rank > 0): the adapter factors' elements, the only ones with gradients and AdamW
     state; 0: every parameter trains."""
     lora_merged_elements: int = 0
-    """LoRA: elements of the adapted linears' weights. Each forward builds their merged copy in the
-    compute dtype and autograd keeps it for the backward (all of them without activation
-    checkpointing; with 'full', one block's at a time)."""
+    """LoRA in the merged form (lora.sync='merged'): elements of one block's adapted weights, whose
+    merged copies (compute dtype) a block recomputed under full checkpointing keeps for its
+    backward (planning.fit.lora_elements)."""
     packed: bool = False
     """Micro-batches packed into one row (train.compute.pack_sequences) with attention over a padded
     copy (CPU, `titanrl.models.packed_sequences.packed_attention`): each block also keeps the padded
@@ -484,11 +484,9 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
         in_place = layout.world_size == 1 and not cast and b == 4  # titanrl.models.common.grad_in_place
         embedding_gradients = 0 if in_place else 2 * 4 * -(-shape.vocab_size // layout.tp) * shape.hidden_size
     stored, checkpointed = stage_activations(shape, layout, work, stage, sched)
-    merged = b * work.lora_merged_elements
-    if work.activation_checkpointing == "full":
-        checkpointed += -(-merged // shape.num_hidden_layers)  # the block being recomputed
-    else:
-        stored += merged
+    # Full checkpointing: a recomputed block keeps its merged weights for its backward (without
+    # checkpointing each lives through its matmul alone: lora.recompute_merged_weights).
+    checkpointed += b * work.lora_merged_elements
     trained = work.lora_adapter_elements or n  # LoRA trains in one process: no shards to divide
     full, chunked = logits_bytes(shape, layout, work, sched, stage)
     # Fused AdamW (titanrl.trainer.optimizer.implementation) updates each tensor in place: no

@@ -35,5 +35,6 @@ def build_policy(source: str | ckpt_io.InitialPolicy, dtype: torch.dtype, parall
         return pm, policy.config, policy.tokenizer_dir
     model, config, tokenizer_dir = ckpt_io.load_initial_policy(source, dtype)
     if lora is not None and lora.rank > 0:
-        add_adapters(model, lora_targets(lora, config), lora.rank, lora.alpha, seed)
+        add_adapters(model, lora_targets(lora, config), lora.rank, lora.alpha, seed,
+                     unmerged=lora.sync == "adapter")  # as the generators compute (titanrl.models.common.lora)
     return parallelize(model, parallel, None, device_type=device_type, **layout_options), config, tokenizer_dir

@@ -21,6 +21,7 @@ from torch import nn
 
 from titanrl import kernels
 from titanrl.models.common.grad_in_place import embed
+from titanrl.models.common.lora import LoraLinear, recompute_merged_weights
 from titanrl.models.common.rope import read_rope_scaling, rope_inv_freq
 from titanrl.models.packed_sequences import PackedSequences, packed_attention, varlen_flash_attention
 
@@ -201,7 +202,9 @@ def _call(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A projection through the batch-invariant matmul."""
+    """A projection through the batch-invariant matmul (every matmul of an adapted one too)."""
+    if isinstance(layer, LoraLinear):
+        return layer(x, kernels.linear)
     return kernels.linear(x, layer.weight, layer.bias)
 
 
@@ -339,7 +342,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.checkpoint_activations and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._block, x, cos, sin, use_reentrant=False)
-        return self._block(x, cos, sin)
+        with recompute_merged_weights(self):  # LoRA: the backward re-merges instead of keeping merged weights
+            return self._block(x, cos, sin)
 
     def _block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)

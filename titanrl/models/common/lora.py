@@ -1,22 +1,35 @@
-"""Low-rank adapters (LoRA) on a decoder's linears, computed as one merged weight.
+"""Low-rank adapters (LoRA) on a decoder's linears.
 
 `LoraLinear` takes an `nn.Linear`'s place: the base weight and bias stay under their own names
 (`...q_proj.weight`, frozen), beside two trainable factors `...q_proj.lora_A.weight` [r, in]
 (Kaiming-uniform) and `...q_proj.lora_B.weight` [out, r] (zeros, so a fresh adapter changes
-nothing). Its `weight` is the merged tensor W + (alpha / r) * B @ A, and the forward is a plain
-linear with it. The decoder reads `layer.weight` for its batch-invariant matmul, the weight push
-sends the same merged tensor under the base name (lora.sync='merged'), and so the trainer scores
-tokens with exactly the weights the generators hold: batch-invariant parity stays bitwise.
+nothing). It computes in one of two forms, picked by lora.sync so that the trainer and the
+generators compute alike and batch-invariant parity stays bitwise:
 
-The merged form has no place for dropout on the adapter's input (config validation refuses
-lora.dropout > 0 until the unmerged path exists). `LoraRecord` is what a checkpoint records of the
+- merged (lora.sync='merged'): a plain linear with the merged weight W + (alpha / r) * B @ A (one
+  addmm). The weight push sends that same tensor under the base name, and the generators hold
+  plain linears.
+- unmerged (lora.sync='adapter'): x W^T + (alpha / r) * (x A^T) B^T, through the same linear kernel
+  for all three matmuls. The generators carry the same modules, a push sends A and B alone
+  (well under 1 % of the weights) and lands with no merge.
+
+Autograd would keep each merged weight for the backward of the matmul that used it (a second copy
+of every adapted weight for the whole forward). `recompute_merged_weights` stops that: a decoder
+block without activation checkpointing runs under it, its saved-tensor hook keeps (module, dtype)
+instead and the backward merges again by the same op order, to the forward's bits.
+
+Neither form has a place for dropout on the adapter's input that the generators could mirror
+(config validation refuses lora.dropout > 0). `LoraRecord` is what a checkpoint records of the
 adapters besides their tensors (trainer_state.pt; the PEFT export's adapter_config.json).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +38,9 @@ from torch import nn
 
 LORA_A = "lora_A"
 LORA_B = "lora_B"
+
+LinearKernel = Callable[..., torch.Tensor]
+"""A matmul with F.linear's signature: (x [..., K], weight [N, K], bias [N] or None) -> [..., N]."""
 
 
 @dataclass(frozen=True)
@@ -75,11 +91,14 @@ class LoraFactor(nn.Module):
 class LoraLinear(nn.Module):
     """A frozen linear plus a trainable low-rank update; computes with the merged weight."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator | None = None) -> None:
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator | None = None,
+                 unmerged: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.rank, self.alpha = rank, alpha
         self.scale = alpha / rank
+        self.unmerged = unmerged
+        """Computes x W^T + s (x A^T) B^T instead of x (W + s B A)^T (module docstring)."""
         # Registered directly: `weight` is this class's property (the merged tensor), while the
         # base Parameter keeps the base linear's state-dict name.
         self._parameters["weight"] = base.weight.requires_grad_(False)
@@ -90,9 +109,6 @@ class LoraLinear(nn.Module):
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
         self.lora_A = LoraFactor(a.to(w.device))
         self.lora_B = LoraFactor(torch.zeros(self.out_features, rank, dtype=w.dtype, device=w.device))
-        self.merged_cache: torch.Tensor | None = None
-        """An inference copy of the merged weight (`cache_merged`: a generator, whose factors change
-        only when a push lands); None in the trainer, which merges in every forward (autograd)."""
 
     @property
     def base_weight(self) -> torch.Tensor:
@@ -101,10 +117,10 @@ class LoraLinear(nn.Module):
 
     def merged_weight(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """W + (scale * B) @ A, each operand first cast to `dtype` (None: as held), as one addmm
-        (into `out` when given: no grad). The forward, the weight push and a generator's merge
-        (`cache_merged`) all come here, so they produce the same bits; one fused pass over W is
-        3-4x faster than W + scale * (B @ A) in three (measured at Qwen3-0.6B's shapes on CPU), and
-        its bits do not depend on the thread count."""
+        (into `out` when given: no grad). The merged forward, its backward's recompute and the
+        weight push all come here, so they produce the same bits; one fused pass over W is 3-4x
+        faster than W + scale * (B @ A) in three (measured at Qwen3-0.6B's shapes on CPU), and its
+        bits do not depend on the thread count."""
         w, a, b = self.base_weight, self.lora_A.weight, self.lora_B.weight
         if dtype is not None:
             w, a, b = w.to(dtype), a.to(dtype), b.to(dtype)
@@ -112,37 +128,39 @@ class LoraLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
-        """The merged weight the forward computes with (what `nn.Linear.weight` is to the decoder)."""
-        return self.merged_cache if self.merged_cache is not None else self.merged_weight()
+        """The merged weight (what `nn.Linear.weight` is to code that reads a linear's weight)."""
+        merged = self.merged_weight()
+        recorder = getattr(_recorders, "current", None)
+        if recorder is not None and merged.requires_grad:
+            recorder.made[merged.untyped_storage().data_ptr()] = (weakref.ref(merged), self)
+        return merged
 
-    def cache_merged(self) -> None:
-        """Merges now, by `merged_weight`'s op order, and computes with that copy until the next
-        call: a vLLM engine that receives adapters (lora.sync='adapter') calls it after each push."""
-        with torch.no_grad():
-            cache = self.merged_cache
-            base = self.base_weight
-            if cache is None or cache.shape != base.shape or cache.dtype != base.dtype:
-                cache = torch.empty_like(base)  # after the first push: written in place, no new memory
-            self.merged_cache = self.merged_weight(out=cache)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self._parameters["bias"])
+    def forward(self, x: torch.Tensor, linear: LinearKernel = F.linear) -> torch.Tensor:
+        """`linear(x, weight, bias)` in this module's form; `linear` is the matmul the decoder uses
+        (F.linear, or the batch-invariant kernel)."""
+        bias = self._parameters["bias"]
+        if not self.unmerged:
+            return linear(x, self.weight, bias)
+        update = linear(linear(x, self.lora_A.weight), self.lora_B.weight)
+        return linear(x, self.base_weight, bias) + self.scale * update
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, alpha={self.alpha}"
 
 
-def add_adapters(model: nn.Module, targets: Iterable[str], rank: int, alpha: float, seed: int = 0) -> list[str]:
+def add_adapters(model: nn.Module, targets: Iterable[str], rank: int, alpha: float, seed: int = 0,
+                 unmerged: bool = False) -> list[str]:
     """Freezes every parameter of `model` and wraps each nn.Linear whose leaf name is in `targets`
-    in a `LoraLinear`; returns the wrapped modules' names. Adapters are initialised in module
-    order from one generator seeded with `seed` (a run's seed gives the same adapters every time)."""
+    in a `LoraLinear` (computing `unmerged` or merged); returns the wrapped modules' names. Adapters
+    are initialised in module order from one generator seeded with `seed` (a run's seed gives the
+    same adapters every time)."""
     targets = set(targets)
     model.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
     wrapped = []
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and name.rpartition(".")[2] in targets:
-            model.set_submodule(name, LoraLinear(module, rank, alpha, generator))
+            model.set_submodule(name, LoraLinear(module, rank, alpha, generator, unmerged))
             wrapped.append(name)
     return wrapped
 
@@ -173,15 +191,71 @@ def merge_adapters(model: nn.Module) -> nn.Module:
     return model
 
 
-def cache_merged_weights(model: nn.Module) -> int:
-    """`LoraLinear.cache_merged` on every adapted linear of `model`; returns how many."""
-    modules = lora_modules(model)
-    for m in modules.values():
-        m.cache_merged()
-    return len(modules)
-
-
 def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The adapter factors by parameter name (`...q_proj.lora_A.weight`, `...lora_B.weight`)."""
     return {n: p for n, p in model.named_parameters() if f".{LORA_A}." in n or f".{LORA_B}." in n}
 
+
+
+@dataclass(frozen=True)
+class _Remerge:
+    """What autograd keeps of a merged weight (or a view of it) under `recompute_merged_weights`."""
+
+    module: LoraLinear
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+    def tensor(self) -> torch.Tensor:
+        """The saved view, merged again. The operands are cast to the forward's dtype from the
+        parameters as held now (the casts are exact), so the bits equal the forward's."""
+        with torch.no_grad():
+            merged = self.module.merged_weight(self.dtype)
+        return merged.as_strided(self.size, self.stride, self.offset)
+
+
+class _MergedWeightRecorder:
+    """The merged weights made inside one `recompute_merged_weights`, by storage address. Weak
+    references: each merged weight is freed as soon as its matmul is done, and a dead reference
+    tells an address reused by another tensor from the merged weight that had it."""
+
+    def __init__(self) -> None:
+        self.made: dict[int, tuple[weakref.ref[torch.Tensor], LoraLinear]] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor | _Remerge:
+        if type(t) is not torch.Tensor or t.layout != torch.strided:
+            return t  # tensor subclasses (DTensor) and sparse tensors: kept as autograd would
+        entry = self.made.get(t.untyped_storage().data_ptr())
+        merged = entry[0]() if entry is not None else None
+        if merged is None:
+            return t
+        return _Remerge(entry[1], merged.dtype, t.size(), t.stride(), t.storage_offset())
+
+    @staticmethod
+    def unpack(saved: torch.Tensor | _Remerge) -> torch.Tensor:
+        return saved.tensor() if isinstance(saved, _Remerge) else saved
+
+
+_recorders = threading.local()
+
+
+@contextlib.contextmanager
+def recompute_merged_weights(module: nn.Module) -> Iterator[None]:
+    """Runs a forward in which autograd keeps no merged weight of `module`'s adapted linears: the
+    backward merges again (one addmm per linear, ~1/(2 x tokens) of the linear's own backward cost).
+    A no-op without grad or without merged-form adapters below `module`. Not for a block under activation
+    checkpointing: its own saved-tensor hooks already drop everything, and an inner hook would
+    replace them."""
+    if not torch.is_grad_enabled() or getattr(_recorders, "current", None) is not None \
+            or not any(isinstance(m, LoraLinear) and not m.unmerged for m in module.modules()):
+        yield
+        return
+    recorder = _MergedWeightRecorder()
+    _recorders.current = recorder
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
+            yield
+    finally:
+        _recorders.current = None
+        recorder.made.clear()  # autograd keeps the pack hook (so the recorder) with each saved tensor

@@ -29,7 +29,7 @@ from titanrl.models.architectures import SPECS, spec_for
 from titanrl.config.schema import LoraConfig
 from titanrl.config.validation import lora_targets
 from titanrl.models.common.decoder import DecoderConfig
-from titanrl.models.common.lora import adapter_parameters, add_adapters, cache_merged_weights
+from titanrl.models.common.lora import adapter_parameters, add_adapters
 from titanrl.models.qwen3.moe import parse_expert_checkpoint_name, routing_buffers
 from titanrl.models.spec import ModelSpec
 from titanrl.models.common.vllm_kernels import apply_vllm_kernels, repack_vllm_kernels
@@ -135,21 +135,20 @@ class VllmModelBoundary:
         hf = vllm_config.model_config.hf_config
         lora = getattr(hf, LORA_KEY, None)
         if lora:
-            # The trainer's adapters, at zero until the first push (B = 0: the base model).
+            # The trainer's adapters, at zero until the first push (B = 0: the base model), in the
+            # trainer's unmerged form: a push lands in A and B and needs no merge.
             targets = lora_targets(LoraConfig(rank=int(lora["rank"]), alpha=float(lora["alpha"]),
                                               target_modules=lora.get("target_modules")), config)
-            add_adapters(self, targets, int(lora["rank"]), float(lora["alpha"]))  # type: ignore[arg-type]
+            add_adapters(self, targets, int(lora["rank"]), float(lora["alpha"]), unmerged=True)  # type: ignore[arg-type]
         batch_invariant = bool(getattr(hf, BATCH_INVARIANT_KEY, False))
         self.set_batch_invariant(batch_invariant)  # type: ignore[attr-defined]
-        # vLLM's packed kernels take plain linears; adapted ones compute with their merged copy.
+        # vLLM's packed kernels take plain linears; adapted ones run on the decoder's own matmuls.
         if not batch_invariant and not lora and bool(getattr(hf, VLLM_KERNELS_KEY, True)) and _is_cpu():
             apply_vllm_kernels(self)  # type: ignore[arg-type]
 
     def process_weights_after_loading(self) -> None:
         """vLLM's model-level post-load hook; the worker extension calls it after every push too:
-        merges the adapters' new values into each adapted linear's weight copy (lora.sync='adapter')
-        and rebuilds the packed weight copies of the vLLM-kernel overrides (none without them)."""
-        cache_merged_weights(self)  # type: ignore[arg-type]
+        rebuilds the packed weight copies of the vLLM-kernel overrides (none without them)."""
         repack_vllm_kernels(self)  # type: ignore[arg-type]
 
     # --- vLLM model interface -------------------------------------------------------
