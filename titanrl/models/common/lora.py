@@ -79,6 +79,21 @@ def describe(record: LoraRecord | None) -> str:
     return f"lora.rank={record.rank}, lora.alpha={record.alpha}, lora.target_modules={list(record.target_modules)}"
 
 
+def initial_a(rank: int, in_features: int, dtype: torch.dtype, generator: torch.Generator | None) -> torch.Tensor:
+    """A fresh adapter's A [rank, in] on the CPU: nn.Linear's own initialisation (Kaiming-uniform,
+    a=sqrt(5)), drawn from `generator` (B starts at zeros)."""
+    a = torch.empty(rank, in_features, dtype=dtype)
+    nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+    return a
+
+
+def merge_factors(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """W + (scale * B) @ A as one addmm: the one op order of every merge (`LoraLinear.merged_weight`,
+    and a parallel trainer's push of full tensors gathered from shards)."""
+    return torch.addmm(w, b * scale, a, out=out)
+
+
 class LoraFactor(nn.Module):
     """One factor of an adapter: a bare `weight` Parameter (not an nn.Linear, so nothing that
     rewrites linears, e.g. oneDNN or tensor-parallel plans, ever takes it for one)."""
@@ -99,14 +114,12 @@ class LoraLinear(nn.Module):
         self.scale = alpha / rank
         self.unmerged = unmerged
         """Computes x W^T + s (x A^T) B^T instead of x (W + s B A)^T (module docstring)."""
-        # Registered directly: `weight` is this class's property (the merged tensor), while the
-        # base Parameter keeps the base linear's state-dict name.
+        # The base linear's Parameters under its names: `weight` is W itself (frozen), never the
+        # merged tensor (`merged_weight`).
         self._parameters["weight"] = base.weight.requires_grad_(False)
         self._parameters["bias"] = None if base.bias is None else base.bias.requires_grad_(False)
         w = base.weight
-        a = torch.empty(rank, self.in_features, dtype=w.dtype)
-        # nn.Linear's own initialisation (Kaiming-uniform, a=sqrt(5)), on the adapter's generator.
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        a = initial_a(rank, self.in_features, w.dtype, generator)
         self.lora_A = LoraFactor(a.to(w.device))
         self.lora_B = LoraFactor(torch.zeros(self.out_features, rank, dtype=w.dtype, device=w.device))
 
@@ -124,14 +137,17 @@ class LoraLinear(nn.Module):
         w, a, b = self.base_weight, self.lora_A.weight, self.lora_B.weight
         if dtype is not None:
             w, a, b = w.to(dtype), a.to(dtype), b.to(dtype)
-        return torch.addmm(w, b * self.scale, a, out=out)
+        return merge_factors(w, a, b, self.scale, out=out)
 
-    @property
-    def weight(self) -> torch.Tensor:  # type: ignore[override]
-        """The merged weight (what `nn.Linear.weight` is to code that reads a linear's weight)."""
+    def _forward_merged_weight(self) -> torch.Tensor:
+        """The merged weight the merged form's forward computes with (registered for
+        `recompute_merged_weights`). Not the `weight` attribute: that is the base Parameter, as
+        FSDP2 (which reads each parameter back by its attribute name) and state dicts want it."""
         merged = self.merged_weight()
         recorder = getattr(_recorders, "current", None)
-        if recorder is not None and merged.requires_grad:
+        # A DTensor (tensor parallel: this rank's rows or columns) has no storage of its own to
+        # record; autograd keeps it, as the pack hook keeps every tensor subclass.
+        if recorder is not None and merged.requires_grad and type(merged) is torch.Tensor:
             recorder.made[merged.untyped_storage().data_ptr()] = (weakref.ref(merged), self)
         return merged
 
@@ -140,7 +156,7 @@ class LoraLinear(nn.Module):
         (F.linear, or the batch-invariant kernel)."""
         bias = self._parameters["bias"]
         if not self.unmerged:
-            return linear(x, self.weight, bias)
+            return linear(x, self._forward_merged_weight(), bias)
         update = linear(linear(x, self.lora_A.weight), self.lora_B.weight)
         return linear(x, self.base_weight, bias) + self.scale * update
 
@@ -259,3 +275,16 @@ def recompute_merged_weights(module: nn.Module) -> Iterator[None]:
     finally:
         _recorders.current = None
         recorder.made.clear()  # autograd keeps the pack hook (so the recorder) with each saved tensor
+
+
+def initial_adapters(model: nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The full (CPU) factors `add_adapters(..., seed)` gave the adapted linears of `model`, by
+    parameter name: what a model whose adapters were added on the meta device (a parallel
+    trainer's sharded build) fills its shards from."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, m in lora_modules(model).items():
+        dtype = m.base_weight.dtype
+        out[f"{name}.{LORA_A}.weight"] = initial_a(m.rank, m.in_features, dtype, generator)
+        out[f"{name}.{LORA_B}.weight"] = torch.zeros(m.out_features, m.rank, dtype=dtype)
+    return out
