@@ -40,6 +40,22 @@ def with_invariant_logprobs(case: Case) -> Case:
     return dataclasses.replace(case, batch=batch)
 
 
+def with_lora_logprobs(case: Case, lora, b_seed: int) -> Case:
+    """(Driver side.) The case with generator logprobs replaced by those of the single-process
+    batch-invariant LoRA policy (`lora`, B set by `set_lora_b`), on the whole padded batch at once."""
+    from titanrl.config import ModelConfig
+    from titanrl.trainer.trainer import GRPOTrainer
+
+    trainer = GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=case.checkpoint), case.train, case.temperature, seed=0,
+                                       lora=lora, batch_invariant=True))
+    set_lora_b(trainer.pm.parts, b_seed)
+    b = case.batch
+    with torch.no_grad():
+        logprobs = kernels.token_logprobs(trainer.model(b.input_ids_BT), b.targets_BT, case.temperature)
+    old = torch.where(b.loss_mask_BT > 0, logprobs, torch.zeros_like(logprobs))
+    return dataclasses.replace(case, batch=dataclasses.replace(b, old_logprobs_BT=old))
+
+
 def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, tuple]]) -> dict[str, Any]:
     """Runs each (function name in this module, args) in order on every rank; rank 0's results by job index."""
     out = {}
@@ -510,3 +526,111 @@ def expert_dispatch() -> dict[str, float]:
     out["expert_1_copies"] = float(sum(int((r == 1).sum()) for r in replays))
     out["rank_1_to_rank_0"] = float((replays[1] // local == 0).sum()) if n > 1 else 0.0
     return out
+
+
+def set_lora_b(parts, seed: int) -> None:
+    """(Any layout, every rank.) Gives every adapter's B the values randn * 0.1 drawn in module order
+    from `seed` (fresh adapters have B = 0: no update and no gradient for A), each rank writing its
+    block of the whole tensor."""
+    from titanrl.models.common.lora import lora_modules
+    from titanrl.trainer.parallel.sharded_load import local_block
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for part in parts:
+            for m in lora_modules(part).values():
+                full = torch.randn(m.lora_B.weight.shape, generator=gen) * 0.1
+                block, offset = local_block(m.lora_B.weight)
+                block.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, block.shape, strict=True))])
+
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of the whole tensor (a DTensor gathered from its shards: call on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def lora_trainer_step(case: Case, lora, layout: dict, b_seed: int, workdir: str | None = None,
+                      batch_invariant: bool = False) -> dict[str, Any]:
+    """GRPOTrainer with `lora` under `layout` (ParallelConfig kwargs; {} is one process): its adapters as
+    built, then B set (`set_lora_b`), one accumulate_gradients + optimizer step on the case's batch.
+    Returns (rank 0; {} elsewhere) whole tensors gathered from the shards: the initial adapters, the
+    merged-weight push (iter_full_weights) before the step, the adapters' gradients, the adapters
+    and base weights after the step, the merged-weight push and `state_dict_for_push` (by
+    lora.sync) after it; the loss; and, counted over ranks, parameters other than the adapters
+    that require grad, hold a .grad or sit in an optimizer, plus adapters missing from the
+    optimizer or without a gradient. With `workdir`: GRPOTrainer.save after the step (its PEFT
+    adapter's tensors, from rank 0), save_state, one more step,
+    and a fresh trainer's load_state + that same step; how many local parameter and AdamW state
+    shards differ between the two (torch.equal), over ranks. batch_invariant: the trainer's mode;
+    `parity` is its (tokens different, tokens checked, max diff) against the case's logprobs."""
+    from titanrl.config import ModelConfig
+    from titanrl.models.common.lora import adapter_parameters
+    from titanrl.trainer.parallel.gather import full_adapters
+    from titanrl.trainer.parallel.mesh import all_reduce, global_rank
+    from titanrl.trainer.trainer import GRPOTrainer
+
+    def make() -> GRPOTrainer:
+        train = dataclasses.replace(case.train, parallel=ParallelConfig(**layout))
+        return GRPOTrainer(TrainerSetup(ModelConfig(checkpoint=case.checkpoint), train, case.temperature, seed=0,
+                                        lora=lora, batch_invariant=batch_invariant))
+
+    def count(n: float) -> float:
+        t = torch.tensor([float(n)])
+        all_reduce(t, pm.mesh)
+        return t.item()
+
+    trainer = make()
+    pm = trainer.pm
+    out: dict[str, Any] = {"initial_adapters": {n: t.clone() for n, t in full_adapters(pm.parts).items()}}
+    set_lora_b(pm.parts, b_seed)
+    out["merged_before"] = {n: t.clone() for bucket in iter_full_weights(pm) for n, t in bucket}
+    stats = trainer.accumulate_gradients(case.batch)
+    adapters = {n: p for part in pm.parts for n, p in adapter_parameters(part).items()}
+    held = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
+    wrong = [n for n, p in pm.named_parameters()
+             if n not in adapters and (p.requires_grad or p.grad is not None or id(p) in held)]
+    wrong += [n for n, p in adapters.items() if id(p) not in held or p.grad is None]
+    out["wrong_parameters"] = count(len(wrong))
+    out["loss"] = stats.loss_sum / stats.tokens
+    out["parity"] = (stats.parity.different, stats.parity.checked, stats.parity.diff_max)
+    out["grads"] = {n: _whole(p.grad) for n, p in adapters.items()}
+    trainer.optimizer_step(stats)
+    out["adapters"] = {n: _whole(p) for n, p in adapters.items()}
+    out["base"] = {n: _whole(p) for n, p in pm.named_parameters() if n not in adapters}
+    out["merged_push"] = {n: t.clone() for bucket in iter_full_weights(pm) for n, t in bucket}
+    pushed = trainer.state_dict_for_push()
+    out["push"] = dict(pushed.items()) if pushed is not None else None
+    if workdir is not None:
+        final = trainer.save(str(Path(workdir) / "final"))  # every rank gathers; rank 0 writes
+        if final is not None:
+            from safetensors.torch import load_file
+
+            from titanrl.models.peft_adapter import ADAPTER_WEIGHTS, EXPORT_ADAPTER_DIR, PEFT_PREFIX
+
+            saved = load_file(str(Path(final) / EXPORT_ADAPTER_DIR / ADAPTER_WEIGHTS))
+            out["peft_export"] = {k.removeprefix(PEFT_PREFIX): v for k, v in saved.items()}
+        trainer.save_state(str(Path(workdir) / "state"))
+        trainer.optimizer_step(trainer.accumulate_gradients(case.batch))
+        resumed = make()
+        resumed.load_state(str(Path(workdir) / "state"))
+        resumed.optimizer_step(resumed.accumulate_gradients(case.batch))
+        mine, theirs = dict(pm.named_parameters()), dict(resumed.pm.named_parameters())
+        unequal = float(mine.keys() != theirs.keys())
+        unequal += sum(not torch.equal(_local(mine[n].detach()), _local(theirs[n].detach())) for n in mine)
+        for opt, other in zip(trainer.optimizers, resumed.optimizers, strict=True):
+            ids = {id(p): n for n, p in mine.items()}
+            other_params = {id(p): n for n, p in theirs.items()}
+            states = {ids[id(p)]: st for p, st in opt.state.items()}
+            other_states = {other_params[id(p)]: st for p, st in other.state.items()}
+            unequal += float(states.keys() != other_states.keys() or len(states) != len(adapters))
+            for n, st in states.items():
+                unequal += sum(not torch.equal(_local(v), _local(other_states[n][k])) for k, v in st.items())
+        out["resume_unequal"] = count(unequal)
+    return out if global_rank() == 0 else {}

@@ -322,8 +322,11 @@ def test_peft_loads_the_export_with_equal_logits(ckpt, tmp_path):
         (["lora.rank=8", "lora.alpha=0"], ["lora.alpha must be"]),
         (["lora.rank=8", "lora.target_modules=q_proj,qkv_proj"],
          ["lora.target_modules", "'qkv_proj'", "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"]),
-        (["lora.rank=8", "train.parallel.dp_shard=2"], ["lora with train.parallel.dp_shard=2 is not supported yet"]),
-        (["lora.rank=8", "train.parallel.tp=2"], ["lora with train.parallel.tp=2 is not supported yet"]),
+        (["lora.rank=8", "train.parallel.pp=2"], ["lora with train.parallel.pp=2 is not supported yet",
+                                                   "train.parallel.pp=1"]),
+        (["lora.rank=8", "train.parallel.cp=2"], ["lora with train.parallel.cp=2 is not supported yet"]),
+        (["lora.rank=8", "train.parallel.dp_shard=2", "train.parallel.pp=2", "train.parallel.cp=2"],
+         ["lora with train.parallel.pp=2, train.parallel.cp=2 is not supported yet"]),
         (["lora.rank=8", "train.compute.device=xla"], ["lora with train.compute.device='xla'"]),
     ],
 )
@@ -333,7 +336,8 @@ def test_bad_lora_settings_are_refused_naming_the_field(good_config, overrides, 
 
 
 def test_lora_config_validates_and_picks_targets(good_config):
-    """--lora.rank=8 validates (either sync); the trainer's targets are the family spec's, or the ones named."""
+    """--lora.rank=8 validates (either sync; in one process, under FSDP2 / HSDP and TP); the trainer's
+    targets are the family spec's, or the ones named."""
     from titanrl.config.validation import lora_targets
     from titanrl.models.hf_checkpoint import read_config
 
@@ -343,6 +347,9 @@ def test_lora_config_validates_and_picks_targets(good_config):
     validate(apply_overrides(good_config, ["lora.rank=8", "lora.sync=merged"]))
     named = apply_overrides(good_config, ["lora.rank=8", "lora.target_modules=v_proj,q_proj"])
     validate(named)
+    for layout in (["train.parallel.dp_shard=2"], ["train.parallel.dp_replicate=2", "train.parallel.dp_shard=2"],
+                   ["train.parallel.tp=2"], ["train.parallel.dp_shard=2", "train.parallel.tp=2"]):
+        validate(apply_overrides(good_config, ["lora.rank=8", *layout]))  # FSDP2, HSDP, TP (test_lora_parallel.py)
     assert lora_targets(every.lora, model_config) == DECODER_LORA_TARGETS
     assert lora_targets(named.lora, model_config) == ("q_proj", "v_proj")
 
@@ -358,8 +365,8 @@ def test_lora_on_moe_family_is_refused(good_config, tmp_path):
 
 def test_trainer_refuses_a_parallel_layout_before_joining(ckpt):
     """A trainer built by hand checks the layout before anything starts (no process group needed)."""
-    with pytest.raises(ConfigError, match=r"lora with train.parallel.dp_shard=2"):
-        _trainer(ckpt, parallel=ParallelConfig(dp_shard=2))
+    with pytest.raises(ConfigError, match=r"lora with train.parallel.pp=2"):
+        _trainer(ckpt, parallel=ParallelConfig(pp=2))
 
 
 def test_wrapped_module_reads_like_a_linear():

@@ -523,6 +523,9 @@ def _validate_wandb(config: RunConfig) -> None:
 
 
 LORA_DEFAULTS = LoraConfig()
+LORA_UNSUPPORTED_DEGREES = ("pp", "cp", "ep")
+"""train.parallel degrees LoRA refuses above 1 (pipeline, context and expert parallel are not built for
+adapters yet); dp_shard, dp_replicate and tp shard the adapters with their linears."""
 
 
 def check_lora(lora: LoraConfig, train: TrainConfig, device_type: str | None = None) -> None:
@@ -550,11 +553,13 @@ def check_lora(lora: LoraConfig, train: TrainConfig, device_type: str | None = N
         raise ConfigError("lora with train.compute.device='xla' is not supported yet: set train.compute.device to "
                           "'cpu', 'cuda' or 'auto', or lora.rank=0")
     p = train.parallel
-    degrees = [f"train.parallel.{name}={getattr(p, name)}" for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
-               if getattr(p, name) > 1]
+    # FSDP2 / HSDP (dp_shard, dp_replicate) and tensor parallel (tp) shard the adapters with their
+    # linears; the others are not built for adapters yet.
+    degrees = [f"train.parallel.{name}={getattr(p, name)}" for name in LORA_UNSUPPORTED_DEGREES if getattr(p, name) > 1]
     if degrees:
-        raise ConfigError(f"lora with {', '.join(degrees)} is not supported yet: LoRA trains in one process for now "
-                          f"(set every train.parallel degree to 1, or lora.rank=0)")
+        raise ConfigError(f"lora with {', '.join(degrees)} is not supported yet: LoRA trains in one process or "
+                          f"under train.parallel.dp_shard / dp_replicate (FSDP2, HSDP) and tp (set "
+                          f"{' and '.join(d.partition('=')[0] + '=1' for d in degrees)}, or lora.rank=0)")
 
 
 def lora_targets(lora: LoraConfig, model_config: Any) -> tuple[str, ...]:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
-from torch import nn
 
 from titanrl.atomic_io import replacing_directory
-from titanrl.models.common.lora import LoraRecord, adapter_parameters, lora_modules
+from titanrl.models.common.lora import LoraRecord
 
 PEFT_PREFIX = "base_model.model."
 """What PEFT's saved keys put before the wrapped model's own parameter names."""
@@ -47,11 +48,12 @@ def adapter_config(record: LoraRecord) -> dict:
     }
 
 
-def save_peft_adapter(model: nn.Module, record: LoraRecord, out_dir: str | os.PathLike) -> Path:
-    """Writes `model`'s adapters (a model with `LoraLinear`s) as a PEFT adapter directory, atomically."""
-    if not lora_modules(model):
+def save_peft_adapter(adapters: Mapping[str, torch.Tensor], record: LoraRecord, out_dir: str | os.PathLike) -> Path:
+    """Writes the adapter factors `adapters` (whole tensors by parameter name, `...q_proj.lora_A.weight`:
+    `adapter_parameters(model)` of a model with `LoraLinear`s) as a PEFT adapter directory, atomically."""
+    if not adapters:
         raise ValueError("the model has no LoRA adapters to save")
-    tensors = {PEFT_PREFIX + name: p.detach().contiguous().cpu() for name, p in adapter_parameters(model).items()}
+    tensors = {PEFT_PREFIX + name: p.detach().contiguous().cpu() for name, p in adapters.items()}
     out = Path(out_dir)
     with replacing_directory(out) as tmp:
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(record), indent=2) + "\n")

@@ -478,7 +478,7 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
     accumulation = 0
     if sharded and sched.micro_batches > 1:
         unsharded = -(-p.tp_split // layout.tp) + p.replicated + -(-p.expert_elements // layout.ep)
-        accumulation = 4 * unsharded
+        accumulation = 4 * (work.lora_adapter_elements or unsharded)  # LoRA: only the adapters have gradients
     embedding_gradients = 0
     if not sharded and sched.micro_batches > 1 and any(stage_holds(layout, stage)):
         in_place = layout.world_size == 1 and not cast and b == 4  # titanrl.models.common.grad_in_place
@@ -487,7 +487,9 @@ def estimate_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int
     # Full checkpointing: a recomputed block keeps its merged weights for its backward (without
     # checkpointing each lives through its matmul alone: lora.recompute_merged_weights).
     checkpointed += b * work.lora_merged_elements
-    trained = work.lora_adapter_elements or n  # LoRA trains in one process: no shards to divide
+    # LoRA: only the adapters train, FSDP-sharded like every parameter (tp splits one factor of each
+    # and replicates the other: not divided here, a slight overestimate of a small term).
+    trained = -(-work.lora_adapter_elements // layout.fsdp_size) if work.lora_adapter_elements else n
     full, chunked = logits_bytes(shape, layout, work, sched, stage)
     # Fused AdamW (titanrl.trainer.optimizer.implementation) updates each tensor in place: no
     # temporaries beyond a few scalars. (Only a layout mixing DTensors and plain tensors falls back

@@ -50,7 +50,7 @@ from titanrl.models.hf_checkpoint import (
     save_checkpoint,
 )
 from titanrl.models.common.decoder import DecoderConfig, DecoderForCausalLM
-from titanrl.models.common.lora import LoraRecord, add_adapters, merge_adapters
+from titanrl.models.common.lora import LoraRecord, adapter_parameters, add_adapters, merge_adapters
 from titanrl.models.peft_adapter import save_peft_adapter
 
 MODEL_OPTIM_DIR = "model_optim"
@@ -205,7 +205,7 @@ def export_peft_adapter(training_ckpt_dir: str | os.PathLike, out_dir: str | os.
         raise CheckpointError(f"{str(ckpt)!r} holds no LoRA adapters (it was trained with lora.rank=0): "
                               f"export it as a full checkpoint")
     model, _ = load_policy(ckpt, merge=False)
-    return save_peft_adapter(model, record, out_dir)
+    return save_peft_adapter(adapter_parameters(model), record, out_dir)
 
 
 def load_initial_policy(checkpoint: str, dtype: torch.dtype) -> tuple[DecoderForCausalLM, DecoderConfig, str]:

@@ -14,7 +14,7 @@ from titanrl.models.common.lora import add_adapters
 from titanrl.models.common.decoder import DecoderConfig
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.parallel.parallelize import ParallelModel, parallelize
-from titanrl.trainer.parallel.sharded_load import build_sharded_policy
+from titanrl.trainer.parallel.sharded_load import Adapters, build_sharded_policy
 
 
 def build_policy(source: str | ckpt_io.InitialPolicy, dtype: torch.dtype, parallel: ParallelConfig,
@@ -26,12 +26,15 @@ def build_policy(source: str | ckpt_io.InitialPolicy, dtype: torch.dtype, parall
     only this rank's shards; one process loads the whole model onto `device_type`.
     `layout_options` go to `parallelize` (compute dtype, activation checkpointing).
     lora (rank > 0): the loaded weights are frozen and the family's target linears get adapters
-    (initialised from `seed`) before the layout is applied, so casts and hooks see them too."""
+    (initialised from `seed`, the same in every layout) before the layout is applied, so casts,
+    hooks and the FSDP / TP sharding see them too."""
     if parallel.world_size > 1:
-        if lora is not None and lora.rank > 0:  # GRPOTrainer refuses this first (check_lora), naming the layout
-            raise ValueError("LoRA adapters are built for the single-process trainer only")
         policy = ckpt_io.open_initial_policy(source) if isinstance(source, str) else source
-        pm = build_sharded_policy(policy, dtype, parallel, mesh, **layout_options)
+        adapters = None
+        if lora is not None and lora.rank > 0:  # the layouts check_lora lets through: FSDP / HSDP, TP
+            adapters = Adapters(lora_targets(lora, policy.config), lora.rank, lora.alpha, seed,
+                                unmerged=lora.sync == "adapter")
+        pm = build_sharded_policy(policy, dtype, parallel, mesh, adapters, **layout_options)
         return pm, policy.config, policy.tokenizer_dir
     model, config, tokenizer_dir = ckpt_io.load_initial_policy(source, dtype)
     if lora is not None and lora.rank > 0:

@@ -33,7 +33,7 @@ from titanrl.config.unplanned import concrete_train
 from titanrl.errors import ConfigError
 from titanrl.memory import LARGE_MODEL_PARAMS, auto_heap_mmap_threshold_mib, peak_rss_gib, set_heap_mmap_threshold
 from titanrl.models.hf_checkpoint import CheckpointError, load_state_dict_into, save_checkpoint
-from titanrl.models.common.lora import LoraRecord, adapter_parameters, describe
+from titanrl.models.common.lora import LoraRecord, describe
 from titanrl.models.peft_adapter import EXPORT_ADAPTER_DIR, save_peft_adapter
 from titanrl.trainer import checkpoint as ckpt_io
 from titanrl.trainer.batch import PackedBatch, advantages, minibatch_row_ranges, pack
@@ -43,7 +43,7 @@ from titanrl.trainer.losses.measures import combine_passes, loss_metrics
 from titanrl.trainer.lr_schedule import build_scheduler, load_scheduler_state
 from titanrl.trainer.optimizer import build_optimizers
 from titanrl.trainer.parallel.checkpoint import load_model_optim, save_training_checkpoint
-from titanrl.trainer.parallel.gather import GatheredWeights, iter_full_weights
+from titanrl.trainer.parallel.gather import GatheredWeights, full_adapters, iter_full_weights
 from titanrl.trainer.parallel.mesh import barrier, build_mesh, global_rank, init_distributed, resolve_device_type
 from titanrl.trainer.step import GRPOStep
 from titanrl.trainer.policy import build_policy
@@ -404,16 +404,18 @@ class GRPOTrainer:
         float32 expert biases come too (`_pushed_buffers`). They cross to the workers as plain bytes
         (`PlainTensors`): this actor may run on another torch version (train.compute.device='xla')."""
         if self.push_adapters_only:
-            return PlainTensors({k: v.to("cpu", copy=True) for k, v in self._adapter_tensors().items()})
+            adapters = self._adapter_tensors()  # every rank: a sharded factor is gathered
+            return PlainTensors({k: v.to("cpu", copy=True) for k, v in adapters.items()}) if self.rank == 0 else None
         out = self._full_state_dict(self.compute_dtype)
         if out is not None:
             out.update({k: v.detach().to("cpu", copy=True) for k, v in self._pushed_buffers().items()})
         return PlainTensors(out) if out is not None else None
 
     def _adapter_tensors(self) -> dict[str, torch.Tensor]:
-        """lora.sync='adapter': the adapter factors in the generator's dtype, as the forward casts
-        them before merging (the workers merge them with their base by the same op order)."""
-        return {name: p.detach().to(self.compute_dtype) for name, p in adapter_parameters(self.model).items()}
+        """lora.sync='adapter': the adapter factors, whole (gathered from their FSDP / TP shards: call
+        on every rank), in the generator's dtype, as the forward casts them before merging (the
+        workers merge them with their base by the same op order)."""
+        return full_adapters(self.pm.parts, self.compute_dtype)
 
     def _full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
         out: dict[str, torch.Tensor] = {}
@@ -430,6 +432,7 @@ class GRPOTrainer:
         """Exports the current policy as an HF checkpoint directory (tokenizer included), written
         by rank 0 (which returns its path; the others None), in the storage dtype (model.dtype)."""
         weights = self._full_state_dict(self.dtype)
+        adapters = full_adapters(self.pm.parts) if self.lora is not None else {}  # every rank: gathers
         path = None
         if self.rank == 0 and any(bool(b.any()) for b in self._pushed_buffers().values()):
             # An HF Qwen3-MoE checkpoint has no tensor for it: the export routes without it.
@@ -442,7 +445,7 @@ class GRPOTrainer:
             load_state_dict_into(model, weights, source="the trainer's policy")
             path = str(save_checkpoint(model, out_dir, tokenizer_dir=self.tokenizer_dir))
             if self.lora is not None:  # the adapters too, for `titanrl export` to write them in PEFT's format
-                save_peft_adapter(self.model, self.lora, Path(path) / EXPORT_ADAPTER_DIR)
+                save_peft_adapter(adapters, self.lora, Path(path) / EXPORT_ADAPTER_DIR)
         barrier(self.pm.mesh)
         return path
 
@@ -580,7 +583,7 @@ class GRPOTrainer:
         """The weights as the senders read them: views of the live parameters in one process,
         full tensors gathered to rank 0 bucket by bucket in a parallel layout (no full copy first);
         in the generator's dtype (casts of the master weights under mixed precision)."""
-        if self.push_adapters_only:  # one process (LoRA's layouts): the factors as they are
+        if self.push_adapters_only:  # the factors, a few MB: gathered whole on every rank now
             return TensorsWeights(self._adapter_tensors())
         return GatheredWeights(self.pm, self.compute_dtype, PUSH_BUCKET_BYTES, self._pushed_buffers(),
                                self._to_host())

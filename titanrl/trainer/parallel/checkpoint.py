@@ -19,6 +19,7 @@ save_model_optim).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from pathlib import Path
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from titanrl.models.common.lora import adapter_parameters
 from titanrl.models.qwen3.moe import routing_buffers
 from titanrl.trainer import checkpoint as ckpt_io
 # A module, not its names: optimizer.py imports this package (the names are read at call time).
@@ -153,14 +155,20 @@ def _current_group_settings(current: dict[str, Any], loaded: dict[str, Any], pat
 
 def load_model_weights(pm: ParallelModel, path: str | os.PathLike) -> None:
     """Loads only the weights of a `model_optim/` directory (any layout's) into this one, each
-    rank reading the saved chunks that overlap its shards (call on every rank)."""
+    rank reading the saved chunks that overlap its shards (call on every rank). LoRA adapter
+    factors are left alone: this loads a policy to start from, and a training checkpoint that holds
+    adapters is not one (`open_initial_policy` refuses it); a LoRA run initialises its own."""
     renames = [_head_copy_keys(pm, part) for part in pm.parts]
-    states = [get_model_state_dict(part, options=_OPTIONS) for part in pm.parts]
+    states = []
+    for part in pm.parts:
+        adapters = adapter_parameters(part)
+        states.append({k: v for k, v in get_model_state_dict(part, options=_OPTIONS).items() if k not in adapters})
     request = {"model": {_saved_key(k, head): v for head, sd in zip(renames, states, strict=True)
                          for k, v in sd.items()}}
     ckpt_io.dcp_load(request, Path(path))
+    options = dataclasses.replace(_OPTIONS, strict=not any(adapter_parameters(part) for part in pm.parts))
     for part, head, sd in zip(pm.parts, renames, states, strict=True):
-        set_model_state_dict(part, {k: request["model"][_saved_key(k, head)] for k in sd}, options=_OPTIONS)
+        set_model_state_dict(part, {k: request["model"][_saved_key(k, head)] for k in sd}, options=options)
 
 
 def save_training_checkpoint(pm: ParallelModel, optimizers: list[torch.optim.Optimizer], out_dir: str | os.PathLike,

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanrl.models.architectures import build_model, spec_for
-from titanrl.models.common.lora import lora_modules
+from titanrl.models.common.lora import LoraLinear, adapter_parameters, lora_modules, merge_factors
 from titanrl.trainer.parallel.mesh import coord, global_rank
 from titanrl.trainer.parallel.parallelize import ParallelModel
 from titanrl.models.common.pipeline_stage import stage_of_layer
@@ -81,8 +81,7 @@ def _iter_full(pm: ParallelModel, pick: Callable[[nn.Parameter], torch.Tensor | 
         full = None
         if my_pp == owner:
             if name in adapted:
-                with torch.no_grad():
-                    t = adapted[name].merged_weight(dtype)
+                t = _full_merged_weight(adapted[name], dtype)
             else:
                 t = pick(local[name])
             if t is None:
@@ -105,6 +104,31 @@ def _iter_full(pm: ParallelModel, pick: Callable[[nn.Parameter], torch.Tensor | 
         del full
     if me == 0 and bucket:
         yield _on_host(bucket, to_host)
+
+
+@torch.no_grad()
+def _full_merged_weight(m: LoraLinear, dtype: torch.dtype) -> torch.Tensor:
+    """The full merged weight of an adapted linear: W, A and B each cast to `dtype` (as the
+    forward's casts), gathered whole from their shards (FSDP / TP), then merged by the forward's
+    op order (`merge_factors`) on the full tensors: the bits an FSDP forward, which merges the
+    gathered factors, computes with. In one process these are the parameters themselves."""
+    w, a, b = (_full(t.detach().to(dtype)) for t in (m.base_weight, m.lora_A.weight, m.lora_B.weight))
+    return merge_factors(w, a, b, m.scale)
+
+
+def full_adapters(parts: list[nn.Module], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every adapter factor of `parts` (`...q_proj.lora_A.weight`, `...lora_B.weight`), whole on
+    every rank (call on every rank: a sharded factor is all-gathered), cast to `dtype` (None: as held).
+    In one process the tensors are the parameters' (detached, no copy when no cast)."""
+    out = {}
+    for part in parts:
+        for name, p in adapter_parameters(part).items():
+            out[name] = _full(p.detach().to(dtype) if dtype is not None else p.detach())
+    return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _on_host(bucket: Bucket, to_host: HostCopy | None) -> Bucket:

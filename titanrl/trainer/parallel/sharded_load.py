@@ -11,6 +11,7 @@ chunks that overlap the rank's shards. A pipeline rank materialises only its sta
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,11 +20,26 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from titanrl.config.schema import ParallelConfig
+from titanrl.models.common.lora import adapter_parameters, add_adapters, initial_adapters
 from titanrl.models.hf_checkpoint import CheckpointTensors, empty_meta_model, read_parameter, tie_head
 from titanrl.models.qwen3.moe import routing_buffers, zero_routing_buffers
 from titanrl.trainer.checkpoint import InitialPolicy
 from titanrl.trainer.parallel.checkpoint import load_model_weights
 from titanrl.trainer.parallel.parallelize import ParallelModel, parallelize
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """The LoRA adapters a sharded policy is built with (`add_adapters`' arguments)."""
+
+    targets: tuple[str, ...]
+    """Leaf names of the adapted linears."""
+    rank: int
+    alpha: float
+    seed: int
+    """Seed of the adapters' initialisation (the run's seed)."""
+    unmerged: bool = False
+    """The form they compute in (`LoraLinear.unmerged`: lora.sync='adapter')."""
 
 
 def local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -53,21 +69,44 @@ def materialize(pm: ParallelModel) -> None:
 @torch.no_grad()
 def load_hf_shards(pm: ParallelModel, tensors: CheckpointTensors) -> None:
     """Fills every parameter on this rank with its block of the checkpoint's tensor (cast to the
-    parameter's dtype); a split tied matrix's two copies both read the embedding."""
+    parameter's dtype); a split tied matrix's two copies both read the embedding. LoRA adapter
+    factors, which an HF checkpoint does not hold, are left alone (`init_adapter_shards`)."""
     for part in pm.parts:
+        adapters = adapter_parameters(part)
         for name, param in part.named_parameters():
+            if name not in adapters:
+                block, offset = local_block(param)
+                read_parameter(tensors, name, pm.config, block, offset)
+
+
+@torch.no_grad()
+def init_adapter_shards(pm: ParallelModel, seed: int) -> None:
+    """Fills this rank's blocks of the LoRA adapter factors with the values `add_adapters(..., seed)`
+    gives the whole model in one process (`initial_adapters`: A Kaiming-uniform, B zeros)."""
+    for part in pm.parts:
+        initial = initial_adapters(part, seed)
+        for name, param in adapter_parameters(part).items():
             block, offset = local_block(param)
-            read_parameter(tensors, name, pm.config, block, offset)
+            full = initial[name]
+            block.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, block.shape, strict=True))])
 
 
 def build_sharded_policy(policy: InitialPolicy, dtype: torch.dtype, parallel: ParallelConfig,
-                         mesh: DeviceMesh, **parallelize_options: Any) -> ParallelModel:
+                         mesh: DeviceMesh, adapters: Adapters | None = None,
+                         **parallelize_options: Any) -> ParallelModel:
     """This rank's share of the policy in `dtype`, loaded shard by shard (call on every rank);
-    `parallelize_options` go to `parallelize` (mixed precision, activation checkpointing)."""
-    pm = parallelize(empty_meta_model(policy.config, dtype), parallel, mesh, **parallelize_options)
+    `parallelize_options` go to `parallelize` (mixed precision, activation checkpointing).
+    adapters: LoRA; the (meta) model is frozen and gets them before it is parallelized, so the
+    layout shards them with their linears; they start as one process's `add_adapters` would."""
+    model = empty_meta_model(policy.config, dtype)
+    if adapters is not None:
+        add_adapters(model, adapters.targets, adapters.rank, adapters.alpha, adapters.seed, adapters.unmerged)
+    pm = parallelize(model, parallel, mesh, **parallelize_options)
     materialize(pm)
     if policy.hf_tensors is not None:
         load_hf_shards(pm, policy.hf_tensors)
     else:
         load_model_weights(pm, policy.dcp_dir)
+    if adapters is not None:
+        init_adapter_shards(pm, adapters.seed)
     return pm

@@ -16,6 +16,9 @@ by tp. Without expert parallelism it is replicated over the tp ranks, which all 
 same (gathered) tokens; under sequence parallel its output is cut back to this rank's part of the
 sequence. With ep == tp (experts_over_tp) the block runs on this rank's sequence-parallel
 tokens and sends them to the experts' ranks (expert_parallel.py).
+
+A LoRA-adapted linear (`LoraLinear`) is split with its adapters by the same column / row plan
+(lora_tp.py); parameters frozen before (the base weights) stay frozen.
 """
 
 from __future__ import annotations
@@ -26,16 +29,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
 from titanrl.models.common.parallelize import TensorParallelPlan
+from titanrl.trainer.parallel.lora_tp import lora_aware
 
 
 def apply_tensor_parallel(layers: Sequence[nn.Module], tp_mesh: DeviceMesh, plan: TensorParallelPlan,
@@ -50,7 +51,13 @@ def apply_tensor_parallel(layers: Sequence[nn.Module], tp_mesh: DeviceMesh, plan
     """
     between = Shard(1) if sequence_parallel else Replicate()
     for layer in layers:
-        parallelize_module(layer, tp_mesh, plan(layer, between, sequence_parallel, experts_over_tp))
+        frozen = {name for name, p in layer.named_parameters() if not p.requires_grad}
+        parallelize_module(layer, tp_mesh, lora_aware(layer, plan(layer, between, sequence_parallel, experts_over_tp)))
+        # Some styles (SequenceParallel's replicated norm weights) make every parameter trainable
+        # again: a frozen one (the base under LoRA) stays frozen.
+        for name, p in layer.named_parameters():
+            if name in frozen:
+                p.requires_grad_(False)
     if sequence_parallel and layers:
         parallelize_module(
             layers[0],
