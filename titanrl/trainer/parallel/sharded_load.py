@@ -35,7 +35,9 @@ class Adapters:
     targets: tuple[str, ...]
     """Leaf names of the adapted linears."""
     rank: int
+    """Rank r of every adapter."""
     alpha: float
+    """Scale numerator (scale = alpha / rank)."""
     seed: int
     """Seed of the adapters' initialisation (the run's seed)."""
     unmerged: bool = False
