@@ -10,7 +10,8 @@ Each arm makes a randomly initialised checkpoint of a published architecture
         --rollout.group_size=4 --rollout.sampling.max_new_tokens=128 --rollout.engine.max_model_len=256
         --train.steps=2 --eval.every_steps=0
 
-with every memory setting on `auto` (issue 52's run). It reads what the plan chose and estimated
+with every memory setting on `auto` (issue 52's run); `--lora-rank R` adds `--lora.rank=R` (a LoRA
+run's plan: adapter-only gradients and AdamW state; the arm is named `<arm>+lora<R>`). It reads what the plan chose and estimated
 from the run directory's config.resolved.json (`resolved.memory`) and the measured peaks from
 metrics.jsonl (`memory/trainer_peak_gib`, `memory/worker_peak_gib`: each process's peak resident
 set, getrusage, over the steps), and prints one JSON line per arm:
@@ -110,19 +111,23 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated: " + ", ".join(ARMS))
     parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
     parser.add_argument("--smoke", action="store_true", help="the example's tiny model, 1 step: checks it runs")
+    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full fine-tuning)")
     a = parser.parse_args()
+    lora_args = [f"--lora.rank={a.lora_rank}"] if a.lora_rank > 0 else []
+    suffix = f"+lora{a.lora_rank}" if a.lora_rank > 0 else ""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     records = []
     with tempfile.TemporaryDirectory(prefix="actor-memory-") as tmp:
         work = Path(tmp)
         if a.smoke:
-            records.append(run_arm("smoke", ROOT / "examples" / "arithmetic" / "warm_start", SMOKE_ARGS, work))
+            records.append(run_arm("smoke" + suffix, ROOT / "examples" / "arithmetic" / "warm_start",
+                                   SMOKE_ARGS + lora_args, work))
         else:
             for name in a.arms.split(","):
                 checkpoint = work / name
                 subprocess.run([sys.executable, "-m", "titanrl.models.tiny", str(checkpoint), "--config-json",
                                 str(ARMS[name])], check=True, capture_output=True)
-                records.append(run_arm(name, checkpoint, RUN_ARGS, work))
+                records.append(run_arm(name + suffix, checkpoint, RUN_ARGS + lora_args, work))
     from titanrl.kernels.cpu_build import cpu_model_name
 
     ok = [r for r in records if "error" not in r]

@@ -25,7 +25,7 @@ kernels) and pushes into it. One JSON line per arm and model:
                           the trainer's too: the full model's bytes for full and lora_merged)
   rss_loaded_gib          resident set right after the trainer was built (weights, before a step)
   weights_bytes           the model's parameters and buffers (LoRA: frozen base + factors; the merged
-                          weight is built in each forward and lives until its backward)
+                          form builds each merged weight for its matmul and again in its backward)
   optimizer_state_bytes   every AdamW state tensor (exp_avg, exp_avg_sq, step) after the steps
   trainable_params        parameters with requires_grad
   step_s                  mean seconds of the `trainer.step` calls
@@ -39,9 +39,9 @@ then one summary line per model with each LoRA arm over full (`ratios`: lora_ada
 lora_merged) and the goals of issue 51 (push time <= 0.05x full, trainer peak <= 0.5x full) as
 `goal_met` booleans. Compare the ratios; the absolute numbers depend on the CPU (`cpu`) and on what
 else ran on it (`loadavg`). Reading them: a peak includes the process's own libraries (torch,
-~0.45 GiB: most of the 25M model's peak); an adapter push's time here is mostly the engine merging
-every adapted linear into its computing copy (engine_load_s), which no transport saves: across machines
-the transfer, which push_bytes measures, is what shrinks.
+~0.45 GiB: most of the 25M model's peak); an adapter push lands in the engine's A and B (the
+unmerged form: nothing to merge), a merged push is a full push; across machines the transfer,
+which push_bytes measures, shrinks by the same ratio.
 """
 
 from __future__ import annotations
