@@ -101,3 +101,66 @@ def test_engine_runs_the_overrides_and_matches_vllm_builtin_qwen3(vllm_engine, v
         for pa, pb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
             diffs.append(abs(pa[t].logprob - pb[t].logprob))
     assert max(diffs) == 0.0
+
+
+def _adapted_pair() -> tuple[Qwen3ForCausalLM, Qwen3ForCausalLM]:
+    """`_pair`'s models with the same unmerged LoRA adapters (lora.sync='adapter'), B non-zero."""
+    from titanrl.models.common.lora import add_adapters, lora_modules
+    from titanrl.models.spec import DECODER_LORA_TARGETS
+
+    torch_model = Qwen3ForCausalLM(tiny_config())
+    torch_model.init_weights(seed=0, std=0.1)
+    add_adapters(torch_model, DECODER_LORA_TARGETS, rank=4, alpha=8.0, seed=1, unmerged=True)
+    g = torch.Generator().manual_seed(2)
+    for m in lora_modules(torch_model).values():
+        m.lora_B.weight.data.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.1)
+    vllm_model = apply_vllm_kernels(copy.deepcopy(torch_model))
+    assert repack_vllm_kernels(vllm_model) == 4 * torch_model.config.num_hidden_layers + 1
+    return torch_model, vllm_model
+
+
+def _packed_gemms(model: torch.nn.Module) -> list:
+    return [getattr(m, name) for m in model.modules() for name in ("gemm", "qkv_gemm", "gate_up_gemm")
+            if getattr(m, name, None) is not None]
+
+
+@torch.no_grad()
+def test_adapted_projections_run_on_the_packed_base_plus_their_lora_term():
+    """LoRA's unmerged form under the overrides: the packed GEMMs hold the frozen base and each
+    adapted projection adds its s (x A^T) B^T, so the logits are within 2e-5 of torch's kernels
+    (and far from the base model's: the adapters count). A push of new adapters lands without a
+    repack (the packed base is not rebuilt: the GEMMs are the same objects), and a base weight
+    written in place is repacked."""
+    from titanrl.models.common.lora import adapter_parameters
+
+    torch_model, vllm_model = _adapted_pair()
+    kinds = {type(m).__name__ for m in vllm_model.modules()}
+    assert {"VllmAttention", "VllmMLP", "VllmCpuLoraLinear"} <= kinds
+    want = torch_model(TOKENS)
+    assert (vllm_model(TOKENS) - want).abs().max().item() <= 2e-5
+
+    gemms = _packed_gemms(vllm_model)
+    for model in (torch_model, vllm_model):
+        for p in adapter_parameters(model).values():
+            p.mul_(-2.0)  # a push writes A and B in place
+    repack_vllm_kernels(vllm_model)
+    assert _packed_gemms(vllm_model) == gemms  # nothing repacked
+    moved = torch_model(TOKENS)
+    assert (moved - want).abs().max().item() > 1e-2
+    assert (vllm_model(TOKENS) - moved).abs().max().item() <= 2e-5
+
+    layer = vllm_model.model.layers[0]
+    before = layer.mlp.down_proj.gemm
+    layer.mlp.down_proj.weight.mul_(0.5)  # the base written in place (a full push would)
+    repack_vllm_kernels(vllm_model)
+    assert layer.mlp.down_proj.gemm is not before
+
+
+@torch.no_grad()
+def test_adapted_model_in_batch_invariant_mode_keeps_its_own_kernels():
+    """With adapters too, batch-invariant mode hands every module back to titanrl.kernels: the
+    overridden model's logits equal the plain one's bit for bit."""
+    torch_model, vllm_model = _adapted_pair()
+    torch_model.set_batch_invariant(True)
+    vllm_model.set_batch_invariant(True)
+    assert torch.equal(vllm_model(TOKENS), torch_model(TOKENS))

@@ -302,14 +302,12 @@ def _candidates(config: RunConfig, shape: ModelShape, node: NodeMemory,
     generator_dtype = config.generator_dtype
     work = trainer_workload(config, longest_prompt, shape)
     weights = shape.total_params * (2 if generator_dtype != "float32" else 4)
-    # A worker that takes adapter pushes runs the decoder's own matmuls (no packed copies).
-    carries_adapters = config.lora.rank > 0 and config.lora.sync == "adapter"
     transport = weights * (2 if config.rollout.continuous else 1)
     auto = auto_keys(config)
     for w in worker_options(config, shape, generator_dtype):
         worker = estimate_worker(shape, dtype=generator_dtype, kv_cache_bytes=int(w.kv_cache_gib * GiB),
                                  max_num_seqs=config.rollout.engine.max_num_seqs,
-                                 vllm_kernels=w.vllm_kernels and not config.batch_invariant and not carries_adapters)
+                                 vllm_kernels=w.vllm_kernels and not config.batch_invariant)
         for t in trainer_options(config, layout):
             # The plan knows 'none' and 'full'; every_nth stores at most what 'none' does.
             mode: Literal["none", "full"] = "full" if t.activation_checkpointing == "full" else "none"

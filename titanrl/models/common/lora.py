@@ -157,8 +157,12 @@ class LoraLinear(nn.Module):
         bias = self._parameters["bias"]
         if not self.unmerged:
             return linear(x, self._forward_merged_weight(), bias)
-        update = linear(linear(x, self.lora_A.weight), self.lora_B.weight)
-        return linear(x, self.base_weight, bias) + self.scale * update
+        return linear(x, self.base_weight, bias) + self.update(x, linear)
+
+    def update(self, x: torch.Tensor, linear: LinearKernel = F.linear) -> torch.Tensor:
+        """The unmerged form's adapter term s * (x A^T) B^T (what a generator adds to its own
+        matmul of the frozen base: titanrl.models.common.vllm_kernels)."""
+        return self.scale * linear(linear(x, self.lora_A.weight), self.lora_B.weight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, alpha={self.alpha}"

@@ -17,8 +17,11 @@ equal to it bit for bit (tests/test_vllm_kernel_overrides.py).
 
 Module and parameter names do not change, so checkpoints, `load_weights` and in-place pushes
 see the same model. Packed copies go stale when a Parameter is written: `repack_vllm_kernels`
-rebuilds them (vLLM calls it after loading through `process_weights_after_loading`, the worker
-extension after every push). Batch-invariant mode keeps `titanrl.kernels`: every override hands
+rebuilds those whose weights were written or replaced since they were packed (vLLM calls it after
+loading through `process_weights_after_loading`, the worker extension after every push).
+LoRA's unmerged form (lora.sync='adapter') packs the frozen base and adds each adapted
+projection's `LoraLinear.update` beside the packed GEMM; an adapter push writes A and B alone,
+so nothing is repacked. Batch-invariant mode keeps `titanrl.kernels`: every override hands
 back to the base class's forward while `batch_invariant` is set. The trainer never sees these
 classes; they are applied only by the vLLM wrapper (`titanrl.rollout.vllm.model`).
 """
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanrl.models.common.decoder import MLP, Attention, RotaryEmbedding
+from titanrl.models.common.lora import LoraLinear
 
 Gemm = Callable[[torch.Tensor], torch.Tensor]
 
@@ -78,18 +82,52 @@ def stacked_rows(weights: list[torch.Tensor]) -> torch.Tensor:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
 
 
+def _written(module: nn.Module, tensors: list[torch.Tensor | None]) -> bool:
+    """Whether `tensors` were written or replaced since `module` last packed them (in-place pushes
+    bump a tensor's version counter; a zero-copy push moves its data), and records them as packed."""
+    key = tuple((t.data_ptr(), t._version) if t is not None else None for t in tensors)
+    if getattr(module, "_packed_key", None) == key:
+        return False
+    module._packed_key = key
+    return True
+
+
+def add_adapter_update(out: torch.Tensor, projection: nn.Module, x: torch.Tensor) -> None:
+    """Adds an adapted projection's LoRA term to its slice of a packed GEMM's output, in place."""
+    if isinstance(projection, LoraLinear):
+        out.add_(projection.update(x))
+
+
 class VllmCpuLinear(nn.Linear):
     """nn.Linear whose forward runs vLLM's CPU GEMM on a packed copy of `weight`."""
 
     gemm: Gemm | None = None
 
     def repack(self) -> None:
-        self.gemm = packed_gemm(self.weight, self.bias)
+        if _written(self, [self.weight, self.bias]):
+            self.gemm = packed_gemm(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm is None:
             raise RuntimeError("VllmCpuLinear used before repack_vllm_kernels (no packed weight yet)")
         return self.gemm(x)
+
+
+class VllmCpuLoraLinear(LoraLinear):
+    """An adapted linear (unmerged form) whose frozen base runs vLLM's CPU GEMM, packed."""
+
+    gemm: Gemm | None = None
+
+    def repack(self) -> None:
+        if _written(self, [self.base_weight, self._parameters["bias"]]):
+            self.gemm = packed_gemm(self.base_weight, self._parameters["bias"])
+
+    def forward(self, x: torch.Tensor, linear=None) -> torch.Tensor:  # type: ignore[override]
+        if linear is not None:  # the decoder's own matmul (batch-invariant mode): LoraLinear's forward
+            return super().forward(x, linear)
+        if self.gemm is None:
+            raise RuntimeError("VllmCpuLoraLinear used before repack_vllm_kernels (no packed weight yet)")
+        return self.gemm(x) + self.update(x)
 
 
 class RotaryPositions(NamedTuple):
@@ -129,7 +167,8 @@ class VllmAttention(Attention):
 
     def repack(self) -> None:
         projections = [self.q_proj, self.k_proj, self.v_proj]
-        self.qkv_gemm = packed_gemm(stacked_rows([p.weight for p in projections]), stacked_biases(projections))
+        if _written(self, [t for p in projections for t in (p.weight, p.bias)]):
+            self.qkv_gemm = packed_gemm(stacked_rows([p.weight for p in projections]), stacked_biases(projections))
         self.qkv_sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
 
     def forward(self, x_BTD: torch.Tensor, cos, sin) -> torch.Tensor:  # type: ignore[override]
@@ -137,7 +176,10 @@ class VllmAttention(Attention):
             return super().forward(x_BTD, cos, sin)
         B, T, _ = x_BTD.shape
         D = self.head_dim
-        q, k, v = self.qkv_gemm(x_BTD.reshape(B * T, -1)).split(self.qkv_sizes, dim=-1)
+        x_ND = x_BTD.reshape(B * T, -1)
+        q, k, v = self.qkv_gemm(x_ND).split(self.qkv_sizes, dim=-1)
+        for out, projection in ((q, self.q_proj), (k, self.k_proj), (v, self.v_proj)):
+            add_adapter_update(out, projection, x_ND)
         if getattr(self, "q_norm", None) is not None:  # new contiguous tensors, rotated in place below
             q = self.q_norm(q.view(B * T, -1, D)).reshape(B * T, -1)
             k = self.k_norm(k.view(B * T, -1, D)).reshape(B * T, -1)
@@ -155,12 +197,15 @@ class VllmMLP(MLP):
 
     def repack(self) -> None:
         projections = [self.gate_proj, self.up_proj]
-        self.gate_up_gemm = packed_gemm(stacked_rows([p.weight for p in projections]), stacked_biases(projections))
+        if _written(self, [t for p in projections for t in (p.weight, p.bias)]):
+            self.gate_up_gemm = packed_gemm(stacked_rows([p.weight for p in projections]), stacked_biases(projections))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
             return super().forward(x)
         gate, up = self.gate_up_gemm(x).chunk(2, dim=-1)
+        add_adapter_update(gate, self.gate_proj, x)
+        add_adapter_update(up, self.up_proj, x)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -176,8 +221,9 @@ def apply_vllm_kernels(model: nn.Module) -> nn.Module:
     """Swaps our modules for their vLLM-kernel overrides, in place; returns `model`.
 
     The swaps keep every attribute and Parameter (only the class changes). Linear layers that
-    run alone (o_proj, down_proj, lm_head) become `VllmCpuLinear`; q/k/v and gate/up keep
-    their nn.Linear (their Parameters are what pushes write) and run packed in their parent.
+    run alone (o_proj, down_proj, lm_head) become `VllmCpuLinear` (`VllmCpuLoraLinear` where
+    adapted); q/k/v and gate/up keep their class (their Parameters are what pushes write) and
+    run packed in their parent.
     Call `repack_vllm_kernels` after the weights are loaded.
     """
     for module in model.modules():
@@ -186,13 +232,21 @@ def apply_vllm_kernels(model: nn.Module) -> nn.Module:
             module.__class__ = override
     for module in model.modules():
         if isinstance(module, VllmAttention):
-            module.o_proj.__class__ = VllmCpuLinear
+            _run_alone(module.o_proj)
         if isinstance(module, VllmMLP):
-            module.down_proj.__class__ = VllmCpuLinear
+            _run_alone(module.down_proj)
     lm_head = getattr(model, "lm_head", None)
     if type(lm_head) is nn.Linear:
         lm_head.__class__ = VllmCpuLinear
     return model
+
+
+def _run_alone(linear: nn.Module) -> None:
+    """A linear that runs alone (o_proj, down_proj): its packed-GEMM class, an adapted one's too."""
+    if type(linear) is nn.Linear:
+        linear.__class__ = VllmCpuLinear
+    elif type(linear) is LoraLinear and linear.unmerged:
+        linear.__class__ = VllmCpuLoraLinear
 
 
 def repack_vllm_kernels(model: nn.Module) -> int:
@@ -200,7 +254,7 @@ def repack_vllm_kernels(model: nn.Module) -> int:
     packed = 0
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, (VllmCpuLinear, VllmAttention, VllmMLP)):
+            if isinstance(module, (VllmCpuLinear, VllmCpuLoraLinear, VllmAttention, VllmMLP)):
                 module.repack()
                 packed += 1
     return packed

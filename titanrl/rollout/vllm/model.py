@@ -142,8 +142,7 @@ class VllmModelBoundary:
             add_adapters(self, targets, int(lora["rank"]), float(lora["alpha"]), unmerged=True)  # type: ignore[arg-type]
         batch_invariant = bool(getattr(hf, BATCH_INVARIANT_KEY, False))
         self.set_batch_invariant(batch_invariant)  # type: ignore[attr-defined]
-        # vLLM's packed kernels take plain linears; adapted ones run on the decoder's own matmuls.
-        if not batch_invariant and not lora and bool(getattr(hf, VLLM_KERNELS_KEY, True)) and _is_cpu():
+        if not batch_invariant and bool(getattr(hf, VLLM_KERNELS_KEY, True)) and _is_cpu():
             apply_vllm_kernels(self)  # type: ignore[arg-type]
 
     def process_weights_after_loading(self) -> None:
