@@ -64,12 +64,13 @@ def trained_estimate_gib(checkpoint: Path, args: list[str], chosen: dict, traine
 
     overrides = [a.removeprefix("--") for a in args] + [f"model.checkpoint={checkpoint}"]
     config = _load(str(ROOT / "examples" / "arithmetic" / "config.py"), overrides)
-    work = trainer_workload(config)  # the trained length replaces the planned one below
+    shape = ModelShape.from_config_json(checkpoint)
+    work = trainer_workload(config, shape=shape)  # the trained length replaces the planned one below
     rows = work.batch
     work = dataclasses.replace(work, seq_len=max(1, math.ceil(trained_tokens / rows)),
                                micro_batch=chosen["train.memory.micro_batch_size"],
                                activation_checkpointing=chosen["train.memory.activation_checkpointing"])
-    return estimate(ModelShape.from_config_json(checkpoint), layout_of(config), work).peak / (1 << 30)
+    return estimate(shape, layout_of(config), work).peak / (1 << 30)
 
 
 def run_arm(name: str, checkpoint: Path, args: list[str], work: Path) -> dict:

@@ -41,8 +41,7 @@ ROW: Placements = {"": {"weight": Shard(1), "bias": Replicate()}, LORA_A: {"weig
 def _partition(placements: Placements, src_data_rank: int | None, name: str, module: nn.Module,
                mesh: DeviceMesh) -> None:
     """distribute_module's partition_fn: each parameter of the LoraLinear and its factors becomes a
-    DTensor of its placement, keeping requires_grad (the base frozen, the factors trained). The base
-    is read from `_parameters`: the module's `weight` attribute is the merged tensor."""
+    DTensor of its placement, keeping requires_grad (the base frozen, the factors trained)."""
     for key, placement in placements.get(name, {}).items():
         param = module._parameters.get(key)
         if param is None:
