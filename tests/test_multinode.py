@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -33,25 +34,30 @@ def _scenario(name: str, tmp_path: Path, timeout_s: int = 420) -> dict:
 
 
 @pytest.fixture(scope="module")
-def lock_step_runs(tmp_path_factory):
-    """One three-node cluster for the lock-step scenarios, in one subprocess (a cluster costs ~10 s)."""
-    return _scenario("lock_step", tmp_path_factory.mktemp("lock_step"), timeout_s=900)
+def cluster_runs(tmp_path_factory):
+    """One three-node cluster for every scenario, in one subprocess (a cluster and the subprocess's
+    imports cost ~15 s): the lock-step runs, then the elastic one on the nodes they leave."""
+    return _scenario("all", tmp_path_factory.mktemp("multinode"), timeout_s=1500)
 
 
-def test_arithmetic_run_with_the_trainer_on_one_node_and_workers_on_two_others(lock_step_runs):
+def test_arithmetic_run_with_the_trainer_on_one_node_and_workers_on_two_others(cluster_runs):
     """The arithmetic example for 3 lock-step steps (batch-invariant) on the 3-node cluster, joined
     by address: the trainer lands on node 2 (127.0.0.2) and one rollout worker on each of the other
     two nodes, by the nodes' custom resources; weights cross nodes through the object store and by
     a gloo broadcast whose store listens on the trainer's node (127.0.0.2, not loopback's .1);
-    every step trains, to the same metrics. shared_memory is refused before any actor starts,
-    naming the transports that work, and a resource no node has is refused naming it."""
-    seen = lock_step_runs
+    every step trains, to the same metrics. (The broadcast run is the one that loses the trainer's
+    node below: placed and planned before the loss, the same metrics after its resume, whose new
+    group listens on the trainer's new node, 127.0.0.5.)
+    shared_memory is refused before any actor starts, naming the transports that work, and a
+    resource no node has is refused naming it."""
+    seen = cluster_runs
     for transport in ("object_store", "broadcast"):
         run = seen[transport]
         assert run["steps"] == [1, 2, 3], run
         assert "[127.0.0.2], 2 rollout worker(s) (cpu) on 2 node(s) [127.0.0.1, 127.0.0.3]" in run["placed"]
         assert all(s > 0 for s in run["weight_sync_s"])
     assert seen["broadcast"]["plan_host"] == "127.0.0.2"
+    assert seen["broadcast"]["plan_hosts"] == ["127.0.0.2", "127.0.0.5"]  # the resumed attempt's trainer node too
     assert seen["broadcast"]["columns"] == seen["object_store"]["columns"]
     assert seen["shared_memory"]["type"] == "ConfigError"
     assert "'object_store' or 'broadcast'" in seen["shared_memory"]["error"]
@@ -60,46 +66,49 @@ def test_arithmetic_run_with_the_trainer_on_one_node_and_workers_on_two_others(l
     print(json.dumps({t: seen[t]["weight_sync_s"] for t in ("object_store", "broadcast")}))
 
 
-def test_a_run_without_an_address_starts_its_own_ray_beside_a_cluster(lock_step_runs):
+def test_a_run_without_an_address_starts_its_own_ray_beside_a_cluster(cluster_runs):
     """With a cluster running on this machine (as `ray start` leaves one), a run without
     --ray_address still starts a Ray of its own rather than joining that one."""
-    own = lock_step_runs["own_ray"]
+    own = cluster_runs["own_ray"]
     assert own["rc"] == 0, own["stderr"]
     assert own["gcs"] and own["gcs"] != own["cluster"], own
 
 
-def test_losing_a_rollout_workers_node_mid_run_is_survived(lock_step_runs):
+def test_losing_a_rollout_workers_node_mid_run_is_survived(cluster_runs):
     """Node 3 (one of the two rollout workers) is removed after step 1 (its raylet killed, as a
     lost machine) and a fresh node with a rollout slot joins 5 s later: the dead worker is replaced
     on the new node, the run finishes every step, and (batch-invariant lock-step) its metrics equal
     the undisturbed run's bit for bit. (workers/restarts is 1 or 2: until Ray's health checks mark
     the lost node dead, its bundle still points there, and a replacement started then dies at once
     and is replaced again.)"""
-    lost = lock_step_runs["rollout_node_lost"]
+    lost = cluster_runs["rollout_node_lost"]
     assert lost["steps"] == [1, 2, 3], lost
     assert 1.0 <= lost["restarts"] <= 2.0
     assert lost["removed_after_step"] >= 1
-    assert lost["columns"] == lock_step_runs["object_store"]["columns"]
+    assert lost["columns"] == cluster_runs["object_store"]["columns"]
     print(json.dumps({k: v for k, v in lost.items() if k != "columns"}))
 
 
-def test_losing_the_trainers_node_resumes_by_itself_with_auto_resume(lock_step_runs):
+def test_losing_the_trainers_node_resumes_by_itself_with_auto_resume(cluster_runs):
     """The trainer's node is lost after step 1 is saved and a new node for it joins: with
     train.auto_resume the driver resumes from step 1's checkpoint by itself, and the finished run's
-    metrics equal the undisturbed run's bit for bit (batch-invariant)."""
-    lost = lock_step_runs["trainer_lost"]
+    metrics equal the undisturbed (object_store) run's bit for bit (batch-invariant). This run pushes
+    by broadcast: its group dies with the trainer and the resumed attempt opens a new one."""
+    lost = cluster_runs["trainer_lost"]
     assert lost["resumed_from_step"] == 1 and lost["removed_after_step"] >= 1
-    assert lost["columns"] == lock_step_runs["object_store"]["columns"]
+    assert lost["columns"] == cluster_runs["object_store"]["columns"]
     print(json.dumps({k: v for k, v in lost.items() if k != "columns"}))
 
 
-def test_rollout_workers_grow_and_shrink_with_the_cluster(tmp_path):
-    """rollout.elastic on the 3-node cluster (continuous, 2 workers to start): a node with a rollout
-    slot joins after step 1 and a third worker starts there, loads the current version and takes
-    groups, without a restart; then node 3 is lost and its worker is dropped (not replaced:
+def test_rollout_workers_grow_and_shrink_with_the_cluster(cluster_runs):
+    """rollout.elastic on the 3-node cluster as the lock-step scenarios left it (continuous, 2 workers
+    to start: the head's and the rollout node's that replaced node 3): a node with a rollout slot
+    joins after step 1 and a third worker starts there, loads the current version and takes groups,
+    without a restart; then the other rollout node is lost and its worker is dropped (not replaced:
     workers/restarts stays 0), its groups finishing on the others. rollout/workers shows
     2 -> 3 -> 2, and the run goes on after each change."""
-    seen = _scenario("elastic", tmp_path, timeout_s=600)
+    seen = cluster_runs["elastic"]
+    assert "error" not in seen, seen["error"]
     workers = seen["workers"]
     assert workers[0] == 2 and 3 in workers and workers[-1] == 2, seen
     first_three, last_two = workers.index(3), len(workers) - 1 - workers[::-1].index(3)
@@ -147,33 +156,19 @@ class _Log(list):
         logger.setLevel(logging.INFO)
 
 
-def _lock_step(out: Path, tmp: Path) -> None:
-    import titanrl
+def _all(out: Path, tmp: Path) -> None:
+    """The lock-step scenarios, then the elastic one, on one cluster; `out` gets what each saw."""
     from support.loopback_cluster import LoopbackCluster
+
     log, seen = _Log(), {}
     cluster = LoopbackCluster()
     try:
-        for transport in ("object_store", "broadcast"):
-            log.clear()
-            result = titanrl.train(_config(tmp, transport, cluster.address, weight_transport=transport))
-            steps = [m for m in result.metrics if m["step"] > 0]
-            ready = next(m for m in log if m.startswith("actors ready"))
-            seen[transport] = dict(steps=[m["step"] for m in steps], weight_sync_s=[m["time/weight_sync_s"] for m in steps],
-                                   columns=_columns(result.metrics),
-                                   placed=next(m for m in log if m.startswith("placed ")),
-                                   plan_host=ready.split(" from ")[1].split(":")[0] if " from " in ready else None)
-        for name, change in (("shared_memory", dict(weight_transport="shared_memory")), ("missing_resource", {})):
-            config = _config(tmp, name, cluster.address, **change)
-            if name == "missing_resource":
-                config.cluster.worker_resource = "titanrl_gpu_box"
-            try:
-                titanrl.train(config)
-                seen[name] = dict(type=None, error="it ran")
-            except Exception as e:  # noqa: BLE001 - what was raised is the result
-                seen[name] = dict(type=type(e).__name__, error=str(e))
-        seen["own_ray"] = _own_ray_beside(cluster)
-        seen["rollout_node_lost"] = _lose_a_rollout_node(cluster, tmp)
-        seen["trainer_lost"] = _lose_the_trainers_node(cluster, tmp, log)
+        _lock_step(cluster, tmp, log, seen)
+        seen["elastic"] = {}
+        try:
+            _elastic(cluster, tmp, log, seen["elastic"])
+        except Exception:  # the elastic test reports it; the lock-step tests stand on their own
+            seen["elastic"]["error"] = traceback.format_exc()
     finally:
         out.write_text(json.dumps(seen))
         import ray
@@ -182,13 +177,47 @@ def _lock_step(out: Path, tmp: Path) -> None:
         cluster.shutdown()
 
 
+def _lock_step(cluster, tmp: Path, log: list, seen: dict) -> None:
+    import titanrl
+
+    log.clear()
+    seen["object_store"] = _transport_run(
+        titanrl.train(_config(tmp, "object_store", cluster.address, weight_transport="object_store")), log)
+    for name, change in (("shared_memory", dict(weight_transport="shared_memory")), ("missing_resource", {})):
+        config = _config(tmp, name, cluster.address, **change)
+        if name == "missing_resource":
+            config.cluster.worker_resource = "titanrl_gpu_box"
+        try:
+            titanrl.train(config)
+            seen[name] = dict(type=None, error="it ran")
+        except Exception as e:  # noqa: BLE001 - what was raised is the result
+            seen[name] = dict(type=type(e).__name__, error=str(e))
+    seen["own_ray"] = _own_ray_beside(cluster)
+    seen["trainer_lost"] = _lose_the_trainers_node(cluster, tmp, log)
+    # the broadcast run is the trainer-loss run: its first attempt's placement and plan are
+    # logged before the node is lost, its steps and metrics are those of the resumed run
+    seen["broadcast"] = _transport_run(seen["trainer_lost"].pop("result"), log)
+    seen["rollout_node_lost"] = _lose_a_rollout_node(cluster, tmp)
+
+
+def _transport_run(result, log: list) -> dict:
+    """What a finished run's weight transport did: steps, per-step sync seconds, metrics, where
+    the actors were placed and the host broadcast's group store listened on (None without one)."""
+    steps = [m for m in result.metrics if m["step"] > 0]
+    hosts = [m.split(" from ")[1].split(":")[0] if " from " in m else None for m in log if m.startswith("actors ready")]
+    return dict(steps=[m["step"] for m in steps], weight_sync_s=[m["time/weight_sync_s"] for m in steps],
+                columns=_columns(result.metrics), placed=next(m for m in log if m.startswith("placed ")),
+                plan_host=hosts[0], plan_hosts=hosts)
+
+
 def _lose_the_trainers_node(cluster, tmp: Path, log: list) -> dict:
-    """The object_store run again with train.auto_resume; node 2 (the trainer's) is removed once
-    step 1 is saved, and a new node with the trainer's resource joins 5 s later."""
+    """The run again with weight_transport='broadcast' and train.auto_resume; node 2 (the trainer's)
+    is removed once step 1 is saved, and a new node with the trainer's resource joins 5 s later.
+    `result` is the resumed run's RunResult."""
     import titanrl
     from support.loopback_cluster import TRAINER
 
-    config = _config(tmp, "trainer_lost", cluster.address, weight_transport="object_store")
+    config = _config(tmp, "trainer_lost", cluster.address, weight_transport="broadcast")
     config.train.auto_resume = True
     seen: dict = {}
 
@@ -199,7 +228,7 @@ def _lose_the_trainers_node(cluster, tmp: Path, log: list) -> dict:
         t0 = time.perf_counter()
         cluster.remove(cluster.trainer_node)
         time.sleep(5)
-        cluster.add("127.0.0.5", {TRAINER: 1})
+        cluster.trainer_node = cluster.add("127.0.0.5", {TRAINER: 1})
         seen["node_joined_after_s"] = time.perf_counter() - t0
         seen["removed_at"] = time.time()
 
@@ -207,7 +236,7 @@ def _lose_the_trainers_node(cluster, tmp: Path, log: list) -> dict:
     log.clear()
     result = titanrl.train(config)
     resumed = [m for m in log if "train.auto_resume: resuming from step" in m]
-    seen.update(columns=_columns(result.metrics), resumed=resumed,
+    seen.update(columns=_columns(result.metrics), resumed=resumed, result=result,
                 resumed_from_step=int(resumed[0].split("resuming from step ")[1].split()[0]) if resumed else None,
                 finished_after_removal_s=time.time() - seen["removed_at"])
     return seen
@@ -245,7 +274,7 @@ def _lose_a_rollout_node(cluster, tmp: Path) -> dict:
         seen["removed_after_step"] = _steps_done(run_dir)
         cluster.remove(cluster.rollout_node)
         time.sleep(5)
-        cluster.add("127.0.0.4", {ROLLOUT: 1})
+        cluster.rollout_node = cluster.add("127.0.0.4", {ROLLOUT: 1})
 
     threading.Thread(target=lose_a_node, daemon=True).start()
     result = titanrl.train(_config(tmp, "rollout_node_lost", cluster.address, weight_transport="object_store"))
@@ -255,24 +284,23 @@ def _lose_a_rollout_node(cluster, tmp: Path) -> dict:
     return seen
 
 
-def _elastic(out: Path, tmp: Path) -> None:
-    """A continuous elastic run with 2 workers (head, node 3): node 4 joins after step 1; once its
-    worker is up and takes groups, node 3 is lost; two steps after its worker was dropped the run
-    is interrupted (Ctrl-C, saved): a new engine's start-up beside a running one takes 20-60 s on
-    2 cores, so the steps it needs are not known in advance."""
+def _elastic(cluster, tmp: Path, log: list, seen: dict) -> None:
+    """A continuous elastic run with 2 workers (head, the rollout node: node 4 after the lock-step
+    scenarios): node 6 joins after step 1; once its worker is up and takes groups, the rollout node
+    is lost; two steps after its worker was dropped the run is interrupted (Ctrl-C, saved): a new
+    engine's start-up beside a running one takes 20-60 s on 2 cores, so the steps it needs are not
+    known in advance."""
     import _thread
 
     import titanrl
-    from support.loopback_cluster import ROLLOUT, LoopbackCluster
+    from support.loopback_cluster import ROLLOUT
     from titanrl.rundir.metrics import read_metrics
 
-    seen: dict = {}
-    cluster = LoopbackCluster()
     config = _config(tmp, "elastic", cluster.address, weight_transport="object_store", num_workers=2,
                      continuous=True, elastic=True)
     config.train.steps = 500
     run_dir = tmp / "elastic"
-    log = _Log()
+    log.clear()
 
     def wait_for(message: str) -> None:
         while not any(message in m for m in log):
@@ -281,7 +309,7 @@ def _elastic(out: Path, tmp: Path) -> None:
     def change_the_cluster() -> None:
         while _steps_done(run_dir) < 1:
             time.sleep(0.2)
-        cluster.add("127.0.0.4", {ROLLOUT: 1})
+        cluster.add("127.0.0.6", {ROLLOUT: 1})
         seen["added_after_step"] = _steps_done(run_dir)
         wait_for("is up")
         seen["up_after_step"] = _steps_done(run_dir)
@@ -299,19 +327,12 @@ def _elastic(out: Path, tmp: Path) -> None:
         titanrl.train(config)
     except KeyboardInterrupt:
         pass
-    try:
-        steps = [m for m in read_metrics(run_dir) if m["step"] > 0]
-        seen.update(steps=[m["step"] for m in steps], workers=[m["rollout/workers"] for m in steps],
-                    restarts=steps[-1]["workers/restarts"], step_s=[m["time/step_s"] for m in steps],
-                    log=[m for m in log if m.startswith("rollout.elastic")])
-    finally:
-        out.write_text(json.dumps(seen))
-        import ray
-
-        ray.shutdown()
-        cluster.shutdown()
+    steps = [m for m in read_metrics(run_dir) if m["step"] > 0]
+    seen.update(steps=[m["step"] for m in steps], workers=[m["rollout/workers"] for m in steps],
+                restarts=steps[-1]["workers/restarts"], step_s=[m["time/step_s"] for m in steps],
+                log=[m for m in log if m.startswith("rollout.elastic")])
 
 
 if __name__ == "__main__":
     scenario, out_file, tmp_dir = sys.argv[1:4]
-    {"lock_step": _lock_step, "elastic": _elastic}[scenario](Path(out_file), Path(tmp_dir))
+    {"all": _all}[scenario](Path(out_file), Path(tmp_dir))

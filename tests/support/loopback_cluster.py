@@ -18,6 +18,10 @@ from typing import Any
 TRAINER, ROLLOUT = "titanrl_trainer", "titanrl_rollout"
 NODE_ARGS = dict(num_cpus=1, include_dashboard=False, object_store_memory=150 << 20)
 """Each node: 1 CPU (the run reserves tokens), a 150 MiB object store."""
+HEALTH_CHECKS = dict(health_check_period_ms=1000, health_check_failure_threshold=3)
+"""The GCS's raylet health checks (cluster-wide, set on the head): a killed raylet refuses the
+check at once, so a lost node is marked dead after ~3 s instead of Ray's default 5 x 3 s. A live
+but busy raylet still has the default 10 s per check to answer."""
 
 
 class LoopbackCluster:
@@ -31,7 +35,7 @@ class LoopbackCluster:
         # shutdown_at_exit=False: nodes start without installing signal handlers, so a test can add
         # one from a thread while the run holds the main thread (`shutdown` stops them all).
         self.cluster = Cluster(initialize_head=True, shutdown_at_exit=False, head_node_args=dict(
-            node_ip_address="127.0.0.1", resources={ROLLOUT: 1}, **NODE_ARGS))
+            node_ip_address="127.0.0.1", resources={ROLLOUT: 1}, _system_config=HEALTH_CHECKS, **NODE_ARGS))
         self.trainer_node = self.add("127.0.0.2", {TRAINER: 1})
         self.rollout_node = self.add("127.0.0.3", {ROLLOUT: 1})
 
