@@ -12,6 +12,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# vLLM keeps what it inspected of a model class in VLLM_CACHE_ROOT/modelinfos, one file per class
+# name holding the hash of its module: checkouts with different titanrl/rollout/vllm/model.py on
+# one machine overwrite each other's file, and each engine start after such a miss inspects the
+# class in a subprocess of its own (+10-15 s on 2 busy cores). One cache per checkout stays warm.
+os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(__file__).resolve().parents[1] / ".cache" / "vllm"))
 
 # The batch-invariant kernels run in this process and in processes it starts (gloo worlds, vLLM
 # engines, Ray actors): on AVX-512 CPUs MKL must take its strict AVX2 mode before any test's

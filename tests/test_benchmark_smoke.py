@@ -9,12 +9,11 @@ a failed arm that way and go on), write nothing under benchmarks/results/, and p
 check below where one is cheap.
 
 The scripts are slow to start (a vLLM engine ~15 s, a Ray run's actors ~20 s per run), so they
-run two at a time in the background, longest first: the scripts that start Ray one after another
-(each starts several processes), the others beside them (the 2-core machine this was sized on
-runs two such scripts side by side at ~1.2x their time alone: each mostly uses one thread), with
-Ray's actors at normal priority (Ray's own nice 15 starves them beside another script). A test
-waits for its script, so pytest's --durations shows waits; each test prints its script's own
-seconds (`pytest -s`).
+run two at a time in the background, longest first, never two that start Ray at once (each starts
+several processes): the 2-core machine this was sized on runs two such scripts side by side at
+~1.2x their time alone (each mostly uses one thread), with Ray's actors at normal priority (Ray's
+own nice 15 starves them beside another script). A test waits for its script, so pytest's
+--durations shows waits; each test prints its script's own seconds (`pytest -s`).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -43,16 +41,15 @@ TIMEOUT_S = 600
 RAY_SCRIPTS = {"async_speedup.py", "continuous_vs_lockstep.py", "vs_trl.py", "weight_sync.py", "actor_memory.py"}
 """Scripts that start a Ray instance (titanrl.train or actors of their own): one at a time."""
 SECONDS_ALONE = {
-    "continuous_vs_lockstep.py": 57, "async_speedup.py": 48, "vs_trl.py": 44, "weight_sync.py": 40,
-    "prefill_sharing.py": 28, "gpu_trainer_check.sh": 24, "batch_invariance.py": 23, "rollout_engine.py": 21,
-    "moe_step.py": 19, "moe_replay.py": 17, "request_options.py": 15,
-    "engine_thread.py": 14, "heap_threshold.py": 14, "trainer_memory.py": 16, "parallel_layouts.py": 11,
-    "chunked_logprobs.py": 10, "gpu_kernels_check.py": 7, "trainer_step.py": 7, "gpu_model_check.py": 4,
-    "sandbox_pool.py": 1, "shm_page_release.py": 2, "actor_memory.py": 40, "agent_endpoint.py": 19,
-    "lora.py": 45,
+    "async_speedup.py": 61, "continuous_vs_lockstep.py": 57, "lora.py": 56, "vs_trl.py": 42, "weight_sync.py": 40,
+    "actor_memory.py": 39, "moe_replay.py": 28, "prefill_sharing.py": 27, "gpu_trainer_check.sh": 24,
+    "rollout_engine.py": 22, "batch_invariance.py": 22, "moe_step.py": 20, "agent_endpoint.py": 18,
+    "request_options.py": 16, "trainer_memory.py": 13, "engine_thread.py": 12, "chunked_logprobs.py": 11,
+    "heap_threshold.py": 10, "parallel_layouts.py": 9, "gpu_kernels_check.py": 7, "trainer_step.py": 5,
+    "gpu_model_check.py": 3, "shm_page_release.py": 3, "sandbox_pool.py": 1,
 }
-"""Seconds of each smoke run alone on the 2-core AMD EPYC (AVX-512): only the order they start in
-(longest first, so neither queue ends with a long one; a script not listed counts as 30)."""
+"""Seconds of each smoke run here, two at a time, on the 2-core AMD EPYC (AVX-512): only the order
+they start in (longest first, so neither thread ends with a long one; a script not listed counts as 30)."""
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 
 
@@ -113,16 +110,42 @@ def _run(script: Path, run: Run) -> None:
 
 
 class SmokeRuns:
-    """Runs the selected scripts in the background, two at a time: the scripts that start Ray one
-    after another on one thread, the others on a second (the two queues take about as long)."""
+    """Runs the selected scripts in the background, two at a time, longest first: each of two
+    threads takes the longest script left whenever it is free, except a script that starts Ray
+    while another one runs (then the longest other script). Both threads stay busy to the end
+    (fixed queues of Ray / other scripts left the longer one running alone for 1-2 minutes)."""
 
     def __init__(self, scripts: list[Path]) -> None:
         self.runs = {s.name: Run() for s in scripts}
-        self.queues = [ThreadPoolExecutor(1, thread_name_prefix=f"smoke-{kind}") for kind in ("ray", "other")]
-        for script in sorted(scripts, key=lambda s: -SECONDS_ALONE.get(s.name, 30)):  # longest first
-            self.queues[script.name not in RAY_SCRIPTS].submit(_run, script, self.runs[script.name])
-        for queue in self.queues:
-            queue.shutdown(wait=False)  # the queued runs still run; the fixture does not wait for them
+        self.pending = sorted(scripts, key=lambda s: -SECONDS_ALONE.get(s.name, 30))  # longest first
+        self.ray_running = False
+        self.changed = threading.Condition()
+        for i in range(2):  # not daemons: an early exit still waits for the scripts, as for any queued run
+            threading.Thread(target=self._work, name=f"smoke-{i}").start()
+
+    def _next(self) -> Path | None:
+        """The longest pending script this thread may start now (waits while only Ray scripts are
+        left and one runs); None when none is left."""
+        with self.changed:
+            while True:
+                allowed = [s for s in self.pending if not (self.ray_running and s.name in RAY_SCRIPTS)]
+                if allowed:
+                    self.pending.remove(allowed[0])
+                    self.ray_running |= allowed[0].name in RAY_SCRIPTS
+                    return allowed[0]
+                if not self.pending:
+                    return None
+                self.changed.wait()
+
+    def _work(self) -> None:
+        while (script := self._next()) is not None:
+            try:
+                _run(script, self.runs[script.name])
+            finally:
+                with self.changed:
+                    if script.name in RAY_SCRIPTS:
+                        self.ray_running = False
+                    self.changed.notify_all()
 
     def result(self, name: str) -> Run:
         run = self.runs[name]

@@ -1,9 +1,10 @@
 """Runs on a real multi-node Ray cluster (tests/support/loopback_cluster.py: three raylets with their
 own object stores, on 127.0.0.1-3), joined by address as `ray start --head` elsewhere would be.
 
-Each scenario runs in a subprocess (this file as a script): joining the cluster replaces the Ray
-this process is connected to, and the session's `ray_session` must outlive these tests. The
-subprocess writes what it saw as JSON; the assertions are made here.
+The scenarios run one after another on one cluster, in a subprocess (this file as a script):
+joining the cluster replaces the Ray this process is connected to, and the session's
+`ray_session` must outlive these tests. The subprocess writes what it saw as JSON; the assertions
+are made here.
 """
 
 from __future__ import annotations
