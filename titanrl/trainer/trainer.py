@@ -413,8 +413,8 @@ class GRPOTrainer:
 
     def _adapter_tensors(self) -> dict[str, torch.Tensor]:
         """lora.sync='adapter': the adapter factors, whole (gathered from their FSDP / TP shards: call
-        on every rank), in the generator's dtype, as the forward casts them before merging (the
-        workers merge them with their base by the same op order)."""
+        on every rank), in the generator's dtype, as the forward casts them (the workers compute
+        the same unmerged LoRA term beside their frozen base)."""
         return full_adapters(self.pm.parts, self.compute_dtype)
 
     def _full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:

@@ -117,7 +117,7 @@ def _full_merged_weight(m: LoraLinear, dtype: torch.dtype) -> torch.Tensor:
 
 
 def full_adapters(parts: list[nn.Module], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Every adapter factor of `parts` (`...q_proj.lora_A.weight`, `...lora_B.weight`), whole on
+    """Every adapter factor of `parts` (`<linear>.lora_A.weight`, `<linear>.lora_B.weight`), whole on
     every rank (call on every rank: a sharded factor is all-gathered), cast to `dtype` (None: as held).
     In one process the tensors are the parameters' (detached, no copy when no cast)."""
     out = {}
