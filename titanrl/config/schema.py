@@ -633,8 +633,9 @@ class LoraConfig:
     alone (well under 1 % of the weights); trainer and workers compute x W^T + (alpha / rank) *
     (x A^T) B^T beside the frozen base with the same matmuls, so a push lands with no merge and
     batch-invariant parity stays exact. 'merged': full weights W + (alpha / rank) * B @ A under the
-    base names, which the trainer computes with too, for generators that should hold plain weights
-    (docs/lora.md)."""
+    base names, which the trainer computes with too, for generators that should hold plain weights,
+    and faster where the rank is a large part of a small model's hidden size (the unmerged term
+    costs ~2 * rank / hidden of each linear; docs/lora.md)."""
 
 
 @dataclass

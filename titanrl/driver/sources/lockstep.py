@@ -184,6 +184,9 @@ class RequestQueue:
                                        "pushes are not landing (see its log)")
                 log.info(f"rollout worker {part.slot} ran groups {part.first_group_id}+ with policy "
                          f"{batch.policy_version}, not {part.version} (a push it missed); generating them again")
+                # Loaded first: the push it missed is not sent again (with a broadcast whose dead
+                # member is not replaced yet, no push would reach it), so reissuing alone repeats it.
+                self.pool.reload(part.slot)
                 self._reissue(request, k)
             results.append(batch)
         return results

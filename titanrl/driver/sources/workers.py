@@ -209,6 +209,11 @@ class WorkerPool:
             self.sync.workers[i] = self.workers[i]
             self.workers[i].open_weight_sync.remote(self.sync.plan, i + 1)
         else:
+            # A group's members wait in open_weight_sync for every member it was opened with, up to
+            # the plan's timeout (300 s). A replacement placed on its lost node before Ray marks the
+            # node dead dies while starting; waiting for it to be up first makes that death surface
+            # here (RayActorError: `replace` starts another) instead of inside the group's opening.
+            ray.get(self.workers[i].__ray_ready__.remote())
             self._reopen()
         self._load_current_weights(missed | {i})
 
@@ -217,6 +222,12 @@ class WorkerPool:
         assert self.sync is not None
         self.sync.close()
         self.sync = WeightSync.open(self.trainer, self.workers, self.transport, **self.plan_options)
+
+    def reload(self, i: int) -> None:
+        """Slot i answered with older weights than the newest push (its load of that push failed: a
+        broadcast with a dead member fails for every member): it loads the current weights directly,
+        through the object store, before anything queued on it after this."""
+        self._load_current_weights({i})
 
     def _load_current_weights(self, slots: set[int]) -> None:
         # The trainer is between steps here (the source is waiting for rollouts): it holds self.version.
