@@ -209,12 +209,7 @@ class WorkerPool:
             self.sync.workers[i] = self.workers[i]
             self.workers[i].open_weight_sync.remote(self.sync.plan, i + 1)
         else:
-            # A group's members wait in open_weight_sync for every member it was opened with, up to
-            # the plan's timeout (300 s). A replacement placed on its lost node before Ray marks the
-            # node dead dies while starting; waiting for it to be up first makes that death surface
-            # here (RayActorError: `replace` starts another) instead of inside the group's opening.
-            ray.get(self.workers[i].__ray_ready__.remote())
-            self._reopen()
+            self._reopen()  # RayActorError if the replacement died starting: `replace` starts another
         self._load_current_weights(missed | {i})
 
     def _reopen(self) -> None:
