@@ -82,8 +82,9 @@ def test_losing_a_rollout_workers_node_mid_run_is_survived(cluster_runs):
     (batch-invariant lock-step) its metrics equal the undisturbed object_store run's bit for bit.
     (workers/restarts is 1 or 2: until Ray's health checks mark the lost node dead, its bundle
     still points there, and a replacement started then dies at once and is replaced again.) No
-    step waits out the group's opening timeout: a replacement that dies starting is replaced
-    before the group opens, not inside it (where the surviving worker waited the plan's 300 s)."""
+    step waits out the group's 300 s timeout: a replacement that dies starting is replaced before
+    the group opens, not inside it, and a push under way when the node goes fails on every member
+    within seconds (in CI the trainer once waited 300 s there on a survivor that had given up)."""
     from titanrl.weight_sync.plan import WeightSyncPlan
 
     lost = cluster_runs["rollout_node_lost"]

@@ -14,13 +14,26 @@ bucket k is in flight, a receiver unpacks bucket k while k+1 arrives. No side ev
 copy of the model (the sender keeps at most two buckets' worth of direct sends in flight).
 Before the first broadcast, one all-reduce lets any receiver refuse the push (wrong model, wrong
 version) so that every side fails with an error instead of waiting on a peer that will never come.
+
+A push that fails on one member must fail on all of them soon, or a live member waits on the
+failed one for the group's timeout (300 s). gloo does not guarantee that: a member killed
+mid-stream often goes unnoticed by its peers, and a member that gives up on a collective leaves
+its connections open, so whoever waits on it keeps waiting. So once every member is in the push,
+each broadcast has a short timeout of its own (`WeightSyncPlan.stream_timeout_s`), and a member
+whose push fails leaves the group at once (`BroadcastGroup.failing_together`): freeing its
+process group closes its connections, and every peer waiting on it fails with "connection
+closed". The run replaces the dead member and opens a new group (titanrl/driver/sources/workers.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import time
+import traceback
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +60,7 @@ class BroadcastGroup:
                                   "workers are 1..num_receivers")
         timeout = datetime.timedelta(seconds=plan.timeout_s)
         self.rank, self.size = rank, plan.world_size
+        self.stream_timeout = datetime.timedelta(seconds=plan.stream_timeout_s)
         # Rank 0 (the trainer) runs the store's server; the others connect, retrying until it is up.
         self.store = dist.TCPStore(plan.host, plan.port, plan.world_size, is_master=rank == 0, timeout=timeout,
                                    wait_for_workers=False)
@@ -76,23 +90,52 @@ class BroadcastGroup:
         return self._buffers
 
     def max_over_members(self, value: int) -> int:
+        """The push's first exchange: waits (up to the group's `timeout_s`) for every member to
+        reach the push, e.g. a worker finishing the generation queued before its load."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
-        self.pg.allreduce([t], opts).wait()
+        self._live().allreduce([t], opts).wait()
         return int(t.item())
 
     def broadcast(self, buffer: torch.Tensor) -> dist.Work:
-        """Starts broadcasting `buffer` from rank 0 (asynchronous: wait on the returned work)."""
+        """Starts broadcasting `buffer` from rank 0 (asynchronous: wait on the returned work).
+        Every member is in the push by now, so the wait is the short `stream_timeout_s`."""
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        return self.pg.broadcast([buffer], opts)
+        opts.timeout = self.stream_timeout
+        return self._live().broadcast([buffer], opts)
+
+    @contextlib.contextmanager
+    def failing_together(self, version: int) -> Iterator[None]:
+        """Any error inside makes this member leave the group at once (see the module docstring).
+        The works of the failed push must live in a function called inside, not in the caller's
+        own frame: their frames are cleared so that nothing keeps the connections open."""
+        try:
+            yield
+        except BaseException as e:
+            traceback.clear_frames(e.__traceback__)
+            self.pg = None  # the last reference: gloo closes the connections as it is freed
+            self._buffers = []
+            gc.collect()
+            e.add_note(f"weight version {version}: broadcast rank {self.rank} left its group after this error, so "
+                       "the other members fail now too (a member that died or stopped answering, or one bucket or "
+                       f"tensor slower than WeightSyncPlan.stream_timeout_s={self.stream_timeout.total_seconds():g})")
+            raise
+
+    def _live(self) -> dist.ProcessGroup:
+        if self.pg is None:
+            raise WeightSyncError("this broadcast group was left after a failed push (a member died or stopped "
+                                  "answering): open a new one")
+        return self.pg
 
     def close(self) -> None:
-        try:
-            self.pg.shutdown()
-        except Exception:  # a peer that is already gone: nothing left to shut down cleanly
-            pass
+        if self.pg is not None:
+            try:
+                self.pg.shutdown()
+            except Exception:  # a peer that is already gone: nothing left to shut down cleanly
+                pass
+        self.pg = None  # freed: its connections close now
         self._buffers = []
 
 
@@ -162,9 +205,16 @@ class BroadcastSender:
             raise WeightSyncError(f"send_weights({version}) must follow publish_weights({version})")
         layout = self._published[1]
         self._published = None
-        if self.group.max_over_members(0):
+        with self.group.failing_together(version):
+            refused = self.group.max_over_members(0)
+        if refused:  # every member knows: the group stays whole
             raise WeightSyncError(f"a rollout worker refused weight version {version} (its own error says why); "
                                   "nothing was sent")
+        with self.group.failing_together(version):
+            self._stream(layout, source)
+        return time.perf_counter() - t0
+
+    def _stream(self, layout: WeightLayout, source: WeightSource) -> None:
         plan = push_ops(layout, self.bucket_bytes, self.direct_bytes)
         position = {i: j for j, i in enumerate(plan.small)}
         pieces_of: list[list[tuple[int, Piece]]] = [[] for _ in plan.small]
@@ -197,7 +247,6 @@ class BroadcastSender:
                     bucket_works[k] = self.group.broadcast(buffers[k % 2][: plan.lengths[k]])
         for work in [*bucket_works.values(), *(w for w, _ in direct)]:
             work.wait()
-        return time.perf_counter() - t0
 
     def close(self) -> None:
         self.group.close()
@@ -219,11 +268,17 @@ def receive_broadcast(group: BroadcastGroup, target: ParameterTarget, announceme
         dests = target.check(ann.layout)
     except WeightSyncError as e:
         problem = e
-    refused = group.max_over_members(1 if problem else 0)
-    if problem is not None:
+    with group.failing_together(version):
+        refused = group.max_over_members(1 if problem else 0)
+    if problem is not None:  # every member knows (the exchange above): the group stays whole
         raise problem
     if refused:
         raise WeightSyncError(f"another rollout worker refused weight version {version}; nothing was loaded")
+    with group.failing_together(version):
+        return _receive_stream(group, ann, dests)
+
+
+def _receive_stream(group: BroadcastGroup, ann: WeightAnnouncement, dests: list[torch.Tensor | None]) -> int:
     plan = push_ops(ann.layout, ann.bucket_bytes, ann.direct_bytes)
     buffers = group.buffers(ann.bucket_bytes) if plan.buckets else []
     bucket_works: dict[int, dist.Work] = {}

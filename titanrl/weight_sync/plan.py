@@ -40,7 +40,12 @@ class WeightSyncPlan:
     the segment then stays reserved until the next version replaces the views. False: every
     receiver copies the segment into its own Parameters."""
     timeout_s: float = 300.0
-    """Longest wait for a peer: group set-up, one bucket, or a free shared-memory segment."""
+    """Longest wait for a peer: group set-up, a push's first exchange (broadcast: every worker
+    reaches its load after the generation queued before it), or a free shared-memory segment."""
+    stream_timeout_s: float = 60.0
+    """broadcast: longest one bucket or direct tensor may take once every member has joined the
+    push. A member lost mid-push is not always noticed by gloo (its peers would wait `timeout_s`):
+    past this the push fails on every member, and the run replaces the lost one."""
     group_name: str = "titanrl_weight_sync"
     """broadcast: key prefix in the store, so other users of the same store cannot collide."""
 
@@ -62,8 +67,9 @@ class WeightSyncPlan:
                              f"got {self.bucket_bytes}")
         if self.direct_bytes <= 0:
             raise ValueError(f"WeightSyncPlan.direct_bytes must be positive, got {self.direct_bytes}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"WeightSyncPlan.timeout_s must be positive, got {self.timeout_s}")
+        for field in ("timeout_s", "stream_timeout_s"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"WeightSyncPlan.{field} must be positive, got {getattr(self, field)}")
 
     @property
     def world_size(self) -> int:

@@ -15,8 +15,11 @@ A slot whose actor dies `max_deaths_in_a_row` times without finishing anything i
 stops the run with `RolloutWorkersFailed` (a crashing reward or environment, memory that is
 never enough); `max_deaths_in_a_row=1` turns replacement off (the first death stops the run).
 
-Known limit: a 'broadcast' push already running when a member dies can wait on the dead member
-(gloo does not always notice it) for up to the plan's `timeout_s`.
+A 'broadcast' push under way when a member dies fails on every member within seconds (the
+members whose push fails leave the group; a silent one is bounded by the plan's
+`stream_timeout_s`: titanrl/weight_sync/broadcast.py). Known limit: a member lost, without its
+connections closing, before it reached a push's first exchange holds that exchange for up to the
+plan's `timeout_s` (gloo notices a killed process at once; a machine that vanished, not).
 """
 
 from __future__ import annotations
