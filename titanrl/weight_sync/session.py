@@ -51,10 +51,11 @@ class WeightSync:
         if len(workers) != plan.num_receivers:
             raise ValueError(f"the plan expects {plan.num_receivers} workers, got {len(workers)}")
         self.trainer, self.workers, self.plan = trainer, list(workers), plan
-        # A group's members wait in open_weight_sync for every member, up to the plan's timeout
-        # (300 s): a worker that died before it was up (a replacement placed on its lost node before
-        # Ray marked the node dead) fails the opening here (RayActorError), before anyone waits for it.
-        ray.get([w.__ray_ready__.remote() for w in self.workers])
+        if plan.transport == "broadcast":
+            # A group's members wait in open_weight_sync for every member, up to the plan's timeout
+            # (300 s): a worker that died before it was up (a replacement placed on its lost node before
+            # Ray marked the node dead) fails the opening here (RayActorError), before anyone waits for it.
+            ray.get([w.__ray_ready__.remote() for w in self.workers])
         ray.get([trainer.open_weight_sync.remote(plan)]
                 + [w.open_weight_sync.remote(plan, rank) for rank, w in enumerate(self.workers, start=1)])
 
