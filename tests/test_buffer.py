@@ -60,26 +60,26 @@ class _VersionOnlyEngine:
 class StandInWorker(GroupStream):
     """A `ContinuousRolloutWorker` without an engine (see the module docstring)."""
 
-    def __init__(self, seed: int, death_odds: float) -> None:
-        self._start_run(seed, death_odds)
+    def __init__(self, seed: int, death_odds: float, group_s: float = 0.0, start_s: float = 0.0) -> None:
+        self._start_run(seed, death_odds, group_s, start_s)
 
-    def _start_run(self, seed: int, death_odds: float) -> None:
+    def _start_run(self, seed: int, death_odds: float, group_s: float, start_s: float) -> None:
         from titanrl.rollout.vllm.async_engine import AsyncGenerator
 
-        self.rng, self.death_odds = random.Random(seed), death_odds
+        self.rng, self.death_odds, self.group_s, self.start_s = random.Random(seed), death_odds, group_s, start_s
         self.generator = AsyncGenerator(_VersionOnlyEngine())  # type: ignore[arg-type]
         self.updates = asyncio.Lock()  # weights land in push order, as the real worker's lock makes them
 
-    async def reset(self, seed: int, death_odds: float) -> None:
+    async def reset(self, seed: int, death_odds: float, group_s: float, start_s: float) -> None:
         """A new run's state (weights at version 0) for a kept actor. Calls of the earlier run that are
         still running finish on that run's objects and do not die: a reused actor is a fresh worker."""
-        self._start_run(seed, death_odds)
+        self._start_run(seed, death_odds, group_s, start_s)
 
     async def generate_group(self, row: dict[str, Any], seed: int, group_id: int, min_version: int) -> Group:
         generator, rng = self.generator, self.rng
         await generator.wait_for_version(min_version)
         started = generator.engine.policy_version
-        await asyncio.sleep(rng.uniform(0.0, 0.01))
+        await asyncio.sleep(self.group_s + rng.uniform(0.0, 0.01))
         if rng.random() < self.death_odds and generator is self.generator:
             os._exit(1)
         sample = Sample(prompt=row["prompt"], completion="c", prompt_ids=[1], completion_ids=[2], gen_logprobs=[0.0],
@@ -107,6 +107,7 @@ class StandInWorker(GroupStream):
         pass
 
     async def ready(self) -> dict:
+        await asyncio.sleep(self.start_s)  # the engine's start-up
         return {}
 
 
@@ -142,6 +143,10 @@ class Fleet:
         self.trainer = ray.remote(StandInTrainer).remote()
         self.rng = random.Random(0)
         self.death_odds = 0.0
+        self.group_s = 0.0
+        """Seconds each group takes at least (a worker killed at once then dies with its group unfinished)."""
+        self.start_s = 0.0
+        """Seconds a worker's `ready` takes (a worker killed at once then dies starting)."""
         self.started = 0
         """Workers handed out so far (the hang guard counts a replacement as progress)."""
         self.idle: list[Any] = []
@@ -155,11 +160,11 @@ class Fleet:
         while self.idle:
             worker = self.idle.pop()
             try:
-                self.ray.get(worker.reset.remote(seed, self.death_odds))  # before any call of the new run
+                self.ray.get(worker.reset.remote(seed, self.death_odds, self.group_s, self.start_s))  # before any call of the new run
                 return worker
             except RayActorError:  # died after its run finished
                 continue
-        return self.worker_cls.remote(seed, self.death_odds)
+        return self.worker_cls.remote(seed, self.death_odds, self.group_s, self.start_s)
 
     def release(self, actors: list[Any], reuse: bool = True) -> None:
         """Keeps `actors` for later runs (up to a few), or kills them."""
@@ -366,25 +371,69 @@ def test_elastic_workers_come_and_go_without_losing_or_repeating_a_group(fleet, 
 
 def test_a_source_grows_and_drops_workers(fleet):
     """The elastic moves themselves, on a real source: two joins add two workers before anything is
-    dispatched; a worker killed while its node is lost is dropped, not replaced (no restart), and
-    its groups finish on the others."""
+    dispatched, and they take groups once they are up; a worker killed while its node is lost is
+    dropped, not replaced (no restart), and its group finishes on the others."""
+    import ray
+
     capacity = ShiftingCapacity(0, 1.0)
     capacity.new_homes = lambda: ["node-a", "node-b"]  # type: ignore[method-assign]
-    fleet.rng, fleet.death_odds = random.Random(3), 0.0
+    # Groups of 1 s: the worker killed right after a dispatch dies with its group unfinished (with
+    # groups of ~5 ms it could finish first, and the run never met the death).
+    fleet.rng, fleet.death_odds, fleet.group_s = random.Random(3), 0.0, 1.0
     source = _source(fleet, 3, 1, 3, 1, elastic=capacity)
     try:
-        source.fill(0, 0)
+        source.fill(0, 0)  # steps 1 and 2's groups, on worker 0: the joined ones are starting
         assert len(source.workers) == 3 and source.pool.homes == [0, "node-a", "node-b"]
         capacity.new_homes = lambda: []  # type: ignore[method-assign]
-        fleet.ray.kill(source.workers[1])
-        first = source.next_step(1)
-        assert [g.samples[0].group_id for g in first.groups] == [0, 1, 2]
-        assert first.metrics["rollout/workers"] == 2.0 and source.restarts == 0
-        assert source.pool.homes == [0, "node-b"] and len(source.load) == len(source.idle_since) == 2
+        ray.get([ready for ready, _ in source.starting.values()])
+        assert [g.samples[0].group_id for g in source.next_step(1).groups] == [0, 1, 2]
         source.trained(1)
-        source.fill(1, 0)
+        source.fill(1, 0)  # step 3's groups, to the least-loaded workers: each of 1 and 2 gets one at least
+        assert {call.slot for call in source.in_flight.values()} >= {1, 2}
+        fleet.ray.kill(source.workers[1])
         assert [g.samples[0].group_id for g in source.next_step(2).groups] == [3, 4, 5]
+        source.trained(2)
+        third = source.next_step(3)
+        assert [g.samples[0].group_id for g in third.groups] == [6, 7, 8]
+        assert third.metrics["rollout/workers"] == 2.0 and source.restarts == 0
+        assert source.pool.homes == [0, "node-b"] and len(source.load) == len(source.idle_since) == 2
     finally:
+        fleet.group_s = 0.0
+        source.close()
+        fleet.release(source.workers)
+
+
+def test_a_joined_worker_that_dies_starting_is_dropped_before_it_gets_groups(fleet, caplog):
+    """A worker added for a joined node that dies before it is up (its node lost again): the next
+    dispatch sees its start fail and drops its slot then, instead of announcing it up and sending
+    it groups to lose."""
+    import logging
+
+    import ray
+
+    capacity = ShiftingCapacity(0, 1.0)
+    capacity.new_homes = lambda: ["node-a"]  # type: ignore[method-assign]
+    # A start-up of 1 s: the worker killed right after the fill dies starting (a reused stand-in
+    # is up within milliseconds, and could be up before the kill).
+    fleet.rng, fleet.death_odds, fleet.start_s = random.Random(5), 0.0, 1.0
+    source = _source(fleet, 2, 0, 2, 1, elastic=capacity)
+    try:
+        source.fill(0, 0)
+        capacity.new_homes = lambda: []  # type: ignore[method-assign]
+        joined = source.workers[1]
+        assert joined in source.starting
+        fleet.ray.kill(joined)
+        ray.wait([source.starting[joined][0]], timeout=60)  # its start has failed
+        source.next_step(1)
+        source.trained(1)
+        with caplog.at_level(logging.INFO, logger="titanrl"):
+            source.fill(1, 0)
+        assert joined not in source.workers and source.pool.homes == [0] and source.restarts == 0
+        assert {call.slot for call in source.in_flight.values()} == {0}
+        assert not any("is up" in m for m in caplog.messages), caplog.messages
+        assert [g.samples[0].group_id for g in source.next_step(2).groups] == [2, 3]
+    finally:
+        fleet.start_s = 0.0
         source.close()
         fleet.release(source.workers)
 
