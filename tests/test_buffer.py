@@ -60,20 +60,20 @@ class _VersionOnlyEngine:
 class StandInWorker(GroupStream):
     """A `ContinuousRolloutWorker` without an engine (see the module docstring)."""
 
-    def __init__(self, seed: int, death_odds: float, group_s: float = 0.0, start_s: float = 0.0) -> None:
-        self._start_run(seed, death_odds, group_s, start_s)
+    def __init__(self, seed: int, death_odds: float, group_s: float = 0.0) -> None:
+        self._start_run(seed, death_odds, group_s)
 
-    def _start_run(self, seed: int, death_odds: float, group_s: float, start_s: float) -> None:
+    def _start_run(self, seed: int, death_odds: float, group_s: float) -> None:
         from titanrl.rollout.vllm.async_engine import AsyncGenerator
 
-        self.rng, self.death_odds, self.group_s, self.start_s = random.Random(seed), death_odds, group_s, start_s
+        self.rng, self.death_odds, self.group_s = random.Random(seed), death_odds, group_s
         self.generator = AsyncGenerator(_VersionOnlyEngine())  # type: ignore[arg-type]
         self.updates = asyncio.Lock()  # weights land in push order, as the real worker's lock makes them
 
-    async def reset(self, seed: int, death_odds: float, group_s: float, start_s: float) -> None:
+    async def reset(self, seed: int, death_odds: float, group_s: float) -> None:
         """A new run's state (weights at version 0) for a kept actor. Calls of the earlier run that are
         still running finish on that run's objects and do not die: a reused actor is a fresh worker."""
-        self._start_run(seed, death_odds, group_s, start_s)
+        self._start_run(seed, death_odds, group_s)
 
     async def generate_group(self, row: dict[str, Any], seed: int, group_id: int, min_version: int) -> Group:
         generator, rng = self.generator, self.rng
@@ -107,7 +107,6 @@ class StandInWorker(GroupStream):
         pass
 
     async def ready(self) -> dict:
-        await asyncio.sleep(self.start_s)  # the engine's start-up
         return {}
 
 
@@ -145,8 +144,6 @@ class Fleet:
         self.death_odds = 0.0
         self.group_s = 0.0
         """Seconds each group takes at least (a worker killed at once then dies with its group unfinished)."""
-        self.start_s = 0.0
-        """Seconds a worker's `ready` takes (a worker killed at once then dies starting)."""
         self.started = 0
         """Workers handed out so far (the hang guard counts a replacement as progress)."""
         self.idle: list[Any] = []
@@ -160,11 +157,12 @@ class Fleet:
         while self.idle:
             worker = self.idle.pop()
             try:
-                self.ray.get(worker.reset.remote(seed, self.death_odds, self.group_s, self.start_s))  # before any call of the new run
+                # before any call of the new run
+                self.ray.get(worker.reset.remote(seed, self.death_odds, self.group_s))
                 return worker
             except RayActorError:  # died after its run finished
                 continue
-        return self.worker_cls.remote(seed, self.death_odds, self.group_s, self.start_s)
+        return self.worker_cls.remote(seed, self.death_odds, self.group_s)
 
     def release(self, actors: list[Any], reuse: bool = True) -> None:
         """Keeps `actors` for later runs (up to a few), or kills them."""
@@ -382,7 +380,7 @@ def test_a_source_grows_and_drops_workers(fleet):
     fleet.rng, fleet.death_odds, fleet.group_s = random.Random(3), 0.0, 1.0
     source = _source(fleet, 3, 1, 3, 1, elastic=capacity)
     try:
-        source.fill(0, 0)  # steps 1 and 2's groups, on worker 0: the joined ones are starting
+        source.fill(0, 0)  # steps 1 and 2's groups (to the joined workers only if already up)
         assert len(source.workers) == 3 and source.pool.homes == [0, "node-a", "node-b"]
         capacity.new_homes = lambda: []  # type: ignore[method-assign]
         ray.get([ready for ready, _ in source.starting.values()])
@@ -399,41 +397,6 @@ def test_a_source_grows_and_drops_workers(fleet):
         assert source.pool.homes == [0, "node-b"] and len(source.load) == len(source.idle_since) == 2
     finally:
         fleet.group_s = 0.0
-        source.close()
-        fleet.release(source.workers)
-
-
-def test_a_joined_worker_that_dies_starting_is_dropped_before_it_gets_groups(fleet, caplog):
-    """A worker added for a joined node that dies before it is up (its node lost again): the next
-    dispatch sees its start fail and drops its slot then, instead of announcing it up and sending
-    it groups to lose."""
-    import logging
-
-    import ray
-
-    capacity = ShiftingCapacity(0, 1.0)
-    capacity.new_homes = lambda: ["node-a"]  # type: ignore[method-assign]
-    # A start-up of 1 s: the worker killed right after the fill dies starting (a reused stand-in
-    # is up within milliseconds, and could be up before the kill).
-    fleet.rng, fleet.death_odds, fleet.start_s = random.Random(5), 0.0, 1.0
-    source = _source(fleet, 2, 0, 2, 1, elastic=capacity)
-    try:
-        source.fill(0, 0)
-        capacity.new_homes = lambda: []  # type: ignore[method-assign]
-        joined = source.workers[1]
-        assert joined in source.starting
-        fleet.ray.kill(joined)
-        ray.wait([source.starting[joined][0]], timeout=60)  # its start has failed
-        source.next_step(1)
-        source.trained(1)
-        with caplog.at_level(logging.INFO, logger="titanrl"):
-            source.fill(1, 0)
-        assert joined not in source.workers and source.pool.homes == [0] and source.restarts == 0
-        assert {call.slot for call in source.in_flight.values()} == {0}
-        assert not any("is up" in m for m in caplog.messages), caplog.messages
-        assert [g.samples[0].group_id for g in source.next_step(2).groups] == [2, 3]
-    finally:
-        fleet.start_s = 0.0
         source.close()
         fleet.release(source.workers)
 

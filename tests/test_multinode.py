@@ -88,7 +88,7 @@ def test_losing_a_rollout_workers_node_mid_run_is_survived(cluster_runs):
     assert lost["steps"] == [1, 2, 3], lost
     assert lost["restarts"] == 1.0, lost
     assert max(lost["step_s"]) < WeightSyncPlan.timeout_s, lost["step_s"]
-    assert lost["removed_after_step"] >= 1
+    assert lost.get("removed_after_step") == 1, lost  # the node was lost while the run was under way
     assert lost["columns"] == cluster_runs["object_store"]["columns"]
     print(json.dumps({k: v for k, v in lost.items() if k != "columns"}))
 

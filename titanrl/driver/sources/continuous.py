@@ -178,21 +178,13 @@ class ContinuousRollouts(RolloutSource):
         A worker an elastic run added gets none until its engine is up (else a step would wait
         for that start-up)."""
         import ray
-        from ray.exceptions import RayActorError
 
         for actor, (ready, since) in list(self.starting.items()):
-            if not ray.wait([ready], timeout=0)[0]:
-                continue
-            del self.starting[actor]
-            if actor not in self.workers:
-                continue
-            try:
-                ray.get(ready)
-            except RayActorError as e:  # died starting (its node lost, say): dropped or replaced like any other
-                self._replace(self.workers.index(actor), actor, e)
-                continue
-            log.info(f"rollout.elastic: rollout worker {self.workers.index(actor)} is up "
-                     f"({time.perf_counter() - since:.0f} s after it was added) and takes groups")
+            if ray.wait([ready], timeout=0)[0]:
+                del self.starting[actor]
+                if actor in self.workers:
+                    log.info(f"rollout.elastic: rollout worker {self.workers.index(actor)} is up "
+                             f"({time.perf_counter() - since:.0f} s after it was added) and takes groups")
         serving = [k for k, w in enumerate(self.workers) if w not in self.starting] or list(range(len(self.workers)))
         shares: dict[int, list[GroupTask]] = {}
         for task in tasks:
