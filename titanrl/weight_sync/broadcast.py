@@ -115,8 +115,7 @@ class BroadcastGroup:
             yield
         except BaseException as e:
             traceback.clear_frames(e.__traceback__)
-            self.pg = None  # the last reference: gloo closes the connections as it is freed
-            self._buffers = []
+            self._drop()
             gc.collect()
             e.add_note(f"weight version {version}: broadcast rank {self.rank} left its group after this error, so "
                        "the other members fail now too (a member that died or stopped answering, or one bucket or "
@@ -135,7 +134,10 @@ class BroadcastGroup:
                 self.pg.shutdown()
             except Exception:  # a peer that is already gone: nothing left to shut down cleanly
                 pass
-        self.pg = None  # freed: its connections close now
+        self._drop()
+
+    def _drop(self) -> None:
+        self.pg = None  # the last reference: gloo closes the connections as it is freed
         self._buffers = []
 
 
